@@ -1,0 +1,26 @@
+"""pc-rag: Prompt Cache (modular attention reuse) for retrieval-augmented generation.
+
+Reusable text is declared as prompt modules in a PML schema; their attention key/value states
+are computed once and reused by every prompt that imports them.
+"""
+
+from .engine import DEFAULT_ENCODING, PromptCache, Schema
+from .errors import PromptCacheError
+from .generation import CacheStats, Generation
+from .layout import Plan, Segment
+from .pml import escape, parse_prompt, parse_schema
+
+__all__ = [
+    "DEFAULT_ENCODING",
+    "CacheStats",
+    "Generation",
+    "Plan",
+    "PromptCache",
+    "PromptCacheError",
+    "Schema",
+    "Segment",
+    "escape",
+    "parse_prompt",
+    "parse_schema",
+]
+__version__ = "0.1.0"

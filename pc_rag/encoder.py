@@ -1,0 +1,50 @@
+"""Forward passes: module text -> per-layer K/V at given positions, and logits for new tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .kvcache import KVBuffer, ModuleKV
+
+
+class Forward:
+    """Runs the model over new tokens at explicit positions, appending to a :class:`KVBuffer`.
+
+    Counts its calls: tests use ``passes`` to prove that a cache hit runs no forward pass.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.passes = 0
+
+    @torch.inference_mode()
+    def __call__(self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], *, logits: bool) -> torch.Tensor | None:
+        """Extend ``buffer`` with ``token_ids``; return the last token's logits when asked."""
+        self.passes += 1
+        device = self.model.device
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        pos = torch.tensor([list(positions)], dtype=torch.long, device=device)
+        if logits:
+            # logits_to_keep=1: the vocabulary projection runs for the last token only
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=buffer.cache, use_cache=True, logits_to_keep=1)
+            return out.logits[0, -1]
+        self.model.base_model(input_ids=ids, position_ids=pos, past_key_values=buffer.cache, use_cache=True)
+        return None
+
+    def encode(self, token_ids: Sequence[int], positions: Sequence[int], prefix: ModuleKV | None = None) -> ModuleKV:
+        """The KV of ``token_ids`` at ``positions``, attending to ``prefix`` (if any) and to themselves."""
+        before = len(prefix) if prefix is not None else 0
+        buffer = KVBuffer.for_model(self.model, before + len(token_ids))
+        if prefix is not None:
+            buffer.append(prefix.kv)
+        self(buffer, token_ids, positions, logits=False)
+        kv = buffer.slice(before, before + len(token_ids)).clone()
+        return ModuleKV(kv, torch.tensor(list(positions), dtype=torch.long))
+
+    def keys_at(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        """Keys ``[layers, heads, n, dim]`` of ``token_ids`` encoded alone from position ``start``."""
+        module = self.encode(token_ids, range(start, start + len(token_ids)))
+        return module.kv[:, 0]

@@ -1,0 +1,393 @@
+"""``PromptCache``: the one object users hold. Plan -> assemble -> prefill -> decode."""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from .encoder import Forward
+from .errors import PromptCacheError
+from .generation import CacheStats, Generation, IncrementalDetokenizer, Sampler, SamplingParams, StopFilter, StreamingGeneration
+from .kvcache import KVBuffer, ModuleKV, kv_shape
+from .layout import Plan, SchemaLayout, Segment, layout_schema, plan_prompt
+from .model import PositionKind, RopeRotator, chat_markers, load_model, model_fingerprint, probe_position_kind
+from .pml import is_pml_prompt, parse_prompt, parse_schema
+from .store import DiskTier, ModuleStore
+
+logger = logging.getLogger(__name__)
+
+Encoding = Literal["isolated", "shared_prefix"]
+ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix")
+# shared_prefix: every module sees the schema's system prompt, as it would in full prefill, so the
+# first module after it is exact and no module's first token becomes a spurious attention sink.
+DEFAULT_ENCODING: Encoding = "shared_prefix"
+
+
+@dataclass
+class Schema:
+    """A schema the engine holds: its layout and the store key of each module's KV."""
+
+    name: str
+    source: str
+    layout: SchemaLayout
+    keys: dict[str, str] = field(repr=False)
+
+    @property
+    def modules(self) -> list[str]:
+        return self.layout.named_modules()
+
+    @property
+    def parameters(self) -> dict[str, dict[str, int]]:
+        return {n: {p.name: p.length for p in self.layout.modules[n].params.values()} for n in self.modules}
+
+
+class PromptCache:
+    """Prompt Cache over a Hugging Face causal LM.
+
+    Build one with :meth:`from_pretrained`, register schemas with :meth:`add_schema`, then call
+    :meth:`generate` or :meth:`stream` with PML prompts (``<prompt schema="...">``) or plain text.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        encoding: Encoding | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        memory_budget: int | None = None,
+        store_dtype: torch.dtype | None = None,
+        kv_location: Literal["device", "cpu"] = "device",
+    ) -> None:
+        encoding = encoding or DEFAULT_ENCODING
+        if encoding not in ENCODINGS:
+            raise PromptCacheError(f"unknown encoding {encoding!r}; choose one of {', '.join(ENCODINGS)}")
+        if memory_budget is not None and memory_budget < 0:
+            raise PromptCacheError(f"memory_budget must be a number of bytes >= 0, got {memory_budget!r}")
+        if kv_location not in ("device", "cpu"):
+            raise PromptCacheError(f"kv_location must be 'device' or 'cpu', got {kv_location!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.encoding: Encoding = encoding
+        self.device = model.device
+        self.dtype = model.dtype
+        self.forward = Forward(model)
+        kv_shape(model)  # fail early on models without the usual config fields
+        self.markers = chat_markers(tokenizer)
+        self.position_kind: PositionKind = probe_position_kind(model, self.forward.keys_at)
+        self.rotator = RopeRotator(model) if self.position_kind == "rope" else None
+        self.forward.passes = 0  # the probe is not module encoding
+        self.placeholder_id = self._placeholder_token()
+        self.bos_ids = self._bos_ids()
+        self.stop_token_ids = self._stop_token_ids()
+        self.context_window = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0) or 0) or None
+        self.fingerprint = hashlib.sha256(
+            f"{model_fingerprint(model, tokenizer)}|{self.dtype}|{self.position_kind}|{encoding}|{self.markers}".encode()
+        ).hexdigest()[:32]
+        disk = None
+        if cache_dir is not None:
+            disk = DiskTier(Path(cache_dir) / "kv" / self.fingerprint, self.fingerprint)
+        elif memory_budget is not None:
+            # evicted modules need somewhere to go: a private spill folder for this process
+            spill = tempfile.mkdtemp(prefix="pc-rag-spill-")
+            atexit.register(shutil.rmtree, spill, True)
+            disk = DiskTier(Path(spill), self.fingerprint)
+        store_device = self.device if kv_location == "device" else torch.device("cpu")
+        self.store = ModuleStore(
+            device=store_device,
+            kv_dtype=store_dtype or self.dtype,
+            memory_budget=memory_budget,
+            disk=disk,
+            pin=store_device.type == "cpu" and self.device.type == "cuda",
+        )
+        self.schemas: dict[str, Schema] = {}
+        self._lock = threading.RLock()
+
+    # -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | os.PathLike | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        encoding: Encoding | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        memory_budget: int | None = None,
+        store_dtype: torch.dtype | None = None,
+        kv_location: Literal["device", "cpu"] = "device",
+        **model_kwargs: Any,
+    ) -> "PromptCache":
+        """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct)."""
+        lm, tokenizer = load_model(model, device=device, dtype=dtype, **model_kwargs)
+        return cls(
+            lm,
+            tokenizer,
+            encoding=encoding,
+            cache_dir=cache_dir,
+            memory_budget=memory_budget,
+            store_dtype=store_dtype,
+            kv_location=kv_location,
+        )
+
+    @property
+    def movable(self) -> bool:
+        """Whether cached modules can be placed at positions other than those they were encoded at."""
+        return self.position_kind in ("rope", "alibi")
+
+    # -----------------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _placeholder_token(self) -> int:
+        for attr in ("unk_token_id", "pad_token_id", "eos_token_id"):
+            value = getattr(self.tokenizer, attr, None)
+            if isinstance(value, int):
+                return value
+        return 0
+
+    def _bos_ids(self) -> list[int]:
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        with_special = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        return [bos] if bos is not None and with_special and with_special[0] == bos else []
+
+    def _stop_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.model.config, getattr(self.model, "generation_config", None), self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+        # the end-of-turn marker of the chat template ends an answer too (e.g. <|im_end|>)
+        end = self.tokenize(self.markers.ends["assistant"].strip())
+        if len(end) == 1:
+            ids.add(end[0])
+        return ids
+
+    # -----------------------------------------------------------------------------------------
+    def add_schema(self, pml: str, *, progress: bool = True) -> Schema:
+        """Parse a schema and encode all its modules (loaded from ``cache_dir`` when present)."""
+        doc = parse_schema(pml)
+        with self._lock:
+            existing = self.schemas.get(doc.name)
+            if existing is not None and existing.source == pml:
+                return existing
+            layout = layout_schema(doc, self.tokenize, self.markers, self.placeholder_id, self.bos_ids)
+            self._check_window(layout.length, f"schema {doc.name!r}")
+            prefix = layout.prefix if self.encoding == "shared_prefix" else None
+            keys: dict[str, str] = {}
+            prefix_kv: ModuleKV | None = None
+            if prefix is not None:
+                keys[prefix] = self._entry_key(layout, prefix, None)
+                prefix_kv = self._ensure(layout, prefix, keys[prefix], None)
+            # shared_prefix computes the always-included text after the prefix at serve time (see plan_prompt)
+            shared = self.encoding == "shared_prefix"
+            todo = [name for name, info in layout.modules.items() if name != prefix and not (shared and info.anonymous)]
+            for name in todo:
+                keys[name] = self._entry_key(layout, name, keys.get(prefix) if prefix else None)
+            missing = [n for n in todo if keys[n] not in self.store]
+            bar = tqdm(missing, desc=f"encoding {doc.name}", unit="module", disable=not progress or not missing, leave=False)
+            for name in todo:
+                if name in missing:
+                    bar.update(1)
+                self._ensure(layout, name, keys[name], prefix_kv)
+            bar.close()
+            schema = Schema(doc.name, pml, layout, keys)
+            self.schemas[doc.name] = schema
+            logger.info("schema %r: %d modules, %d tokens, %d encoded", doc.name, len(schema.modules), layout.length, len(missing))
+            return schema
+
+    def _entry_key(self, layout: SchemaLayout, name: str, prefix_key: str | None) -> str:
+        info = layout.modules[name]
+        h = hashlib.sha256()
+        h.update(f"{self.fingerprint}|{self.encoding}|{prefix_key}|".encode())
+        h.update(torch.tensor(info.token_ids, dtype=torch.int64).numpy().tobytes())
+        h.update(torch.tensor(info.positions, dtype=torch.int64).numpy().tobytes())
+        return h.hexdigest()
+
+    def _ensure(self, layout: SchemaLayout, name: str, key: str, prefix: ModuleKV | None) -> ModuleKV:
+        module = self.store.get(key)
+        if module is None:
+            info = layout.modules[name]
+            module = self.forward.encode(info.token_ids, info.positions, prefix)
+            module = self.store.put(key, module, {"schema": layout.name, "module": name, "tokens": len(info.token_ids)})
+        return module
+
+    def _check_window(self, length: int, what: str) -> None:
+        if self.context_window is not None and length > self.context_window:
+            raise PromptCacheError(f"{what} needs {length} positions, more than the model's context window ({self.context_window})")
+
+    # -----------------------------------------------------------------------------------------
+    def plan(self, prompt: str) -> Plan:
+        """Which tokens of ``prompt`` are cached and which computed, at which positions."""
+        if not isinstance(prompt, str):
+            raise PromptCacheError(f"prompt must be a str, got {type(prompt).__name__}")
+        if not is_pml_prompt(prompt):
+            ids = self.bos_ids + self.tokenize(prompt)
+            if not ids:
+                raise PromptCacheError("the prompt is empty")
+            return Plan([Segment(tuple(ids), 0)], [])
+        doc = parse_prompt(prompt)
+        schema = self.schemas.get(doc.schema)
+        if schema is None:
+            known = ", ".join(sorted(self.schemas)) or "none; call add_schema() first"
+            raise PromptCacheError(f"unknown schema {doc.schema!r} (schemas: {known})", line=doc.line, column=doc.column)
+        return plan_prompt(
+            schema.layout, doc, self.tokenize, self.markers, compact=self.movable, cache_anonymous=self.encoding == "isolated"
+        )
+
+    def next_token_logits(self, prompt: str, *, use_cache: bool = True) -> torch.Tensor:
+        """Logits of the first generated token: the quantity cached inference must reproduce."""
+        plan = self.plan(prompt)
+        self._check_window(max(plan.position_ids) + 1, "the prompt")
+        return self._prefill(plan, len(plan.input_ids), use_cache)[1]
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        use_cache: bool = True,
+        seed: int | None = None,
+    ) -> Generation:
+        """Generate a completion; ``use_cache=False`` runs full prefill of the same token sequence."""
+        stream = self.stream(
+            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, use_cache=use_cache, seed=seed
+        )
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        use_cache: bool = True,
+        seed: int | None = None,
+    ) -> StreamingGeneration:
+        """Like :meth:`generate`, yielding text as it is decoded; ``.result`` holds the Generation."""
+        started = time.perf_counter()
+        params = SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed)
+        plan = self.plan(prompt)  # errors surface here, before the caller starts iterating
+        holder = StreamingGeneration(iter(()))
+        holder._deltas = self._decode(plan, params, use_cache, started, holder)
+        return holder
+
+    # -----------------------------------------------------------------------------------------
+    def _prefill(self, plan: Plan, capacity: int, use_cache: bool) -> tuple[KVBuffer, torch.Tensor, float]:
+        """Fill a buffer for ``plan``; return it, the last token's logits and the assembly time."""
+        buffer = KVBuffer.for_model(self.model, capacity)
+        if not use_cache:
+            return buffer, self.forward(buffer, plan.input_ids, plan.position_ids, logits=True), 0.0
+        schema = self.schemas.get(plan.schema) if plan.schema else None
+        assemble_s = 0.0
+        logits: torch.Tensor | None = None
+        ids: list[int] = []
+        positions: list[int] = []
+        last = len(plan.segments) - 1
+        for index, segment in enumerate(plan.segments):
+            if not segment.cached:
+                ids.extend(segment.token_ids)
+                positions.extend(range(segment.position, segment.position + len(segment)))
+                if index == last or plan.segments[index + 1].cached:
+                    logits = self.forward(buffer, ids, positions, logits=index == last)
+                    ids, positions = [], []
+                continue
+            t0 = time.perf_counter()
+            assert schema is not None
+            module = self.store.get(schema.keys[segment.owner])  # type: ignore[index]
+            if module is None:
+                # evicted and not on disk (or its disk entry was invalid): encode it again
+                module = self._reencode(schema, segment.owner)  # type: ignore[arg-type]
+            kv = module.kv[:, :, :, segment.offset : segment.offset + len(segment)]
+            delta = segment.position - segment.source_position
+            if delta and self.rotator is not None:
+                rotator = self.rotator
+                buffer.append(kv, rotate=lambda out, keys, d=delta: rotator.rotate_into(out, keys, d))
+            elif delta and self.position_kind == "learned":
+                raise PromptCacheError(f"module {segment.owner!r} cannot move on a model with learned absolute positions")
+            else:
+                buffer.append(kv)
+            assemble_s += time.perf_counter() - t0
+        assert logits is not None  # plan_prompt guarantees the last segment is computed
+        return buffer, logits, assemble_s
+
+    def _reencode(self, schema: Schema, name: str) -> ModuleKV:
+        prefix = schema.layout.prefix if self.encoding == "shared_prefix" else None
+        prefix_kv = None
+        if prefix is not None and name != prefix:
+            prefix_kv = self._ensure(schema.layout, prefix, schema.keys[prefix], None)
+        return self._ensure(schema.layout, name, schema.keys[name], prefix_kv)
+
+    def _decode(self, plan: Plan, params: SamplingParams, use_cache: bool, started: float, holder: StreamingGeneration) -> Iterator[str]:
+        total = len(plan.input_ids)
+        self._check_window(max(plan.position_ids) + 1, "the prompt")
+        next_position = max(plan.position_ids) + 1
+        budget = params.max_new_tokens
+        if self.context_window is not None:
+            budget = min(budget, self.context_window - next_position)
+        stats = CacheStats(modules=list(plan.modules))
+        if use_cache:
+            stats.cached_tokens, stats.computed_tokens = plan.cached_tokens, plan.computed_tokens
+        else:
+            stats.computed_tokens = total
+        prefill_started = time.perf_counter()
+        buffer, logits, assemble_s = self._prefill(plan, total + budget, use_cache)
+        sampler = Sampler(params, self.device)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopFilter(params.stop)
+        stats.assemble_s = (prefill_started - started) + assemble_s
+        finish = "length"
+        pieces: list[str] = []
+        for step in range(budget):
+            token = sampler(logits)
+            if step == 0:
+                stats.ttft_s = time.perf_counter() - started
+                stats.prefill_s = time.perf_counter() - prefill_started
+            if token in self.stop_token_ids:
+                finish = "stop"
+                break
+            stats.generated_tokens += 1
+            delta = stops.feed(detok.add(token))
+            if delta:
+                pieces.append(delta)
+                yield delta
+            if stops.stopped:
+                finish = "stop"
+                break
+            if step + 1 < budget:
+                logits = self.forward(buffer, [token], [next_position], logits=True)
+                next_position += 1
+        if not stops.stopped:
+            tail = stops.feed(detok.finish()) + stops.flush()
+            if tail:
+                pieces.append(tail)
+                yield tail
+        stats.total_s = time.perf_counter() - started
+        text = "".join(pieces)
+        holder.result = Generation(text, stats, list(detok.tokens), finish)
+

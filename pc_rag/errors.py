@@ -1,0 +1,17 @@
+"""The one error type pc-rag raises for bad input, with where it happened."""
+
+from __future__ import annotations
+
+
+class PromptCacheError(ValueError):
+    """Bad schema, prompt, argument or cache state.
+
+    The message always says what is wrong and where. Errors that come from PML text carry the
+    1-based ``line`` and ``column`` of the offending character (``None`` when not from text).
+    """
+
+    def __init__(self, message: str, *, line: int | None = None, column: int | None = None) -> None:
+        self.line = line
+        self.column = column
+        where = f" (line {line}, column {column})" if line is not None else ""
+        super().__init__(message + where)

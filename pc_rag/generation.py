@@ -1,0 +1,194 @@
+"""Decoding helpers: sampling, incremental detokenisation, stop sequences, result types."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import PromptCacheError
+
+
+@dataclass
+class CacheStats:
+    """What one call reused and what it cost.
+
+    ``ttft_s`` runs from receiving the prompt to having the first generated token;
+    ``assemble_s`` is the part of it spent before the first forward pass (parsing, planning,
+    gathering module KV).
+    """
+
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    modules: list[str] = field(default_factory=list)
+    generated_tokens: int = 0
+    assemble_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cached_tokens": self.cached_tokens,
+            "computed_tokens": self.computed_tokens,
+            "ttft_s": self.ttft_s,
+            "total_s": self.total_s,
+            "modules": list(self.modules),
+            "generated_tokens": self.generated_tokens,
+            "assemble_s": self.assemble_s,
+            "prefill_s": self.prefill_s,
+        }
+
+
+@dataclass
+class Generation:
+    text: str
+    stats: CacheStats
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" (end of turn or stop sequence) or "length"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> "SamplingParams":
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise PromptCacheError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if temperature < 0:
+            raise PromptCacheError(f"temperature must be >= 0, got {temperature!r}")
+        if not 0 < top_p <= 1:
+            raise PromptCacheError(f"top_p must be in (0, 1], got {top_p!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise PromptCacheError(f"top_k must be a positive integer or None, got {top_k!r}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}")
+        return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed)
+
+
+class Sampler:
+    """Greedy at temperature 0; otherwise temperature, top-k and nucleus (top-p) sampling."""
+
+    def __init__(self, params: SamplingParams, device: torch.device) -> None:
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if params.temperature > 0 and params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        p = self.params
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits.float() / p.temperature
+        if p.top_k is not None and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas that are safe to show.
+
+    Decoding tokens one by one breaks multi-byte characters and merged pieces; instead the text
+    of a short window of recent tokens is decoded and only its stable growth is released (a
+    trailing U+FFFD means a character is still incomplete).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.released = 0  # characters handed out so far
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        decode = self.tokenizer.decode
+        prefix = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        text = decode(self.tokens[self.prefix_offset :], skip_special_tokens=True)
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            delta = text[len(prefix) :]
+            self.released += len(delta)
+            return delta
+        return ""
+
+    def finish(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        rest = text[self.released :]
+        self.released = len(text)
+        return rest
+
+
+class StopFilter:
+    """Holds back text that may be the start of a stop sequence; cuts the text at the first stop."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        if not self.stops:
+            return delta
+        self.pending += delta
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i != -1]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        keep = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(stop[:n]):
+                    keep = max(keep, n)
+                    break
+        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class StreamingGeneration(Iterator[str]):
+    """Iterator over text deltas; ``.result`` (a :class:`Generation`) is set once exhausted."""
+
+    def __init__(self, deltas: Iterator[str]) -> None:
+        self._deltas = deltas
+        self.result: Generation | None = None
+
+    def __iter__(self) -> "StreamingGeneration":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    @property
+    def stats(self) -> CacheStats | None:
+        return self.result.stats if self.result else None

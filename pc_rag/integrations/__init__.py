@@ -1,0 +1,1 @@
+"""Thin adapters over :class:`pc_rag.PromptCache` for LangChain and LlamaIndex."""

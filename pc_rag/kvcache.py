@@ -1,0 +1,136 @@
+"""Key/value tensors: one module's stored KV, and the preallocated per-request cache.
+
+``ModuleKV`` keeps all layers of one module in one contiguous tensor
+``[layers, 2 (keys, values), kv_heads, tokens, head_dim]``: one allocation to move between
+tiers, one safetensors entry on disk, and slices of it copy into a request's cache for all
+layers in a single ``copy_``.
+
+``KVBuffer`` is a request's cache, allocated once at its final size (prompt + max new tokens).
+transformers' ``DynamicCache`` concatenates on every update, which copies the whole cache at
+prefill and again at every decoded token; the buffer's layers write new keys and values in place
+and hand the model views of the filled part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .errors import PromptCacheError
+
+
+@dataclass
+class ModuleKV:
+    """The attention states of one module, encoded at ``positions``."""
+
+    kv: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim]
+    positions: torch.Tensor  # [tokens] int64, the positions the keys were encoded at
+
+    def __post_init__(self) -> None:
+        if self.kv.dim() != 5 or self.kv.shape[1] != 2 or self.kv.shape[3] != self.positions.numel():
+            raise PromptCacheError(f"malformed module KV: kv {tuple(self.kv.shape)}, positions {tuple(self.positions.shape)}")
+
+    def __len__(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size() + self.positions.numel() * 8
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None, *, pin: bool = False) -> "ModuleKV":
+        kv = self.kv.to(device=device, dtype=dtype or self.kv.dtype)
+        if pin and kv.device.type == "cpu":
+            kv = kv.pin_memory()
+        return ModuleKV(kv, self.positions.to("cpu"))
+
+
+class _BufferLayer(DynamicLayer):
+    """One layer's view of a :class:`KVBuffer`: ``update`` writes in place, never concatenates."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: "KVBuffer") -> None:
+        super().__init__()
+        self._keys_all, self._values_all, self._owner = keys, values, owner
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.keys, self.values = keys[..., :0, :], values[..., :0, :]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # storage exists from the start
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        self._owner.check_capacity(end)
+        self._keys_all[..., start:end, :].copy_(key_states)
+        self._values_all[..., start:end, :].copy_(value_states)
+        self.keys = self._keys_all[..., :end, :]
+        self.values = self._values_all[..., :end, :]
+        return self.keys, self.values
+
+    def grow_to(self, end: int) -> None:
+        self.keys = self._keys_all[..., :end, :]
+        self.values = self._values_all[..., :end, :]
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+class KVBuffer:
+    """A request's KV cache of fixed capacity, usable as ``past_key_values``."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.capacity = capacity
+        # [layers, 2, batch=1, kv_heads, capacity, head_dim]: layer views are [1, heads, capacity, dim]
+        self.storage = torch.empty(layers, 2, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self._layers = [_BufferLayer(self.storage[i, 0], self.storage[i, 1], self) for i in range(layers)]
+        self.cache = Cache(layers=self._layers)
+
+    @classmethod
+    def for_model(cls, model: Any, capacity: int) -> "KVBuffer":
+        layers, kv_heads, head_dim = kv_shape(model)
+        return cls(layers, kv_heads, head_dim, capacity, dtype=model.dtype, device=model.device)
+
+    def __len__(self) -> int:
+        return self._layers[0].get_seq_length()
+
+    def check_capacity(self, end: int) -> None:
+        if end > self.capacity:
+            raise PromptCacheError(f"KV buffer overflow: {end} tokens > capacity {self.capacity}")
+
+    def append(self, kv: torch.Tensor, rotate: Any = None) -> None:
+        """Append stored module KV ``[layers, 2, heads, n, dim]`` after what the buffer holds.
+
+        ``rotate(out, keys)`` writes moved keys into ``out`` (RoPE modules placed at a new
+        position); without it keys and values are copied as they are, all layers in one copy.
+        """
+        start = len(self)
+        end = start + kv.shape[3]
+        self.check_capacity(end)
+        dest = self.storage[:, :, 0, :, start:end, :]
+        if rotate is None:
+            dest.copy_(kv)
+        else:
+            dest[:, 1].copy_(kv[:, 1])
+            keys = kv[:, 0]
+            if keys.dtype != dest.dtype or keys.device != dest.device:
+                keys = keys.to(dest.device, dest.dtype)
+            rotate(dest[:, 0], keys)
+        for layer in self._layers:
+            layer.grow_to(end)
+
+    def slice(self, start: int, end: int) -> torch.Tensor:
+        """The stored KV of positions ``[start, end)`` as ``[layers, 2, heads, n, dim]`` (a view)."""
+        return self.storage[:, :, 0, :, start:end, :]
+
+
+def kv_shape(model: Any) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a decoder-only model."""
+    config = model.config.get_text_config(decoder=True)
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, kv_heads, head_dim

@@ -1,0 +1,461 @@
+"""Positions: schema layout (paper §3.3) and the serve-time plan of a prompt (paper §3.4).
+
+No torch here: this module turns parsed PML plus a tokenizer function into token ids and
+position ids, and decides for every token of a prompt whether its KV comes from the store
+(cached) or is computed at serve time.
+
+Schema layout. Every token of a schema gets a schema position: text and parameter slots advance
+a cursor; the members of a ``<union>`` all start at the union's start and the union is as long as
+its longest member. Each module owns the tokens written directly in it (its text and parameter
+placeholders); a nested module owns its own. Always-included text outside modules forms
+*anonymous* modules, one per maximal run, named ``#0``, ``#1``, ...
+
+Plan. The tokens a prompt sees are emitted in this order: walking the prompt, each imported
+top-level module is preceded by the anonymous schema text that comes before it in the schema and
+by the prompt text written before its reference; the module's region follows (its own tokens
+and those of imported nested modules, arguments in place of parameter slots). Anonymous text
+after the last import, then the prompt's trailing text, close the sequence. Uncached text and
+arguments are computed; everything else is cached.
+
+Two position policies:
+- ``compact`` (models whose modules can move: RoPE and ALiBi): the emitted tokens get positions
+  0, 1, 2, ... exactly as full prefill of the same token sequence would. Cached tokens whose
+  encoded position differs are moved by the engine (RoPE key rotation).
+- ``schema`` (learned absolute positions): cached tokens keep their schema positions; computed
+  text continues after the token before it; arguments take their parameter's slots.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .errors import PromptCacheError
+from .pml import ModuleNode, ModuleRef, ParamNode, PromptDoc, PromptRole, RoleNode, SchemaDoc, SchemaNode, TextNode, UnionNode
+
+Tokenize = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True)
+class ChatMarkers:
+    """Text that the model's chat template puts around each role, and its generation prompt."""
+
+    starts: dict[str, str]
+    ends: dict[str, str]
+    generation: str
+
+    def wrap(self, role: str) -> tuple[str, str]:
+        return self.starts[role], self.ends[role]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str
+    offset: int  # index of the first placeholder in the owner's tokens
+    length: int
+
+
+@dataclass
+class ModuleInfo:
+    """One cacheable unit of a schema: a named module or an anonymous run of text."""
+
+    name: str
+    parent: str | None
+    union: int | None  # id of the union this module is a member of
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # schema position of each own token
+    params: dict[str, ParamSlot] = field(default_factory=dict)
+    children: list[str] = field(default_factory=list)
+    first_piece: int = -1  # [first_piece, last_piece]: the pieces of this module's region
+    last_piece: int = -1
+    line: int = 0
+    column: int = 0
+
+    @property
+    def anonymous(self) -> bool:
+        return self.name.startswith("#")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of consecutive schema positions owned by one module (text, or one parameter's slots)."""
+
+    owner: str
+    offset: int  # index of the first token in the owner's tokens
+    length: int
+    start: int  # schema position of the first token
+    param: str | None = None
+
+
+@dataclass
+class SchemaLayout:
+    name: str
+    modules: dict[str, ModuleInfo]
+    pieces: list[Piece]
+    uses_roles: bool
+    length: int  # schema positions used
+
+    @property
+    def prefix(self) -> str | None:
+        """The anonymous module that opens the schema (its system prompt), if any."""
+        if self.pieces and self.modules[self.pieces[0].owner].anonymous:
+            return self.pieces[0].owner
+        return None
+
+    def named_modules(self) -> list[str]:
+        return [name for name, info in self.modules.items() if not info.anonymous]
+
+
+def layout_schema(
+    doc: SchemaDoc,
+    tokenize: Tokenize,
+    markers: ChatMarkers,
+    placeholder_id: int,
+    bos_ids: Sequence[int] = (),
+) -> SchemaLayout:
+    """Assign schema positions to every token of ``doc`` (paper §3.3)."""
+    modules: dict[str, ModuleInfo] = {}
+    pieces: list[Piece] = []
+    uses_roles = False
+    pending: dict[str, list[str]] = {}  # owner -> text not yet tokenised (merged across role markers)
+    open_anonymous: str | None = None  # the anonymous run that text outside modules goes to
+    bos = list(bos_ids)  # goes in front of the schema's first anonymous run
+    cursor = 0
+    union_count = 0
+
+    def flush(owner: str) -> None:
+        nonlocal cursor, bos
+        ids = tokenize("".join(pending.pop(owner, [])))
+        if bos and modules[owner].anonymous:
+            ids, bos = bos + ids, []
+        if not ids:
+            return
+        info = modules[owner]
+        pieces.append(Piece(owner, len(info.token_ids), len(ids), cursor))
+        info.token_ids.extend(ids)
+        info.positions.extend(range(cursor, cursor + len(ids)))
+        cursor += len(ids)
+
+    def open_run() -> str:
+        nonlocal open_anonymous
+        if open_anonymous is None:
+            open_anonymous = f"#{sum(1 for m in modules.values() if m.anonymous)}"
+            modules[open_anonymous] = ModuleInfo(open_anonymous, None, None)
+        return open_anonymous
+
+    def add_text(owner: str | None, text: str) -> None:
+        pending.setdefault(owner if owner is not None else open_run(), []).append(text)
+
+    def close_anonymous() -> None:
+        nonlocal open_anonymous
+        if open_anonymous is not None:
+            flush(open_anonymous)
+            if not modules[open_anonymous].token_ids:
+                del modules[open_anonymous]
+            open_anonymous = None
+
+    def walk(nodes: list[SchemaNode], owner: str | None) -> None:
+        nonlocal cursor, uses_roles, union_count
+        for node in nodes:
+            if isinstance(node, TextNode):
+                add_text(owner, node.text)
+            elif isinstance(node, RoleNode):
+                uses_roles = True
+                start, end = markers.wrap(node.role)
+                add_text(owner, start)
+                walk(node.children, owner)
+                add_text(owner, end)
+            elif isinstance(node, ParamNode):
+                if owner is None:
+                    raise PromptCacheError(f"parameter {node.name!r} outside a module", line=node.line, column=node.column)
+                info = modules[owner]
+                if node.name in info.params:
+                    raise PromptCacheError(f"duplicate parameter {node.name!r} in module {owner!r}", line=node.line, column=node.column)
+                flush(owner)
+                info.params[node.name] = ParamSlot(node.name, len(info.token_ids), node.length)
+                pieces.append(Piece(owner, len(info.token_ids), node.length, cursor, param=node.name))
+                info.token_ids.extend([placeholder_id] * node.length)
+                info.positions.extend(range(cursor, cursor + node.length))
+                cursor += node.length
+            elif isinstance(node, ModuleNode):
+                place_module(node, owner, None)
+            elif isinstance(node, UnionNode):
+                union_id = union_count
+                union_count += 1
+                if owner is not None:
+                    flush(owner)
+                else:
+                    close_anonymous()
+                start, end = cursor, cursor
+                for member in node.members:
+                    cursor = start
+                    place_module(member, owner, union_id)
+                    end = max(end, cursor)
+                cursor = end
+
+    def place_module(node: ModuleNode, parent: str | None, union_id: int | None) -> None:
+        if node.name in modules:
+            first = modules[node.name]
+            raise PromptCacheError(
+                f"duplicate module name {node.name!r} (first defined at line {first.line}, column {first.column})",
+                line=node.line,
+                column=node.column,
+            )
+        if parent is not None:
+            flush(parent)
+            modules[parent].children.append(node.name)
+        else:
+            close_anonymous()
+        info = ModuleInfo(node.name, parent, union_id, line=node.line, column=node.column)
+        modules[node.name] = info
+        info.first_piece = len(pieces)
+        walk(node.children, node.name)
+        flush(node.name)
+        info.last_piece = len(pieces) - 1
+
+    if bos:
+        open_run()
+    walk(doc.children, None)
+    close_anonymous()
+    for info in modules.values():
+        if not info.anonymous and not info.token_ids and not info.children:
+            raise PromptCacheError(f"module {info.name!r} is empty", line=info.line, column=info.column)
+    return SchemaLayout(doc.name, modules, pieces, uses_roles, cursor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Serve-time plan
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Segment:
+    """A run of prompt tokens at consecutive positions, either cached or computed.
+
+    For a cached segment, ``owner``/``offset`` locate its KV in the owner's stored tensors and
+    ``source_position`` is the position that KV was encoded at (the engine moves it to
+    ``position`` when they differ).
+    """
+
+    token_ids: tuple[int, ...]
+    position: int
+    owner: str | None = None
+    offset: int = 0
+    source_position: int = 0
+
+    @property
+    def cached(self) -> bool:
+        return self.owner is not None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Plan:
+    segments: list[Segment]
+    modules: list[str]  # imported named modules, in emission order
+    schema: str | None = None
+
+    @property
+    def input_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.token_ids]
+
+    @property
+    def position_ids(self) -> list[int]:
+        return [p for s in self.segments for p in range(s.position, s.position + len(s))]
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(len(s) for s in self.segments if s.cached)
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(len(s) for s in self.segments if not s.cached)
+
+
+def _close_names(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
+    shown = close or candidates[:8]
+    more = "" if close or len(candidates) <= 8 else f" (and {len(candidates) - 8} more)"
+    label = "did you mean" if close else "modules"
+    return f"{label}: {', '.join(shown) or '(none)'}{more}"
+
+
+def _path(layout: SchemaLayout, name: str) -> str:
+    chain = []
+    current: str | None = name
+    while current is not None:
+        chain.append(current)
+        current = layout.modules[current].parent
+    chain.reverse()
+    return "".join(f"<{n}>" for n in chain[:-1]) + f"<{chain[-1]}/>" + "".join(f"</{n}>" for n in reversed(chain[:-1]))
+
+
+def plan_prompt(
+    layout: SchemaLayout,
+    doc: PromptDoc,
+    tokenize: Tokenize,
+    markers: ChatMarkers,
+    *,
+    compact: bool,
+    cache_anonymous: bool = True,
+) -> Plan:
+    """Resolve ``doc`` against ``layout``: which tokens are cached, which computed, at which positions.
+
+    With ``cache_anonymous=False`` only the schema's opening text (its prefix) is cached among
+    the always-included text; later runs (role markers, instructions between modules) are
+    computed so that they attend to the modules before them, as in full prefill.
+    """
+    named = layout.named_modules()
+    imported: set[str] = set()
+    args: dict[str, list[int]] = {}
+    by_union: dict[int, str] = {}
+
+    def resolve(ref: ModuleRef, parent: str | None) -> None:
+        info = layout.modules.get(ref.name)
+        if info is None or info.anonymous:
+            raise PromptCacheError(
+                f"unknown module <{ref.name}/> in schema {layout.name!r}; {_close_names(ref.name, named)}",
+                line=ref.line,
+                column=ref.column,
+            )
+        if info.parent != parent:
+            where = "at the top level of the prompt" if parent is None else f"inside <{parent}>"
+            raise PromptCacheError(
+                f"module {ref.name!r} cannot be imported {where}; import it as {_path(layout, ref.name)}",
+                line=ref.line,
+                column=ref.column,
+            )
+        if ref.name in imported:
+            raise PromptCacheError(f"module {ref.name!r} is imported twice", line=ref.line, column=ref.column)
+        if info.union is not None:
+            other = by_union.get(info.union)
+            if other is not None:
+                raise PromptCacheError(
+                    f"modules {other!r} and {ref.name!r} are members of the same <union>; import only one",
+                    line=ref.line,
+                    column=ref.column,
+                )
+            by_union[info.union] = ref.name
+        for key, value in ref.args.items():
+            slot = info.params.get(key)
+            if slot is None:
+                known = ", ".join(info.params) or "none"
+                raise PromptCacheError(
+                    f"unknown parameter {key!r} for module {ref.name!r} (its parameters: {known})",
+                    line=ref.line,
+                    column=ref.column,
+                )
+            ids = tokenize(value)
+            if len(ids) > slot.length:
+                raise PromptCacheError(
+                    f"argument {key}={value[:40]!r} of module {ref.name!r} is {len(ids)} tokens, "
+                    f"longer than its parameter ({slot.length} tokens)",
+                    line=ref.line,
+                    column=ref.column,
+                )
+            args[f"{ref.name}\x00{key}"] = ids
+        imported.add(ref.name)
+        for child in ref.children:
+            resolve(child, ref.name)
+
+    # flatten the prompt into text and top-level references
+    items: list[str | ModuleRef] = []
+    uses_roles = layout.uses_roles
+
+    def flatten(nodes: list, in_role: bool) -> None:
+        nonlocal uses_roles
+        for node in nodes:
+            if isinstance(node, TextNode):
+                items.append(node.text)
+            elif isinstance(node, PromptRole):
+                uses_roles = True
+                start, end = markers.wrap(node.role)
+                items.append(start)
+                flatten(node.children, True)
+                items.append(end)
+            else:
+                resolve(node, None)
+                items.append(node)
+
+    flatten(doc.children, False)
+    if uses_roles and markers.generation:
+        items.append(markers.generation)
+
+    segments: list[Segment] = []
+    next_position = 0  # compact: the next free position
+    last_position = -1  # schema: position of the last emitted token
+    emitted_anonymous: set[int] = set()  # piece indices
+    pending_text: list[str] = []
+
+    def emit_cached(piece: Piece, lo: int = 0, hi: int | None = None) -> None:
+        nonlocal next_position, last_position
+        hi = piece.length if hi is None else hi
+        info = layout.modules[piece.owner]
+        ids = tuple(info.token_ids[piece.offset + lo : piece.offset + hi])
+        source = piece.start + lo
+        position = next_position if compact else source
+        segments.append(Segment(ids, position, piece.owner, piece.offset + lo, source))
+        next_position = position + len(ids)
+        last_position = position + len(ids) - 1
+
+    def emit_computed(ids: list[int], slot_start: int | None = None) -> None:
+        nonlocal next_position, last_position
+        if not ids:
+            return
+        position = next_position if compact else (slot_start if slot_start is not None else last_position + 1)
+        segments.append(Segment(tuple(ids), position))
+        next_position = position + len(ids)
+        last_position = position + len(ids) - 1
+
+    def flush_text() -> None:
+        if pending_text:
+            emit_computed(tokenize("".join(pending_text)))
+            pending_text.clear()
+
+    def flush_anonymous(before: int) -> None:
+        for index in range(before):
+            piece = layout.pieces[index]
+            if index not in emitted_anonymous and layout.modules[piece.owner].anonymous:
+                emitted_anonymous.add(index)
+                if cache_anonymous or piece.owner == layout.prefix:
+                    emit_cached(piece)
+                else:
+                    info = layout.modules[piece.owner]
+                    emit_computed(info.token_ids[piece.offset : piece.offset + piece.length], piece.start)
+
+    order: list[str] = []
+    for item in items:
+        if isinstance(item, str):
+            pending_text.append(item)
+            continue
+        info = layout.modules[item.name]
+        flush_anonymous(info.first_piece)
+        flush_text()
+        for index in range(info.first_piece, info.last_piece + 1):
+            piece = layout.pieces[index]
+            if piece.owner not in imported:
+                continue
+            if piece.owner not in order:
+                order.append(piece.owner)
+            if piece.param is None:
+                emit_cached(piece)
+            else:
+                emit_computed(args.get(f"{piece.owner}\x00{piece.param}", []), piece.start)
+    flush_anonymous(len(layout.pieces))
+    flush_text()
+
+    if not segments:
+        raise PromptCacheError("the prompt is empty: it imports nothing and has no text", line=doc.line, column=doc.column)
+    last = segments[-1]
+    if last.cached:
+        # the first generated token needs the query of the last prompt token: compute that one
+        segments[-1:] = [
+            s
+            for s in (
+                Segment(last.token_ids[:-1], last.position, last.owner, last.offset, last.source_position),
+                Segment(last.token_ids[-1:], last.position + len(last) - 1),
+            )
+            if len(s)
+        ]
+    return Plan(segments, order, layout.name)

@@ -1,0 +1,425 @@
+"""Prompt Markup Language: parse schemas and prompts into plain dataclasses.
+
+PML looks like XML but is read by this small hand-written parser rather than an XML library:
+PML text is untrusted (documents, user questions), so the parser must never expand entities,
+read DTDs or fetch anything, it must report exact line/column positions, and it accepts the
+unquoted attribute values used in the paper's Appendix A (``<module name=domestic>``).
+
+Whitespace rules (so that indentation in a schema file does not reach the model):
+- a text run that is only whitespace and contains a newline (layout between tags) is dropped;
+- inside ``<schema>``, ``<prompt>`` and the role tags, the first text run loses its leading
+  whitespace and the last one its trailing whitespace (the chat template supplies separators);
+- everything else, module bodies included, is kept verbatim.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Union
+
+from .errors import PromptCacheError
+
+ROLES = ("system", "user", "assistant")
+MAX_DEPTH = 64  # deeper nesting is certainly a mistake (or an attack); reject it early
+
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+_ATTR = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*=\s*(\"[^\"<]*\"|'[^'<]*'|[^\s\"'<>/=`]+)")
+_ENTITY = re.compile(r"&(#[0-9]{1,7}|#x[0-9A-Fa-f]{1,6}|[A-Za-z][A-Za-z0-9]*);")
+_NAMED_ENTITIES = {"lt": "<", "gt": ">", "amp": "&", "quot": '"', "apos": "'"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic element tree
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Text:
+    text: str
+    line: int
+    column: int
+
+
+@dataclass
+class Element:
+    tag: str
+    attrs: dict[str, str]
+    children: list[Union["Element", Text]]
+    line: int
+    column: int
+
+
+def _line_col(source: str, offset: int) -> tuple[int, int]:
+    line = source.count("\n", 0, offset) + 1
+    return line, offset - (source.rfind("\n", 0, offset) + 1) + 1
+
+
+def _error(source: str, offset: int, message: str) -> PromptCacheError:
+    line, column = _line_col(source, offset)
+    return PromptCacheError(message, line=line, column=column)
+
+
+def _unescape(source: str, start: int, raw: str) -> str:
+    """Decode the five XML entities and character references; anything else is an error.
+
+    ``start`` is the offset of ``raw`` in ``source`` (for error positions). Custom entities are
+    never expanded, so entity-expansion bombs cannot exist.
+    """
+    if "&" not in raw:
+        return raw
+    out: list[str] = []
+    pos = 0
+    for m in _ENTITY.finditer(raw):
+        out.append(raw[pos : m.start()])
+        body = m.group(1)
+        if body.startswith("#x"):
+            code = int(body[2:], 16)
+        elif body.startswith("#"):
+            code = int(body[1:])
+        elif body in _NAMED_ENTITIES:
+            out.append(_NAMED_ENTITIES[body])
+            pos = m.end()
+            continue
+        else:
+            raise _error(source, start + m.start(), f"unknown entity '&{body};' (PML knows only &lt; &gt; &amp; &quot; &apos; and &#N;)")
+        if code == 0 or code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+            raise _error(source, start + m.start(), f"invalid character reference '&{body};'")
+        out.append(chr(code))
+        pos = m.end()
+    out.append(raw[pos:])
+    text = "".join(out)
+    # a '&' that starts no entity is most likely a typo for &amp; in markup that was meant as text
+    stray = raw.find("&")
+    while stray != -1:
+        if not _ENTITY.match(raw, stray):
+            raise _error(source, start + stray, "bare '&' in text: write &amp; or wrap the text in <![CDATA[...]]>")
+        stray = raw.find("&", stray + 1)
+    return text
+
+
+def parse_markup(source: str) -> Element:
+    """Parse PML text into a single root :class:`Element` (syntax only, no PML semantics)."""
+    if not isinstance(source, str):
+        raise PromptCacheError(f"PML must be a str, got {type(source).__name__}")
+    n = len(source)
+    pos = 0
+    # skip a leading XML declaration, comments and whitespace
+    stack: list[Element] = []
+    root: Element | None = None
+
+    def add_text(text: str, offset: int) -> None:
+        if not stack:
+            if text.strip():
+                raise _error(source, offset, "text outside the root element")
+            return
+        children = stack[-1].children
+        if children and isinstance(children[-1], Text):
+            children[-1].text += text
+        else:
+            line, column = _line_col(source, offset)
+            children.append(Text(text, line, column))
+
+    while pos < n:
+        lt = source.find("<", pos)
+        if lt == -1:
+            raw = source[pos:]
+            add_text(_unescape(source, pos, raw), pos)
+            break
+        if lt > pos:
+            add_text(_unescape(source, pos, source[pos:lt]), pos)
+        pos = lt
+        if source.startswith("<![CDATA[", pos):
+            end = source.find("]]>", pos + 9)
+            if end == -1:
+                raise _error(source, pos, "unterminated <![CDATA[ section")
+            add_text(source[pos + 9 : end], pos)
+            pos = end + 3
+        elif source.startswith("<!--", pos):
+            end = source.find("-->", pos + 4)
+            if end == -1:
+                raise _error(source, pos, "unterminated comment")
+            pos = end + 3
+        elif source.startswith("<?", pos):
+            if stack or root is not None:
+                raise _error(source, pos, "processing instructions are only allowed before the root element")
+            end = source.find("?>", pos + 2)
+            if end == -1:
+                raise _error(source, pos, "unterminated <? ... ?>")
+            pos = end + 2
+        elif source.startswith("<!", pos):
+            raise _error(source, pos, "DTDs and <!...> declarations are not allowed in PML")
+        elif source.startswith("</", pos):
+            m = _NAME.match(source, pos + 2)
+            if not m:
+                raise _error(source, pos, "expected a tag name after '</'")
+            close = re.compile(r"\s*>").match(source, m.end())
+            if not close:
+                raise _error(source, m.end(), f"expected '>' to close </{m.group(0)}")
+            if not stack:
+                raise _error(source, pos, f"closing tag </{m.group(0)}> without an opening tag")
+            if stack[-1].tag != m.group(0):
+                top = stack[-1]
+                raise _error(source, pos, f"</{m.group(0)}> closes <{top.tag}> opened at line {top.line}, column {top.column}")
+            stack.pop()
+            pos = close.end()
+        else:
+            m = _NAME.match(source, pos + 1)
+            if not m:
+                raise _error(source, pos, "unescaped '<' in text: write &lt; or wrap the text in <![CDATA[...]]>")
+            tag = m.group(0)
+            attrs: dict[str, str] = {}
+            cursor = m.end()
+            while True:
+                am = _ATTR.match(source, cursor)
+                if not am:
+                    break
+                key, value = am.group(1), am.group(2)
+                if key in attrs:
+                    raise _error(source, cursor, f"duplicate attribute '{key}' on <{tag}>")
+                if value[0] in "\"'":
+                    value = _unescape(source, am.start(2) + 1, value[1:-1])
+                attrs[key] = value
+                cursor = am.end()
+            end = re.compile(r"\s*(/?)>").match(source, cursor)
+            if not end:
+                raise _error(source, cursor, f"malformed tag <{tag}>: expected attributes name=\"value\" then '>' or '/>'")
+            line, column = _line_col(source, pos)
+            element = Element(tag, attrs, [], line, column)
+            if stack:
+                stack[-1].children.append(element)
+            elif root is None:
+                root = element
+            else:
+                raise _error(source, pos, f"second root element <{tag}>: a PML document has exactly one root")
+            if not end.group(1):
+                if len(stack) >= MAX_DEPTH:
+                    raise _error(source, pos, f"elements nested deeper than {MAX_DEPTH} levels")
+                stack.append(element)
+            pos = end.end()
+    if stack:
+        top = stack[-1]
+        raise PromptCacheError(f"<{top.tag}> is never closed", line=top.line, column=top.column)
+    if root is None:
+        raise PromptCacheError("empty PML document: expected <schema ...> or <prompt ...>", line=1, column=1)
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema and prompt dataclasses
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class TextNode:
+    """Literal text; in a schema it is cached, in a prompt it is computed at serve time."""
+
+    text: str
+    line: int
+    column: int
+
+
+@dataclass
+class ParamNode:
+    """A named hole of ``length`` token positions inside a module."""
+
+    name: str
+    length: int
+    line: int
+    column: int
+
+
+@dataclass
+class RoleNode:
+    """``<system>``, ``<user>`` or ``<assistant>``: translated to the model's chat markers."""
+
+    role: str
+    children: list["SchemaNode"]
+    line: int
+    column: int
+
+
+@dataclass
+class ModuleNode:
+    name: str
+    children: list["SchemaNode"]
+    line: int
+    column: int
+
+
+@dataclass
+class UnionNode:
+    """Mutually exclusive modules that share one start position."""
+
+    members: list[ModuleNode]
+    line: int
+    column: int
+
+
+SchemaNode = Union[TextNode, ParamNode, RoleNode, ModuleNode, UnionNode]
+
+
+@dataclass
+class SchemaDoc:
+    name: str
+    children: list[SchemaNode]
+    line: int = 1
+    column: int = 1
+
+
+@dataclass
+class ModuleRef:
+    """``<name arg="value">nested refs</name>`` inside a prompt."""
+
+    name: str
+    args: dict[str, str]
+    children: list["ModuleRef"]
+    line: int
+    column: int
+
+
+@dataclass
+class PromptRole:
+    role: str
+    children: list["PromptNode"]
+    line: int
+    column: int
+
+
+PromptNode = Union[TextNode, ModuleRef, PromptRole]
+
+
+@dataclass
+class PromptDoc:
+    schema: str
+    children: list[PromptNode]
+    line: int = 1
+    column: int = 1
+
+
+def _layout_ws(children: list, outer: bool) -> list:
+    """Apply the whitespace rules to a child list (see module docstring)."""
+    kept = [c for c in children if not (isinstance(c, Text) and not c.text.strip() and "\n" in c.text)]
+    if outer and kept:
+        if isinstance(kept[0], Text):
+            kept[0] = Text(kept[0].text.lstrip(), kept[0].line, kept[0].column)
+        if isinstance(kept[-1], Text):
+            kept[-1] = Text(kept[-1].text.rstrip(), kept[-1].line, kept[-1].column)
+        kept = [c for c in kept if not (isinstance(c, Text) and not c.text)]
+    return kept
+
+
+def _attr(el: Element, *names: str, required: bool = True) -> str | None:
+    for name in names:
+        if name in el.attrs:
+            return el.attrs[name]
+    if required:
+        raise PromptCacheError(f"<{el.tag}> needs a {' or '.join(repr(n) for n in names)} attribute", line=el.line, column=el.column)
+    return None
+
+
+def _no_extra_attrs(el: Element, allowed: set[str]) -> None:
+    extra = sorted(set(el.attrs) - allowed)
+    if extra:
+        raise PromptCacheError(f"<{el.tag}> does not take attribute(s) {', '.join(extra)}", line=el.line, column=el.column)
+
+
+def _schema_children(el: Element) -> list[SchemaNode]:
+    out: list[SchemaNode] = []
+    outer = el.tag in ("schema",) + ROLES
+    for child in _layout_ws(el.children, outer):
+        if isinstance(child, Text):
+            out.append(TextNode(child.text, child.line, child.column))
+        elif child.tag == "module":
+            _no_extra_attrs(child, {"name"})
+            name = _attr(child, "name")
+            if not _NAME.fullmatch(name or ""):
+                raise PromptCacheError(f"invalid module name {name!r}: use letters, digits, '_', '-', '.'", line=child.line, column=child.column)
+            out.append(ModuleNode(name, _schema_children(child), child.line, child.column))
+        elif child.tag == "union":
+            _no_extra_attrs(child, set())
+            members: list[ModuleNode] = []
+            for member in _layout_ws(child.children, False):
+                if isinstance(member, Text):
+                    raise PromptCacheError("text directly inside <union>: put it inside one of its <module>s", line=member.line, column=member.column)
+                if member.tag != "module":
+                    raise PromptCacheError(f"<{member.tag}> inside <union>: a union holds only <module>s", line=member.line, column=member.column)
+                (node,) = _schema_children(Element("_", {}, [member], member.line, member.column))
+                members.append(node)  # type: ignore[arg-type]
+            if not members:
+                raise PromptCacheError("empty <union>", line=child.line, column=child.column)
+            out.append(UnionNode(members, child.line, child.column))
+        elif child.tag in ("param", "parameter"):
+            _no_extra_attrs(child, {"name", "len", "length"})
+            if child.children:
+                raise PromptCacheError(f"<{child.tag}> must be empty: write <{child.tag} name=\"...\" len=\"N\"/>", line=child.line, column=child.column)
+            name = _attr(child, "name")
+            raw_len = _attr(child, "len", "length")
+            if not (raw_len or "").isdigit() or int(raw_len) < 1:
+                raise PromptCacheError(f"parameter {name!r} needs a positive integer length, got {raw_len!r}", line=child.line, column=child.column)
+            out.append(ParamNode(name, int(raw_len), child.line, child.column))  # type: ignore[arg-type]
+        elif child.tag in ROLES:
+            _no_extra_attrs(child, set())
+            out.append(RoleNode(child.tag, _schema_children(child), child.line, child.column))
+        else:
+            raise PromptCacheError(
+                f"unknown tag <{child.tag}> in schema (expected module, union, param, parameter, system, user, assistant)",
+                line=child.line,
+                column=child.column,
+            )
+    return out
+
+
+def parse_schema(source: str) -> SchemaDoc:
+    """Parse ``<schema name="...">...</schema>`` text."""
+    root = parse_markup(source)
+    if root.tag != "schema":
+        raise PromptCacheError(f"expected <schema> as the root element, got <{root.tag}>", line=root.line, column=root.column)
+    _no_extra_attrs(root, {"name"})
+    name = _attr(root, "name")
+    return SchemaDoc(name, _schema_children(root), root.line, root.column)  # type: ignore[arg-type]
+
+
+def _prompt_children(el: Element) -> list[PromptNode]:
+    out: list[PromptNode] = []
+    outer = el.tag in ("prompt",) + ROLES
+    for child in _layout_ws(el.children, outer):
+        if isinstance(child, Text):
+            out.append(TextNode(child.text, child.line, child.column))
+        elif child.tag in ROLES:
+            _no_extra_attrs(child, set())
+            out.append(PromptRole(child.tag, _prompt_children(child), child.line, child.column))
+        elif child.tag in ("prompt", "schema", "module", "union", "param", "parameter"):
+            raise PromptCacheError(f"<{child.tag}> is not allowed inside a prompt", line=child.line, column=child.column)
+        else:
+            out.append(_module_ref(child))
+    return out
+
+
+def _module_ref(el: Element) -> ModuleRef:
+    nested: list[ModuleRef] = []
+    for child in _layout_ws(el.children, False):
+        if isinstance(child, Text):
+            raise PromptCacheError(
+                f"text inside the reference <{el.tag}>: only nested module references go there; put text before or after it",
+                line=child.line,
+                column=child.column,
+            )
+        nested.append(_module_ref(child))
+    return ModuleRef(el.tag, dict(el.attrs), nested, el.line, el.column)
+
+
+def parse_prompt(source: str) -> PromptDoc:
+    """Parse ``<prompt schema="...">...</prompt>`` text."""
+    root = parse_markup(source)
+    if root.tag != "prompt":
+        raise PromptCacheError(f"expected <prompt> as the root element, got <{root.tag}>", line=root.line, column=root.column)
+    _no_extra_attrs(root, {"schema"})
+    schema = _attr(root, "schema")
+    return PromptDoc(schema, _prompt_children(root), root.line, root.column)  # type: ignore[arg-type]
+
+
+def is_pml_prompt(text: str) -> bool:
+    """True when ``text`` is a PML prompt (starts with ``<prompt``), False for plain text."""
+    return re.match(r"\s*(<\?[^>]*\?>\s*)?<prompt[\s>/]", text) is not None
+
+
+def escape(text: str) -> str:
+    """Escape text so that it is read back verbatim as PML text, never as markup."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

@@ -1,0 +1,1 @@
+"""Retrievers that map search hits to pre-encoded document modules."""

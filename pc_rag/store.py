@@ -1,0 +1,194 @@
+"""Where module KV lives: a memory tier with an LRU byte budget, and a disk tier.
+
+Disk format, one entry per module: ``<key>.safetensors`` (tensors ``kv`` and ``positions``) and
+``<key>.json`` (the manifest: key, engine fingerprint, file size, CRC-32 of the file). Both are
+written to a temporary file and renamed into place, data first, so a manifest only ever describes
+a complete data file; a process killed mid-write leaves at most an orphaned temporary file.
+On load the manifest must name the same key and fingerprint and the data file must have the
+recorded size and checksum; anything else is logged, deleted and reported as a miss, so the
+caller re-encodes it. Nothing is unpickled: safetensors holds only raw tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from .kvcache import ModuleKV
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class DiskTier:
+    """Module KV persisted under ``root`` (see module docstring)."""
+
+    def __init__(self, root: Path, fingerprint: str) -> None:
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _paths(self, key: str) -> tuple[Path, Path]:
+        folder = self.root / key[:2]
+        return folder / f"{key}.safetensors", folder / f"{key}.json"
+
+    def __contains__(self, key: str) -> bool:
+        return self._paths(key)[1].is_file()
+
+    def save(self, key: str, module: ModuleKV, info: dict[str, Any]) -> None:
+        data_path, manifest_path = self._paths(key)
+        data_path.parent.mkdir(parents=True, exist_ok=True)
+        blob = save_safetensors({"kv": module.kv.detach().to("cpu").contiguous(), "positions": module.positions.contiguous()})
+        _atomic_write(data_path, blob)
+        manifest = {
+            "format": FORMAT_VERSION,
+            "key": key,
+            "fingerprint": self.fingerprint,
+            "bytes": len(blob),
+            "crc32": zlib.crc32(blob),
+            "created": time.time(),
+            **info,
+        }
+        _atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
+
+    def load(self, key: str) -> ModuleKV | None:
+        """The entry for ``key``, or ``None`` when absent or invalid (an invalid entry is removed)."""
+        data_path, manifest_path = self._paths(key)
+        if not manifest_path.is_file():
+            return None
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            problem = None
+            if manifest.get("format") != FORMAT_VERSION:
+                problem = f"format {manifest.get('format')!r}"
+            elif manifest.get("key") != key or manifest.get("fingerprint") != self.fingerprint:
+                problem = "written for another model, tokenizer, dtype or encoding"
+            else:
+                blob = data_path.read_bytes()
+                if len(blob) != manifest["bytes"]:
+                    problem = f"truncated ({len(blob)} of {manifest['bytes']} bytes)"
+                elif zlib.crc32(blob) != manifest["crc32"]:
+                    problem = "checksum mismatch"
+                else:
+                    tensors = load_safetensors(blob)
+                    return ModuleKV(tensors["kv"], tensors["positions"])
+        except Exception as exc:  # noqa: BLE001 - any unreadable entry is treated the same way
+            problem = f"unreadable ({exc})"
+        logger.warning("discarding cache entry %s: %s; it will be re-encoded", key[:16], problem)
+        self.discard(key)
+        return None
+
+    def discard(self, key: str) -> None:
+        for path in self._paths(key):
+            path.unlink(missing_ok=True)
+
+
+class ModuleStore:
+    """Module KV by key: memory tier (LRU, ``memory_budget`` bytes) over an optional disk tier.
+
+    Entries evicted from memory are written to disk first (when a disk tier exists), so eviction
+    never loses an encoding. ``kv_dtype`` stores KV in a lower precision than the model's;
+    ``pin`` pins CPU-resident entries for fast host-to-device copies.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+        memory_budget: int | None = None,
+        disk: DiskTier | None = None,
+        pin: bool = False,
+    ) -> None:
+        self.device = device
+        self.kv_dtype = kv_dtype
+        self.memory_budget = memory_budget
+        self.disk = disk
+        self.pin = pin
+        self._memory: OrderedDict[str, ModuleKV] = OrderedDict()
+        self._info: dict[str, dict[str, Any]] = {}
+        self._bytes = 0
+        self._lock = threading.RLock()
+        self.disk_loads = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._bytes
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._memory or (self.disk is not None and key in self.disk)
+
+    def in_memory(self, key: str) -> bool:
+        return key in self._memory
+
+    def get(self, key: str) -> ModuleKV | None:
+        with self._lock:
+            module = self._memory.get(key)
+            if module is not None:
+                self._memory.move_to_end(key)
+                return module
+            if self.disk is None:
+                return None
+            module = self.disk.load(key)
+            if module is None:
+                return None
+            self.disk_loads += 1
+            return self._remember(key, module, persisted=True)
+
+    def put(self, key: str, module: ModuleKV, info: dict[str, Any] | None = None, *, persist: bool = True) -> ModuleKV:
+        with self._lock:
+            self._info[key] = info or {}
+            if persist and self.disk is not None:
+                self.disk.save(key, module, self._info[key])
+            return self._remember(key, module, persisted=persist and self.disk is not None)
+
+    def _remember(self, key: str, module: ModuleKV, *, persisted: bool) -> ModuleKV:
+        module = module.to(self.device, self.kv_dtype, pin=self.pin)
+        old = self._memory.pop(key, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        self._memory[key] = module
+        self._bytes += module.nbytes
+        if not persisted:
+            self._info.setdefault(key, {})["_unsaved"] = True
+        self._evict()
+        return module
+
+    def _evict(self) -> None:
+        if self.memory_budget is None:
+            return
+        # keep the newest entry even when it alone exceeds the budget: the caller is using it
+        while self._bytes > self.memory_budget and len(self._memory) > 1:
+            key, module = self._memory.popitem(last=False)
+            self._bytes -= module.nbytes
+            info = self._info.get(key, {})
+            if info.pop("_unsaved", False) and self.disk is not None:
+                self.disk.save(key, module, info)
+            logger.debug("evicted %s (%d bytes) from memory", key[:16], module.nbytes)

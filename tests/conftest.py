@@ -1,0 +1,63 @@
+"""Shared fixtures: the embedded tokenizer and tiny randomly-initialised models of four families."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, BloomConfig, GPT2Config, LlamaConfig, Qwen2Config
+
+from pc_rag import PromptCache
+from pc_rag.model import default_model_dir
+
+ARCHS = ("llama", "qwen2", "gpt2", "bloom")
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def tiny_config(arch: str, vocab: int, **overrides):
+    if arch == "llama":
+        return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **overrides)
+    if arch == "qwen2":
+        return Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **overrides)
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+                          bos_token_id=None, eos_token_id=None, **overrides)
+    if arch == "bloom":
+        return BloomConfig(vocab_size=vocab, hidden_size=64, n_layer=2, n_head=4, **overrides)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def make_tiny(tokenizer) -> Callable[..., torch.nn.Module]:
+    def build(arch: str, seed: int = 0, **overrides):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tokenizer), **overrides), dtype=torch.float32)
+        return model.eval()
+
+    return build
+
+
+@pytest.fixture
+def make_engine(make_tiny, tokenizer) -> Callable[..., PromptCache]:
+    def build(arch: str = "llama", **kwargs) -> PromptCache:
+        return PromptCache(make_tiny(arch), tokenizer, **kwargs)
+
+    return build
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    logging.getLogger("transformers").setLevel(logging.ERROR)

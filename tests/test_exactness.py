@@ -1,0 +1,133 @@
+"""Cached inference against full prefill, on tiny random models of four position schemes.
+
+The oracle is the plain transformers forward pass over the prompt's token sequence at the
+plan's positions. With module KV encoded contiguously (each module behind everything before it
+in this prompt, which the test obtains by slicing the oracle's own KV), assembly must be
+lossless: positions, moves, parameter arguments, unions, nested modules and uncached text
+between modules all reproduce the oracle's logits.
+"""
+
+import pytest
+import torch
+
+from pc_rag.kvcache import KVBuffer
+
+from .conftest import ARCHS
+
+SCHEMA = """<schema name="trip">
+<system>You plan trips.</system>
+<user>
+<module name="plan">Plan <param name="days" len="6"/> days of travel.
+<union>
+<module name="beach">Beaches: Miami, Rio.</module>
+<module name="city">Cities: Tokyo, Rome, Paris, Seoul.
+<module name="food">Food: ramen, pasta.</module>
+</module>
+</union>
+</module>
+<module name="budget">Budget: moderate.</module>
+</user>
+</schema>"""
+
+PROMPTS = [
+    # parameter argument shorter than its slot, second union member, nested module, text between modules
+    '<prompt schema="trip"><plan days="three"><city><food/></city></plan>and also<budget/><user>Which city first?</user></prompt>',
+    # first union member, no argument, text before the first import
+    '<prompt schema="trip">Note:<plan><beach/></plan><user>Go?</user></prompt>',
+    # skip a module: what follows it moves (or keeps a gap, for learned positions)
+    '<prompt schema="trip"><budget/><user>Cost?</user></prompt>',
+]
+
+
+def oracle(engine, plan):
+    buffer = KVBuffer.for_model(engine.model, len(plan.input_ids))
+    logits = engine.forward(buffer, plan.input_ids, plan.position_ids, logits=True)
+    return logits, buffer
+
+
+def inject_contiguous_kv(engine, schema, plan, buffer):
+    """Overwrite each cached segment's stored KV with the oracle's KV for it (moved back to its source position)."""
+    start = 0
+    for segment in plan.segments:
+        if segment.cached:
+            kv = buffer.slice(start, start + len(segment)).clone()
+            delta = segment.source_position - segment.position
+            if delta and engine.rotator is not None:
+                engine.rotator.rotate_into(kv[:, 0], kv[:, 0].clone(), delta)
+            stored = engine.store.get(schema.keys[segment.owner])
+            stored.kv[:, :, :, segment.offset : segment.offset + len(segment)] = kv
+        start += len(segment)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_contiguous_modules_reproduce_full_prefill(make_engine, arch, prompt):
+    engine = make_engine(arch, encoding="isolated")
+    schema = engine.add_schema(SCHEMA, progress=False)
+    plan = engine.plan(prompt)
+    assert plan.cached_tokens > 0 and plan.computed_tokens > 0
+    expected, buffer = oracle(engine, plan)
+    inject_contiguous_kv(engine, schema, plan, buffer)
+    cached = engine.next_token_logits(prompt)
+    assert (cached - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_position_kind_is_measured(make_engine, arch):
+    engine = make_engine(arch)
+    assert engine.position_kind == {"llama": "rope", "qwen2": "rope", "gpt2": "learned", "bloom": "alibi"}[arch]
+    assert engine.movable is (arch != "gpt2")
+
+
+def test_learned_positions_keep_schema_positions(make_engine):
+    engine = make_engine("gpt2")
+    engine.add_schema(SCHEMA, progress=False)
+    plan = engine.plan(PROMPTS[2])
+    cached = [s for s in plan.segments if s.cached]
+    assert all(s.position == s.source_position for s in cached)
+    assert plan.position_ids != list(range(len(plan.input_ids)))  # the skipped module leaves a gap
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}])
+def test_moved_rope_keys_equal_keys_encoded_in_place(make_tiny, tokenizer, arch, rope):
+    from pc_rag import PromptCache
+
+    overrides = {"rope_parameters": rope} if rope else {}
+    engine = PromptCache(make_tiny(arch, **overrides), tokenizer)
+    assert engine.position_kind == "rope"
+    if rope:
+        assert engine.rotator.scaling != 1.0  # YaRN's attention factor is really in play
+    ids = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
+    at_zero = engine.forward.keys_at(ids, 0)
+    in_place = engine.forward.keys_at(ids, 123)
+    moved = torch.empty_like(at_zero)
+    engine.rotator.rotate_into(moved, at_zero, 123)
+    assert (moved - in_place).abs().max().item() <= 1e-5
+    assert (at_zero - in_place).abs().max().item() > 1e-3  # the move really changed the keys
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prefix_single_module_is_exact(make_engine, arch):
+    engine = make_engine(arch, encoding="shared_prefix")
+    engine.add_schema(
+        '<schema name="doc"><system>Answer from the document.</system><user><module name="d">The sky is blue because of Rayleigh scattering.</module></user></schema>',
+        progress=False,
+    )
+    prompt = '<prompt schema="doc"><d/><user>Why is the sky blue?</user></prompt>'
+    cached = engine.next_token_logits(prompt)
+    full = engine.next_token_logits(prompt, use_cache=False)
+    assert (cached - full).abs().max().item() <= 1e-4
+    a = engine.generate(prompt, max_new_tokens=8)
+    b = engine.generate(prompt, max_new_tokens=8, use_cache=False)
+    assert a.token_ids == b.token_ids
+    assert a.stats.cached_tokens > 0 and b.stats.cached_tokens == 0
+
+
+def test_isolated_encoding_differs_from_full_prefill_when_modules_see_no_prefix(make_engine):
+    """Sanity check of the test above: without the shared prefix the approximation is visible."""
+    engine = make_engine("llama", encoding="isolated")
+    engine.add_schema('<schema name="doc">Context first. <module name="d">The sky is blue.</module></schema>', progress=False)
+    prompt = '<prompt schema="doc"><d/> Why?</prompt>'
+    diff = (engine.next_token_logits(prompt) - engine.next_token_logits(prompt, use_cache=False)).abs().max().item()
+    assert diff > 1e-4
