@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from .encoder import Forward
 from .errors import PromptCacheError
 from .generation import CacheStats, Generation, IncrementalDetokenizer, Sampler, SamplingParams, StopFilter, StreamingGeneration
-from .kvcache import KVBuffer, ModuleKV, kv_shape
+from .kvcache import BufferPool, KVBuffer, ModuleKV, kv_shape
 from .layout import Plan, SchemaLayout, Segment, layout_schema, plan_prompt
 from .model import PositionKind, RopeRotator, chat_markers, load_model, model_fingerprint, probe_position_kind
 from .pml import is_pml_prompt, parse_prompt, parse_schema
@@ -85,6 +85,7 @@ class PromptCache:
         self.device = model.device
         self.dtype = model.dtype
         self.forward = Forward(model)
+        self.buffers = BufferPool(model)
         kv_shape(model)  # fail early on models without the usual config fields
         self.markers = chat_markers(tokenizer)
         self.position_kind: PositionKind = probe_position_kind(model, self.forward.keys_at)
@@ -254,7 +255,9 @@ class PromptCache:
         """Logits of the first generated token: the quantity cached inference must reproduce."""
         plan = self.plan(prompt)
         self._check_window(max(plan.position_ids) + 1, "the prompt")
-        return self._prefill(plan, len(plan.input_ids), use_cache)[1]
+        buffer, logits, _ = self._prefill(plan, len(plan.input_ids), use_cache)
+        self.buffers.release(buffer)
+        return logits
 
     def generate(
         self,
@@ -300,7 +303,7 @@ class PromptCache:
     # -----------------------------------------------------------------------------------------
     def _prefill(self, plan: Plan, capacity: int, use_cache: bool) -> tuple[KVBuffer, torch.Tensor, float]:
         """Fill a buffer for ``plan``; return it, the last token's logits and the assembly time."""
-        buffer = KVBuffer.for_model(self.model, capacity)
+        buffer = self.buffers.acquire(capacity)
         if not use_cache:
             return buffer, self.forward(buffer, plan.input_ids, plan.position_ids, logits=True), 0.0
         schema = self.schemas.get(plan.schema) if plan.schema else None
@@ -387,6 +390,7 @@ class PromptCache:
             if tail:
                 pieces.append(tail)
                 yield tail
+        self.buffers.release(buffer)
         stats.total_s = time.perf_counter() - started
         text = "".join(pieces)
         holder.result = Generation(text, stats, list(detok.tokens), finish)
