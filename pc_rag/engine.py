@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -296,9 +296,7 @@ class PromptCache:
         started = time.perf_counter()
         params = SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed)
         plan = self.plan(prompt)  # errors surface here, before the caller starts iterating
-        holder = StreamingGeneration(iter(()))
-        holder._deltas = self._decode(plan, params, use_cache, started, holder)
-        return holder
+        return StreamingGeneration(self._decode(plan, params, use_cache, started))
 
     # -----------------------------------------------------------------------------------------
     def _prefill(self, plan: Plan, capacity: int, use_cache: bool) -> tuple[KVBuffer, torch.Tensor, float]:
@@ -346,7 +344,7 @@ class PromptCache:
             prefix_kv = self._ensure(schema.layout, prefix, schema.keys[prefix], None)
         return self._ensure(schema.layout, name, schema.keys[name], prefix_kv)
 
-    def _decode(self, plan: Plan, params: SamplingParams, use_cache: bool, started: float, holder: StreamingGeneration) -> Iterator[str]:
+    def _decode(self, plan: Plan, params: SamplingParams, use_cache: bool, started: float) -> Generator[str, None, Generation]:
         total = len(plan.input_ids)
         self._check_window(max(plan.position_ids) + 1, "the prompt")
         next_position = max(plan.position_ids) + 1
@@ -393,5 +391,5 @@ class PromptCache:
         self.buffers.release(buffer)
         stats.total_s = time.perf_counter() - started
         text = "".join(pieces)
-        holder.result = Generation(text, stats, list(detok.tokens), finish)
+        return Generation(text, stats, list(detok.tokens), finish)
 

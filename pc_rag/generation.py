@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,9 +177,12 @@ class StopFilter:
 
 
 class StreamingGeneration(Iterator[str]):
-    """Iterator over text deltas; ``.result`` (a :class:`Generation`) is set once exhausted."""
+    """Iterator over text deltas; ``.result`` (a :class:`Generation`) is set once exhausted.
 
-    def __init__(self, deltas: Iterator[str]) -> None:
+    ``deltas`` is a generator that yields text and *returns* the final Generation.
+    """
+
+    def __init__(self, deltas: Generator[str, None, Generation]) -> None:
         self._deltas = deltas
         self.result: Generation | None = None
 
@@ -187,7 +190,11 @@ class StreamingGeneration(Iterator[str]):
         return self
 
     def __next__(self) -> str:
-        return next(self._deltas)
+        try:
+            return next(self._deltas)
+        except StopIteration as done:
+            self.result = done.value
+            raise
 
     @property
     def stats(self) -> CacheStats | None:
