@@ -346,8 +346,8 @@ class PromptCache:
 
     def _decode(self, plan: Plan, params: SamplingParams, use_cache: bool, started: float) -> Generator[str, None, Generation]:
         total = len(plan.input_ids)
-        self._check_window(max(plan.position_ids) + 1, "the prompt")
-        next_position = max(plan.position_ids) + 1
+        next_position = max(plan.position_ids) + 1  # the property builds a list: read it once
+        self._check_window(next_position, "the prompt")
         budget = params.max_new_tokens
         if self.context_window is not None:
             budget = min(budget, self.context_window - next_position)
