@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
+from . import attention
 from .encoder import Forward
 from .errors import PromptCacheError
 from .generation import CacheStats, Generation, IncrementalDetokenizer, Sampler, SamplingParams, StopFilter, StreamingGeneration
@@ -81,6 +82,7 @@ class PromptCache:
             raise PromptCacheError(f"kv_location must be 'device' or 'cpu', got {kv_location!r}")
         self.model = model
         self.tokenizer = tokenizer
+        attention.install(model)
         self.encoding: Encoding = encoding
         self.device = model.device
         self.dtype = model.dtype
