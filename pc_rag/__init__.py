@@ -5,6 +5,7 @@ are computed once and reused by every prompt that imports them.
 """
 
 from .engine import DEFAULT_ENCODING, PromptCache, Schema
+from .documents import DocumentRecord, build_prompt, module_reference
 from .errors import PromptCacheError
 from .generation import CacheStats, Generation
 from .layout import Plan, Segment
@@ -13,13 +14,16 @@ from .pml import escape, parse_prompt, parse_schema
 __all__ = [
     "DEFAULT_ENCODING",
     "CacheStats",
+    "DocumentRecord",
     "Generation",
     "Plan",
     "PromptCache",
     "PromptCacheError",
     "Schema",
     "Segment",
+    "build_prompt",
     "escape",
+    "module_reference",
     "parse_prompt",
     "parse_schema",
 ]

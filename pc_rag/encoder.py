@@ -44,6 +44,33 @@ class Forward:
         kv = buffer.slice(before, before + len(token_ids)).clone()
         return ModuleKV(kv, torch.tensor(list(positions), dtype=torch.long))
 
+    @torch.inference_mode()
+    def encode_batch(
+        self, sequences: Sequence[Sequence[int]], start: int, prefix: ModuleKV | None = None, *, pad_id: int = 0
+    ) -> list[ModuleKV]:
+        """The KV of several token sequences, each at positions ``start, start+1, ...`` behind ``prefix``.
+
+        One forward pass for all: rows are right-padded, and since attention is causal a real
+        token never sees the padding after it, so no mask is needed and each row's KV equals
+        what :meth:`encode` gives it alone.
+        """
+        before = len(prefix) if prefix is not None else 0
+        width = max(len(s) for s in sequences)
+        buffer = KVBuffer.for_model(self.model, before + width, batch=len(sequences))
+        if prefix is not None:
+            buffer.append(prefix.kv)
+        device = self.model.device
+        ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+        positions = torch.arange(start, start + width, dtype=torch.long).expand(len(sequences), -1)
+        self.passes += 1
+        self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), past_key_values=buffer.cache, use_cache=True)
+        return [
+            ModuleKV(buffer.slice(before, before + len(seq), row).clone(), torch.arange(start, start + len(seq), dtype=torch.long))
+            for row, seq in enumerate(sequences)
+        ]
+
     def keys_at(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
         """Keys ``[layers, heads, n, dim]`` of ``token_ids`` encoded alone from position ``start``."""
         module = self.encode(token_ids, range(start, start + len(token_ids)))

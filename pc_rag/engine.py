@@ -19,11 +19,14 @@ import torch
 from tqdm.auto import tqdm
 
 from . import attention
+from . import documents as docs_mod
+from .documents import DEFAULT_SCHEMA, SEPARATOR, DocumentRecord, Reference, split_references
+from .dropin import ModuleTextIndex
 from .encoder import Forward
 from .errors import PromptCacheError
 from .generation import CacheStats, Generation, IncrementalDetokenizer, Sampler, SamplingParams, StopFilter, StreamingGeneration
 from .kvcache import BufferPool, KVBuffer, ModuleKV, kv_shape
-from .layout import Plan, SchemaLayout, Segment, layout_schema, plan_prompt
+from .layout import ModuleSpan, Plan, SchemaLayout, Segment, _close_names, add_document, document_layout, layout_schema, plan_prompt, plan_text
 from .model import PositionKind, RopeRotator, chat_markers, load_model, model_fingerprint, probe_position_kind
 from .pml import is_pml_prompt, parse_prompt, parse_schema
 from .store import DiskTier, ModuleStore
@@ -45,6 +48,9 @@ class Schema:
     source: str
     layout: SchemaLayout
     keys: dict[str, str] = field(repr=False)
+    # document collections (add_documents): the records by module name, and the system prompt
+    documents: dict[str, DocumentRecord] = field(default_factory=dict, repr=False)
+    system: str | None = None
 
     @property
     def modules(self) -> list[str]:
@@ -72,6 +78,7 @@ class PromptCache:
         memory_budget: int | None = None,
         store_dtype: torch.dtype | None = None,
         kv_location: Literal["device", "cpu"] = "device",
+        drop_in: bool = True,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
         if encoding not in ENCODINGS:
@@ -100,6 +107,7 @@ class PromptCache:
         self.fingerprint = hashlib.sha256(
             f"{model_fingerprint(model, tokenizer)}|{self.dtype}|{self.position_kind}|{encoding}|{self.markers}".encode()
         ).hexdigest()[:32]
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         disk = None
         if cache_dir is not None:
             disk = DiskTier(Path(cache_dir) / "kv" / self.fingerprint, self.fingerprint)
@@ -117,6 +125,9 @@ class PromptCache:
             pin=store_device.type == "cpu" and self.device.type == "cuda",
         )
         self.schemas: dict[str, Schema] = {}
+        # verbatim module texts, for drop-in reuse in plain prompts (only where modules can move)
+        self.drop_in = drop_in and self.movable
+        self.text_index = ModuleTextIndex()
         self._lock = threading.RLock()
 
     # -----------------------------------------------------------------------------------------
@@ -132,6 +143,7 @@ class PromptCache:
         memory_budget: int | None = None,
         store_dtype: torch.dtype | None = None,
         kv_location: Literal["device", "cpu"] = "device",
+        drop_in: bool = True,
         **model_kwargs: Any,
     ) -> "PromptCache":
         """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct)."""
@@ -144,6 +156,7 @@ class PromptCache:
             memory_budget=memory_budget,
             store_dtype=store_dtype,
             kv_location=kv_location,
+            drop_in=drop_in,
         )
 
     @property
@@ -167,6 +180,10 @@ class PromptCache:
         with_special = self.tokenizer("a", add_special_tokens=True)["input_ids"]
         return [bos] if bos is not None and with_special and with_special[0] == bos else []
 
+    @property
+    def _bos_text(self) -> str | None:
+        return getattr(self.tokenizer, "bos_token", None) if self.bos_ids else None
+
     def _stop_token_ids(self) -> set[int]:
         ids: set[int] = set()
         for source in (self.model.config, getattr(self.model, "generation_config", None), self.tokenizer):
@@ -189,6 +206,8 @@ class PromptCache:
             existing = self.schemas.get(doc.name)
             if existing is not None and existing.source == pml:
                 return existing
+            if existing is not None and existing.layout.documents:
+                raise PromptCacheError(f"schema {doc.name!r} is a document collection (add_documents); choose another name")
             layout = layout_schema(doc, self.tokenize, self.markers, self.placeholder_id, self.bos_ids)
             self._check_window(layout.length, f"schema {doc.name!r}")
             prefix = layout.prefix if self.encoding == "shared_prefix" else None
@@ -211,6 +230,11 @@ class PromptCache:
             bar.close()
             schema = Schema(doc.name, pml, layout, keys)
             self.schemas[doc.name] = schema
+            self.text_index.remove_schema(doc.name)
+            if self.drop_in:
+                for name, info in layout.modules.items():
+                    if info.text is not None and not info.anonymous:
+                        self.text_index.add(doc.name, name, info.text)
             logger.info("schema %r: %d modules, %d tokens, %d encoded", doc.name, len(schema.modules), layout.length, len(missing))
             return schema
 
@@ -235,15 +259,120 @@ class PromptCache:
             raise PromptCacheError(f"{what} needs {length} positions, more than the model's context window ({self.context_window})")
 
     # -----------------------------------------------------------------------------------------
+    def add_documents(
+        self,
+        texts: Sequence[Any],
+        *,
+        ids: Sequence[str] | None = None,
+        metadatas: Sequence[dict[str, Any] | None] | None = None,
+        schema: str = DEFAULT_SCHEMA,
+        system: str | None = None,
+        progress: bool = True,
+        batch_tokens: int | None = None,
+    ) -> list[str]:
+        """Store documents as movable modules of the document schema ``schema``; return their names.
+
+        ``texts`` holds strings, LangChain ``Document``s or LlamaIndex nodes. A document's name is
+        its id (``ids``, or the Document/node id when that is a valid module name), otherwise one
+        derived from its text, so adding the same text twice stores it once. Documents are
+        encoded behind the schema's system prompt (``system``; fixed when the schema is created),
+        several per forward pass (up to ``batch_tokens`` padded tokens; by default 512 on CPU,
+        where a 2-core machine is compute-bound at batch 1 and padding only adds work, and 8192
+        on accelerators), and persisted through
+        ``cache_dir``. A prompt places the documents it imports one after another, right after
+        the system turn and the user marker, at the positions full prefill would give them.
+        """
+        records = docs_mod.normalize(texts, ids, metadatas)
+        if not self.movable:
+            raise PromptCacheError(
+                "documents are movable modules, and this model uses learned absolute positions, which cannot move; "
+                "declare the documents in a PML schema (add_schema) instead"
+            )
+        docs_mod.check_name(schema, "schema name")
+        with self._lock:
+            target = self._document_schema(schema, system)
+            layout = target.layout
+            separator = self.tokenize(SEPARATOR)
+            names: list[str] = []
+            fresh: dict[str, tuple[str, list[int], dict[str, Any]]] = {}
+            for doc_id, text, meta in records:  # validate everything before changing anything
+                name = doc_id or docs_mod.default_name(text)
+                known = target.documents.get(name)
+                held = known.text if known is not None else fresh[name][0] if name in fresh else None
+                if held is not None and held != text:
+                    raise PromptCacheError(f"document id {name!r} already holds a different text in schema {schema!r}")
+                if held is None:
+                    text_ids = self.tokenize(text)
+                    self._check_window(layout.prefix_length + len(text_ids) + len(separator), f"document {name!r}")
+                    fresh[name] = (text, text_ids, meta)
+                names.append(name)
+            prefix_key = target.keys.get(layout.prefix) if layout.prefix else None
+            for name, (text, text_ids, meta) in fresh.items():
+                add_document(layout, name, text, text_ids, separator)
+                target.keys[name] = self._entry_key(layout, name, prefix_key if self.encoding == "shared_prefix" else None)
+                target.documents[name] = DocumentRecord(name, text, meta)
+                if self.drop_in:
+                    self.text_index.add(schema, name, text)
+            if batch_tokens is None:
+                batch_tokens = 512 if self.device.type == "cpu" else 8192
+            self._encode_documents(target, list(fresh), progress, batch_tokens)
+            logger.info("documents %r: %d added (%d new), %d held", schema, len(names), len(fresh), len(target.documents))
+            return names
+
+    def _document_schema(self, name: str, system: str | None) -> Schema:
+        existing = self.schemas.get(name)
+        if existing is not None:
+            if not existing.layout.documents:
+                raise PromptCacheError(f"schema {name!r} is a PML schema; put documents in a schema of their own")
+            if system is not None and system != existing.system:
+                raise PromptCacheError(
+                    f"documents schema {name!r} was created with system prompt {existing.system!r}; "
+                    "its documents are encoded behind it, so a different one needs another schema name"
+                )
+            return existing
+        system = docs_mod.DEFAULT_SYSTEM if system is None else system
+        turn = self.markers.starts["system"] + system + self.markers.ends["system"] if system else ""
+        layout = document_layout(name, self.bos_ids + self.tokenize(turn))
+        schema = Schema(name, f"<documents system={system!r}>", layout, {}, {}, system)
+        if layout.prefix is not None:
+            schema.keys[layout.prefix] = self._entry_key(layout, layout.prefix, None)
+            self._ensure(layout, layout.prefix, schema.keys[layout.prefix], None)
+        self.schemas[name] = schema
+        return schema
+
+    def _encode_documents(self, schema: Schema, names: list[str], progress: bool, batch_tokens: int) -> None:
+        """Encode the documents whose KV the store lacks, longest first, several per forward pass."""
+        layout = schema.layout
+        todo: dict[str, str] = {}  # key -> name: two names with one text share one entry
+        for name in names:
+            key = schema.keys[name]
+            if key not in todo and key not in self.store:
+                todo[key] = name
+        if not todo:
+            return
+        prefix_kv = None
+        if self.encoding == "shared_prefix" and layout.prefix is not None:
+            prefix_kv = self._ensure(layout, layout.prefix, schema.keys[layout.prefix], None)
+        queue = sorted(todo.items(), key=lambda item: -len(layout.modules[item[1]].token_ids))
+        bar = tqdm(total=len(queue), desc=f"encoding {schema.name}", unit="doc", disable=not progress, leave=False)
+        while queue:
+            width = len(layout.modules[queue[0][1]].token_ids)
+            take = max(1, min(len(queue), batch_tokens // max(width, 1)))
+            batch, queue = queue[:take], queue[take:]
+            sequences = [layout.modules[name].token_ids for _, name in batch]
+            encoded = self.forward.encode_batch(sequences, layout.prefix_length, prefix_kv, pad_id=self.placeholder_id)
+            for (key, name), module in zip(batch, encoded):
+                self.store.put(key, module, {"schema": schema.name, "module": name, "tokens": len(module)})
+            bar.update(len(batch))
+        bar.close()
+
+    # -----------------------------------------------------------------------------------------
     def plan(self, prompt: str) -> Plan:
         """Which tokens of ``prompt`` are cached and which computed, at which positions."""
         if not isinstance(prompt, str):
             raise PromptCacheError(f"prompt must be a str, got {type(prompt).__name__}")
         if not is_pml_prompt(prompt):
-            ids = self.bos_ids + self.tokenize(prompt)
-            if not ids:
-                raise PromptCacheError("the prompt is empty")
-            return Plan([Segment(tuple(ids), 0)], [])
+            return self._plan_plain(prompt)
         doc = parse_prompt(prompt)
         schema = self.schemas.get(doc.schema)
         if schema is None:
@@ -252,6 +381,40 @@ class PromptCache:
         return plan_prompt(
             schema.layout, doc, self.tokenize, self.markers, compact=self.movable, cache_anonymous=self.encoding == "isolated"
         )
+
+    def _plan_plain(self, prompt: str) -> Plan:
+        """Plain text: honour module references, reuse the KV of known module text found verbatim."""
+        bos_text = self._bos_text
+        bos = [] if bos_text and prompt.startswith(bos_text) else self.bos_ids  # a chat template may render BOS itself
+        items: list[str | ModuleSpan] = []
+        for piece in split_references(prompt):
+            if isinstance(piece, Reference):
+                items.append(self._referenced(piece))
+                continue
+            cursor = 0
+            if self.drop_in:
+                for match in self.text_index.find(piece):
+                    info = self.schemas[match.schema].layout.modules[match.name]
+                    items.append(piece[cursor : match.start])
+                    items.append(ModuleSpan(match.schema, match.name, info.text_tokens))
+                    cursor = match.end
+            items.append(piece[cursor:])
+        return plan_text(items, {name: s.layout for name, s in self.schemas.items()}, self.tokenize, bos)
+
+    def _referenced(self, ref: Reference) -> ModuleSpan:
+        schema = self.schemas.get(ref.schema)
+        if schema is None:
+            raise PromptCacheError(f"module reference to unknown schema {ref.schema!r} (schemas: {', '.join(sorted(self.schemas)) or 'none'})")
+        info = schema.layout.modules.get(ref.name)
+        if info is None or info.anonymous:
+            raise PromptCacheError(
+                f"module reference to unknown module {ref.name!r} in schema {ref.schema!r}; {_close_names(ref.name, schema.layout.named_modules())}"
+            )
+        if info.text is None:
+            raise PromptCacheError(f"module {ref.name!r} has parameters or nested modules: import it with a PML prompt")
+        if not self.movable:
+            raise PromptCacheError(f"module {ref.name!r} cannot move on a model with learned absolute positions")
+        return ModuleSpan(ref.schema, ref.name, info.text_tokens)
 
     def next_token_logits(self, prompt: str, *, use_cache: bool = True) -> torch.Tensor:
         """Logits of the first generated token: the quantity cached inference must reproduce."""
@@ -306,7 +469,6 @@ class PromptCache:
         buffer = self.buffers.acquire(capacity)
         if not use_cache:
             return buffer, self.forward(buffer, plan.input_ids, plan.position_ids, logits=True), 0.0
-        schema = self.schemas.get(plan.schema) if plan.schema else None
         assemble_s = 0.0
         logits: torch.Tensor | None = None
         ids: list[int] = []
@@ -321,7 +483,7 @@ class PromptCache:
                     ids, positions = [], []
                 continue
             t0 = time.perf_counter()
-            assert schema is not None
+            schema = self.schemas[segment.schema or plan.schema]  # type: ignore[index]
             module = self.store.get(schema.keys[segment.owner])  # type: ignore[index]
             if module is None:
                 # evicted and not on disk (or its disk entry was invalid): encode it again

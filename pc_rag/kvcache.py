@@ -82,17 +82,20 @@ class _BufferLayer(DynamicLayer):
 class KVBuffer:
     """A request's KV cache of fixed capacity, usable as ``past_key_values``."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, capacity: int, *, dtype: torch.dtype, device: torch.device, batch: int = 1
+    ) -> None:
         self.capacity = capacity
-        # [layers, 2, batch=1, kv_heads, capacity, head_dim]: layer views are [1, heads, capacity, dim]
-        self.storage = torch.empty(layers, 2, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.batch = batch
+        # [layers, 2, batch, kv_heads, capacity, head_dim]: layer views are [batch, heads, capacity, dim]
+        self.storage = torch.empty(layers, 2, batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self._layers = [_BufferLayer(self.storage[i, 0], self.storage[i, 1], self) for i in range(layers)]
         self.cache = Cache(layers=self._layers)
 
     @classmethod
-    def for_model(cls, model: Any, capacity: int) -> "KVBuffer":
+    def for_model(cls, model: Any, capacity: int, batch: int = 1) -> "KVBuffer":
         layers, kv_heads, head_dim = kv_shape(model)
-        return cls(layers, kv_heads, head_dim, capacity, dtype=model.dtype, device=model.device)
+        return cls(layers, kv_heads, head_dim, capacity, dtype=model.dtype, device=model.device, batch=batch)
 
     def __len__(self) -> int:
         return self._layers[0].get_seq_length()
@@ -111,14 +114,17 @@ class KVBuffer:
 
         ``rotate(out, keys)`` writes moved keys into ``out`` (RoPE modules placed at a new
         position); without it keys and values are copied as they are, all layers in one copy.
+        A batched buffer gets the same KV in every row (a shared prefix).
         """
         start = len(self)
         end = start + kv.shape[3]
         self.check_capacity(end)
-        dest = self.storage[:, :, 0, :, start:end, :]
         if rotate is None:
-            dest.copy_(kv)
+            self.storage[:, :, :, :, start:end, :].copy_(kv.unsqueeze(2))
         else:
+            if self.batch != 1:
+                raise PromptCacheError("rotated appends are for single-request buffers")
+            dest = self.storage[:, :, 0, :, start:end, :]
             dest[:, 1].copy_(kv[:, 1])
             keys = kv[:, 0]
             if keys.dtype != dest.dtype or keys.device != dest.device:
@@ -127,9 +133,9 @@ class KVBuffer:
         for layer in self._layers:
             layer.grow_to(end)
 
-    def slice(self, start: int, end: int) -> torch.Tensor:
-        """The stored KV of positions ``[start, end)`` as ``[layers, 2, heads, n, dim]`` (a view)."""
-        return self.storage[:, :, 0, :, start:end, :]
+    def slice(self, start: int, end: int, row: int = 0) -> torch.Tensor:
+        """The stored KV of positions ``[start, end)`` of one row as ``[layers, 2, heads, n, dim]`` (a view)."""
+        return self.storage[:, :, row, :, start:end, :]
 
 
 def kv_shape(model: Any) -> tuple[int, int, int]:

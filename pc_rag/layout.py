@@ -28,7 +28,7 @@ Two position policies:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .errors import PromptCacheError
@@ -71,6 +71,10 @@ class ModuleInfo:
     last_piece: int = -1
     line: int = 0
     column: int = 0
+    # verbatim text of a pure-text module, and how many of its tokens encode that text (a
+    # document module ends with a separator after its text): what drop-in detection matches
+    text: str | None = None
+    text_tokens: int = 0
 
     @property
     def anonymous(self) -> bool:
@@ -95,6 +99,10 @@ class SchemaLayout:
     pieces: list[Piece]
     uses_roles: bool
     length: int  # schema positions used
+    anonymous_pieces: list[int] = field(default_factory=list)  # indices into pieces, ascending
+    # a document layout: every named module starts right after the prefix and prompts may import
+    # any of them together (movable modules; see document_layout)
+    documents: bool = False
 
     @property
     def prefix(self) -> str | None:
@@ -102,6 +110,11 @@ class SchemaLayout:
         if self.pieces and self.modules[self.pieces[0].owner].anonymous:
             return self.pieces[0].owner
         return None
+
+    @property
+    def prefix_length(self) -> int:
+        prefix = self.prefix
+        return len(self.modules[prefix].token_ids) if prefix is not None else 0
 
     def named_modules(self) -> list[str]:
         return [name for name, info in self.modules.items() if not info.anonymous]
@@ -213,6 +226,8 @@ def layout_schema(
         walk(node.children, node.name)
         flush(node.name)
         info.last_piece = len(pieces) - 1
+        if node.children and all(isinstance(child, TextNode) for child in node.children):
+            info.text, info.text_tokens = "".join(child.text for child in node.children), len(info.token_ids)  # type: ignore[union-attr]
 
     if bos:
         open_run()
@@ -221,7 +236,41 @@ def layout_schema(
     for info in modules.values():
         if not info.anonymous and not info.token_ids and not info.children:
             raise PromptCacheError(f"module {info.name!r} is empty", line=info.line, column=info.column)
-    return SchemaLayout(doc.name, modules, pieces, uses_roles, cursor)
+    anonymous = [i for i, piece in enumerate(pieces) if modules[piece.owner].anonymous]
+    return SchemaLayout(doc.name, modules, pieces, uses_roles, cursor, anonymous)
+
+
+def document_layout(name: str, prefix_ids: Sequence[int]) -> SchemaLayout:
+    """An empty layout for documents: the prefix (BOS, system turn) and nothing else yet.
+
+    Documents are added with :func:`add_document`. Unlike a PML schema, every document starts at
+    the same position, right after the prefix, and a prompt imports any number of them: on a
+    model whose modules can move, the plan places them one after another (compact positions).
+    """
+    layout = SchemaLayout(name, {}, [], uses_roles=True, length=len(prefix_ids), documents=True)
+    if prefix_ids:
+        info = ModuleInfo("#0", None, None, list(prefix_ids), list(range(len(prefix_ids))), first_piece=0, last_piece=0)
+        layout.modules["#0"] = info
+        layout.pieces.append(Piece("#0", 0, len(prefix_ids), 0))
+        layout.anonymous_pieces.append(0)
+    return layout
+
+
+def add_document(layout: SchemaLayout, name: str, text: str, text_ids: Sequence[int], separator_ids: Sequence[int]) -> ModuleInfo:
+    """Append a document module (its text's tokens, then the separator's) to a document layout."""
+    if not layout.documents:
+        raise PromptCacheError(f"schema {layout.name!r} is a PML schema, not a document collection")
+    if name in layout.modules:
+        raise PromptCacheError(f"duplicate module name {name!r} in schema {layout.name!r}")
+    start = layout.prefix_length
+    ids = list(text_ids) + list(separator_ids)
+    index = len(layout.pieces)
+    info = ModuleInfo(name, None, None, ids, list(range(start, start + len(ids))), first_piece=index, last_piece=index)
+    info.text, info.text_tokens = text, len(text_ids)
+    layout.pieces.append(Piece(name, 0, len(ids), start))
+    layout.modules[name] = info
+    layout.length = max(layout.length, start + len(ids))
+    return info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +290,7 @@ class Segment:
     owner: str | None = None
     offset: int = 0
     source_position: int = 0
+    schema: str | None = None  # the owner's schema when it is not the plan's (plain-text plans)
 
     @property
     def cached(self) -> bool:
@@ -414,9 +464,11 @@ def plan_prompt(
             pending_text.clear()
 
     def flush_anonymous(before: int) -> None:
-        for index in range(before):
+        for index in layout.anonymous_pieces:
+            if index >= before:
+                break
             piece = layout.pieces[index]
-            if index not in emitted_anonymous and layout.modules[piece.owner].anonymous:
+            if index not in emitted_anonymous:
                 emitted_anonymous.add(index)
                 if cache_anonymous or piece.owner == layout.prefix:
                     emit_cached(piece)
@@ -447,15 +499,73 @@ def plan_prompt(
 
     if not segments:
         raise PromptCacheError("the prompt is empty: it imports nothing and has no text", line=doc.line, column=doc.column)
+    return Plan(_compute_last(segments), order, layout.name)
+
+
+def _compute_last(segments: list[Segment]) -> list[Segment]:
+    """The first generated token needs the query of the last prompt token: make sure it is computed."""
     last = segments[-1]
     if last.cached:
-        # the first generated token needs the query of the last prompt token: compute that one
         segments[-1:] = [
             s
             for s in (
-                Segment(last.token_ids[:-1], last.position, last.owner, last.offset, last.source_position),
+                Segment(last.token_ids[:-1], last.position, last.owner, last.offset, last.source_position, last.schema),
                 Segment(last.token_ids[-1:], last.position + len(last) - 1),
             )
             if len(s)
         ]
-    return Plan(segments, order, layout.name)
+    return segments
+
+
+@dataclass(frozen=True)
+class ModuleSpan:
+    """A stored module inside a plain-text prompt: a reference to it, or its verbatim text."""
+
+    schema: str
+    name: str
+    tokens: int | None = None  # use the module's first ``tokens`` tokens (its text without separator); None: all
+
+
+def plan_text(
+    items: Sequence[str | ModuleSpan],
+    layouts: Mapping[str, SchemaLayout],
+    tokenize: Tokenize,
+    bos_ids: Sequence[int] = (),
+) -> Plan:
+    """Plan a plain-text prompt in which some spans are stored modules; positions are compact.
+
+    Text is tokenised piece by piece (a module's tokens are its stored ones, never re-tokenised);
+    a module may sit at any position, so this plan is only for models whose modules can move.
+    A prefix of a module's tokens is valid KV on its own (attention is causal), which is how a
+    document's text is reused without the separator it was stored with.
+    """
+    segments: list[Segment] = []
+    position = 0
+    pending: list[str] = []
+    order: list[str] = []
+
+    def flush() -> None:
+        nonlocal position
+        ids = tokenize("".join(pending))
+        pending.clear()
+        if ids:
+            segments.append(Segment(tuple(ids), position))
+            position += len(ids)
+
+    if bos_ids:
+        segments.append(Segment(tuple(bos_ids), 0))
+        position = len(bos_ids)
+    for item in items:
+        if isinstance(item, str):
+            pending.append(item)
+            continue
+        flush()
+        info = layouts[item.schema].modules[item.name]
+        n = len(info.token_ids) if item.tokens is None else item.tokens
+        segments.append(Segment(tuple(info.token_ids[:n]), position, item.name, 0, info.positions[0], item.schema))
+        position += n
+        order.append(item.name)
+    flush()
+    if not segments:
+        raise PromptCacheError("the prompt is empty")
+    return Plan(_compute_last(segments), order)

@@ -1,0 +1,141 @@
+"""Documents as modules: input normalisation, names, prompts that import them, and references.
+
+Two ways a prompt names stored documents:
+
+- PML, from :func:`build_prompt`: ``<prompt schema="docs"><user><doc-1/>...question</user></prompt>``;
+  the question is escaped, so user text can never become markup.
+- A *module reference* inside plain text, from :func:`module_reference` (what LangChain's
+  ``format_modules`` emits into an ordinary prompt template). A reference carries a secret drawn
+  when this process started; the engine only honours references that carry it, so a user who
+  types a reference into a question gets it read as text, never as an import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import PromptCacheError
+from .pml import ROLES, escape
+
+DEFAULT_SCHEMA = "docs"
+DEFAULT_SYSTEM = "You are a helpful assistant. Answer the user's question using the documents they provide."
+# what follows each document's text in its stored tokens: documents imported together read as
+# separate paragraphs, as in LangChain's "\n\n".join(page_contents)
+SEPARATOR = "\n\n"
+
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+_RESERVED = set(ROLES) | {"prompt", "schema", "module", "union", "param", "parameter"}
+
+# honoured only with this process's secret: see the module docstring
+_SECRET = secrets.token_hex(8)
+_REFERENCE = re.compile(r"\[\[pc-rag-module ([0-9a-f]{16}) ([A-Za-z_][\w.\-]*)/([A-Za-z_][\w.\-]*)\]\]")
+
+
+@dataclass(frozen=True)
+class DocumentRecord:
+    """A document as the engine holds it."""
+
+    name: str
+    text: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def default_name(text: str) -> str:
+    """A name derived from the text: the same text always gets the same module."""
+    return "doc-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def check_name(name: str, what: str = "document id") -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise PromptCacheError(f"invalid {what} {name!r}: use letters, digits, '_', '-', '.', starting with a letter or '_'")
+    if name in _RESERVED:
+        raise PromptCacheError(f"invalid {what} {name!r}: it is a reserved PML tag name")
+    return name
+
+
+def normalize(
+    items: Sequence[Any] | Any,
+    ids: Sequence[str] | None = None,
+    metadatas: Sequence[Mapping[str, Any] | None] | None = None,
+) -> list[tuple[str | None, str, dict[str, Any]]]:
+    """``(id or None, text, metadata)`` for strings, LangChain ``Document``s and LlamaIndex nodes."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise PromptCacheError(f"documents must be a list (of str, LangChain Documents or LlamaIndex nodes), got {type(items).__name__}")
+    items = list(items)
+    for arg, label in ((ids, "ids"), (metadatas, "metadatas")):
+        if arg is not None and len(arg) != len(items):
+            raise PromptCacheError(f"{label} has {len(arg)} entries for {len(items)} documents")
+    out: list[tuple[str | None, str, dict[str, Any]]] = []
+    for index, item in enumerate(items):
+        text, own_id, own_meta = _unpack(item, index)
+        if not text:
+            raise PromptCacheError(f"document {index} is empty")
+        doc_id = ids[index] if ids is not None else own_id
+        meta = dict(own_meta or {})
+        if metadatas is not None and metadatas[index]:
+            meta.update(metadatas[index])  # type: ignore[arg-type]
+        out.append((check_name(doc_id) if doc_id is not None else None, text, meta))
+    return out
+
+
+def _unpack(item: Any, index: int) -> tuple[str, str | None, Mapping[str, Any] | None]:
+    if isinstance(item, str):
+        return item, None, None
+    if hasattr(item, "page_content"):  # langchain_core.documents.Document
+        doc_id = getattr(item, "id", None)
+        return item.page_content, doc_id if _valid(doc_id) else None, getattr(item, "metadata", None)
+    if hasattr(item, "get_content") and hasattr(item, "node_id"):  # llama_index BaseNode
+        # MetadataMode is a str enum: "none" is the node's text without its metadata header
+        return item.get_content(metadata_mode="none"), item.node_id if _valid(item.node_id) else None, getattr(item, "metadata", None)
+    raise PromptCacheError(f"document {index}: expected str, LangChain Document or LlamaIndex node, got {type(item).__name__}")
+
+
+def _valid(doc_id: Any) -> bool:
+    """Ids that work as module names are kept; others (e.g. UUIDs starting with a digit) get a text-derived name."""
+    return isinstance(doc_id, str) and _NAME.fullmatch(doc_id) is not None and doc_id not in _RESERVED
+
+
+def build_prompt(question: str, modules: Sequence[str], *, schema: str = DEFAULT_SCHEMA, system: str | None = None) -> str:
+    """The PML prompt that imports ``modules`` (in that order) and asks ``question``.
+
+    The question is escaped: whatever it contains is read as text. ``system`` adds a system turn
+    as uncached text, for schemas without a system prompt of their own.
+    """
+    if not isinstance(question, str):
+        raise PromptCacheError(f"question must be a str, got {type(question).__name__}")
+    check_name(schema, "schema name")
+    refs = "".join(f"<{check_name(m, 'module name')}/>" for m in modules)
+    system_turn = f"<system>{escape(system)}</system>" if system else ""
+    return f'<prompt schema="{schema}">{system_turn}<user>{refs}{escape(question)}</user></prompt>'
+
+
+def module_reference(name: str, schema: str = DEFAULT_SCHEMA) -> str:
+    """A reference to a stored module for use inside plain text (see the module docstring)."""
+    return f"[[pc-rag-module {_SECRET} {check_name(schema, 'schema name')}/{check_name(name, 'module name')}]]"
+
+
+@dataclass(frozen=True)
+class Reference:
+    schema: str
+    name: str
+
+
+def split_references(text: str) -> list[str | Reference]:
+    """Split plain text at the module references carrying this process's secret."""
+    out: list[str | Reference] = []
+    cursor = 0
+    for m in _REFERENCE.finditer(text):
+        if not secrets.compare_digest(m.group(1), _SECRET):
+            continue  # a forged or foreign reference: text like any other
+        if m.start() > cursor:
+            out.append(text[cursor : m.start()])
+        out.append(Reference(m.group(2), m.group(3)))
+        cursor = m.end()
+    if cursor < len(text):
+        out.append(text[cursor:])
+    return out
