@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -415,6 +415,28 @@ class PromptCache:
         if not self.movable:
             raise PromptCacheError(f"module {ref.name!r} cannot move on a model with learned absolute positions")
         return ModuleSpan(ref.schema, ref.name, info.text_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """``[{"role", "content"}]`` as the model's chat template renders them, ending with the generation prompt.
+
+        The result is a plain prompt: module references and verbatim document text inside the
+        messages are reused like anywhere else; nothing in a message is read as PML.
+        """
+        rendered: list[dict[str, str]] = []
+        for index, message in enumerate(messages):
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise PromptCacheError(f"message {index} needs a str 'role' and a str 'content', got {message!r:.120}")
+            rendered.append({"role": role, "content": content})
+        if not rendered:
+            raise PromptCacheError("no messages to render")
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        parts = []
+        for m in rendered:
+            start, end = self.markers.wrap(m["role"] if m["role"] in self.markers.starts else "user")
+            parts.append(start + m["content"] + end)
+        return "".join(parts) + self.markers.generation
 
     def next_token_logits(self, prompt: str, *, use_cache: bool = True) -> torch.Tensor:
         """Logits of the first generated token: the quantity cached inference must reproduce."""

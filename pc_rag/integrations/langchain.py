@@ -1,0 +1,269 @@
+"""LangChain adapters: an LLM, a chat model and a retriever over a :class:`~pc_rag.PromptCache`.
+
+Thin by design: prompts go to the engine as they are (a PML prompt, or plain text in which module
+references and verbatim document text are reused), and the engine's reuse statistics come back
+in ``generation_info`` / ``response_metadata``.
+
+Two ways to feed documents to a chain:
+
+- ``format_modules`` (references): ``{"context": retriever | format_modules, "question":
+  RunnablePassthrough()} | prompt | llm`` puts references to the retrieved modules into the
+  prompt; the engine imports their KV and never re-tokenises their text.
+- unchanged "stuff" chains (drop-in): document text formatted into the prompt is found by the
+  engine's text index and its KV reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel, BaseLLM
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, Generation, GenerationChunk, LLMResult
+from langchain_core.retrievers import BaseRetriever
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
+
+from ..documents import module_reference
+from ..engine import PromptCache
+from ..errors import PromptCacheError
+from ..generation import Generation as EngineGeneration
+from ..generation import StreamingGeneration
+from ..retrievers import FaissModuleRetriever
+from ._shared import SAMPLING_KEYS, generation_info, model_name, shared_engine
+
+__all__ = ["ChatPromptCache", "PromptCacheLLM", "PromptCacheRetriever", "format_modules"]
+
+
+class _EngineParams(BaseModel):
+    """Fields and helpers shared by the LLM and the chat model."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    engine: Any = Field(default=None, exclude=True)
+    """The :class:`~pc_rag.PromptCache`; built from ``model`` (default: the embedded model) when omitted."""
+    model: str | None = None
+    """Hub id or local folder used when no ``engine`` is given."""
+    max_new_tokens: int = Field(default=256, ge=1, validation_alias=AliasChoices("max_new_tokens", "max_tokens"))
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = None
+    stop: list[str] | None = None
+    use_cache: bool = True
+    """False runs full prefill of the same tokens (the baseline)."""
+    streaming: bool = False
+    """When True, ``invoke`` decodes through the streaming path (callbacks see every token)."""
+
+    def model_post_init(self, context: Any) -> None:
+        if self.engine is None:
+            self.engine = shared_engine(self.model)
+        elif not isinstance(self.engine, PromptCache):
+            raise PromptCacheError(f"engine must be a pc_rag.PromptCache, got {type(self.engine).__name__}")
+
+    def _engine_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(kwargs) - set(SAMPLING_KEYS) - {"max_tokens", "model"}
+        if unknown:
+            raise PromptCacheError(f"unknown generation arguments: {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING_KEYS)})")
+        params: dict[str, Any] = {
+            "max_new_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
+            "temperature": kwargs.get("temperature", self.temperature),
+            "top_p": kwargs.get("top_p", self.top_p),
+            "top_k": kwargs.get("top_k", self.top_k),
+            "use_cache": kwargs.get("use_cache", self.use_cache),
+            "stop": stop if stop is not None else self.stop,
+        }
+        if "seed" in kwargs:
+            params["seed"] = kwargs["seed"]
+        return params
+
+    @property
+    def model_name(self) -> str:
+        return model_name(self.engine)
+
+
+class PromptCacheLLM(_EngineParams, BaseLLM):
+    """A LangChain LLM (text in, text out) served by Prompt Cache.
+
+    ``PromptCacheLLM(engine=engine, max_new_tokens=128)``. The prompt is used as given, like
+    ``HuggingFacePipeline`` does (no chat template; use :class:`ChatPromptCache` for that).
+    Reuse statistics are in each generation's ``generation_info``.
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "pc-rag"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations: list[list[Generation]] = []
+        for prompt in prompts:
+            if self.streaming:
+                chunks = list(self._stream(prompt, stop, run_manager, **kwargs))
+                text = "".join(c.text for c in chunks)
+                generations.append([Generation(text=text, generation_info=chunks[-1].generation_info)])
+            else:
+                result = self.engine.generate(prompt, **self._engine_kwargs(stop, kwargs))
+                generations.append([Generation(text=result.text, generation_info=generation_info(result, self.engine))])
+        return LLMResult(generations=generations, llm_output={"model_name": self.model_name})
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        stream: StreamingGeneration = self.engine.stream(prompt, **self._engine_kwargs(stop, kwargs))
+        for text in stream:
+            chunk = GenerationChunk(text=text)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(text, chunk=chunk)
+            yield chunk
+        assert stream.result is not None
+        yield GenerationChunk(text="", generation_info=generation_info(stream.result, self.engine))
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, ChatMessage):
+        return message.role
+    return {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}.get(message.type, "user")
+
+
+def _usage(result: EngineGeneration, prompt_tokens: int) -> UsageMetadata:
+    output = len(result.token_ids)
+    return UsageMetadata(input_tokens=prompt_tokens, output_tokens=output, total_tokens=prompt_tokens + output)
+
+
+class ChatPromptCache(_EngineParams, BaseChatModel):
+    """A LangChain chat model served by Prompt Cache.
+
+    Messages are rendered with the model's own chat template. Reuse statistics are in each
+    message's ``response_metadata``; token counts in ``usage_metadata``.
+    """
+
+    # LangChain's standard chat-model parameters; a local model has no use for them
+    timeout: float | None = None
+    max_retries: int = 0
+    api_key: SecretStr | None = None
+
+    @property
+    def _llm_type(self) -> str:
+        return "pc-rag-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "ls_provider": "pc-rag",
+            "ls_model_name": kwargs.get("model") or self.model_name,
+            "ls_model_type": "chat",
+            "ls_temperature": kwargs.get("temperature", self.temperature),
+            "ls_max_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
+        }
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    def _prompt(self, messages: list[BaseMessage]) -> str:
+        return self.engine.render_chat([{"role": _role(m), "content": m.text} for m in messages])
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        if self.streaming:
+            chunks = list(self._stream(messages, stop, run_manager, **kwargs))
+            message = chunks[0].message
+            for chunk in chunks[1:]:
+                message = message + chunk.message  # type: ignore[assignment]
+            final = AIMessage(
+                content=message.content, response_metadata=message.response_metadata, usage_metadata=message.usage_metadata
+            )
+            return ChatResult(generations=[ChatGeneration(message=final, generation_info=dict(message.response_metadata))])
+        result = self.engine.generate(self._prompt(messages), **self._engine_kwargs(stop, kwargs))
+        info = generation_info(result, self.engine)
+        message = AIMessage(content=result.text, response_metadata=info, usage_metadata=_usage(result, info["cached_tokens"] + info["computed_tokens"]))
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        stream: StreamingGeneration = self.engine.stream(self._prompt(messages), **self._engine_kwargs(stop, kwargs))
+        for text in stream:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=text))
+            if run_manager is not None:
+                run_manager.on_llm_new_token(text, chunk=chunk)
+            yield chunk
+        assert stream.result is not None
+        info = generation_info(stream.result, self.engine)
+        usage = _usage(stream.result, info["cached_tokens"] + info["computed_tokens"])
+        yield ChatGenerationChunk(message=AIMessageChunk(content="", response_metadata=info, usage_metadata=usage, chunk_position="last"))
+
+
+class PromptCacheRetriever(BaseRetriever):
+    """A LangChain retriever over a :class:`~pc_rag.retrievers.FaissModuleRetriever`.
+
+    Returned documents carry ``metadata["module"]`` (and ``"schema"``, ``"score"``): what
+    :func:`format_modules` turns into module references.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: Any = Field(default=None, exclude=True)
+    """The FAISS module retriever; by default one over the shared default engine's documents."""
+    k: int = Field(default=4, ge=1)
+
+    def model_post_init(self, context: Any) -> None:
+        if self.retriever is None:
+            self.retriever = FaissModuleRetriever.from_engine(shared_engine())
+        elif not isinstance(self.retriever, FaissModuleRetriever):
+            raise PromptCacheError(f"retriever must be a pc_rag.retrievers.FaissModuleRetriever, got {type(self.retriever).__name__}")
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None, **kwargs: Any
+    ) -> list[Document]:
+        if kwargs:
+            raise PromptCacheError(f"unknown retriever arguments: {', '.join(sorted(kwargs))} (known: k)")
+        hits = self.retriever.search(query, k=k if k is not None else self.k)
+        return [
+            Document(
+                page_content=hit.text,
+                metadata={**hit.metadata, "module": hit.module, "schema": hit.schema, "score": hit.score},
+                id=hit.module,
+            )
+            for hit in hits
+        ]
+
+
+def format_modules(docs: Sequence[Document]) -> str:
+    """The retrieved documents as module references, one paragraph each, for a prompt template.
+
+    Documents without ``metadata["module"]`` (from another retriever) are written as their
+    text; the engine still reuses it if it holds that text verbatim.
+    """
+    parts = []
+    for doc in docs:
+        name = doc.metadata.get("module") if doc.metadata else None
+        parts.append(module_reference(name, doc.metadata.get("schema", "docs")) if name else doc.page_content)
+    return "\n\n".join(parts)
