@@ -1,0 +1,170 @@
+"""LlamaIndex adapters: a ``CustomLLM`` and a retriever over a :class:`~pc_rag.PromptCache`.
+
+The retriever's nodes render, for the LLM, as references to their pre-encoded modules (a node
+``text_template``), so a query engine's synthesizer stuffs references, not text, into its
+prompt; for embedding and display they are their plain text. Nodes from any other retriever
+still benefit: their verbatim text is found by the engine's drop-in index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseGen,
+    LLMMetadata,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from pydantic import Field
+
+from ..documents import module_reference
+from ..engine import PromptCache
+from ..errors import PromptCacheError
+from ..generation import StreamingGeneration
+from ..retrievers import FaissModuleRetriever
+from ._shared import SAMPLING_KEYS, generation_info, model_name, shared_engine
+
+__all__ = ["PromptCacheLLM", "PromptCacheRetriever"]
+
+
+class PromptCacheLLM(CustomLLM):
+    """A LlamaIndex LLM served by Prompt Cache.
+
+    ``PromptCacheLLM(engine=engine, max_new_tokens=128)``. ``chat`` renders messages with the
+    model's chat template; ``complete`` uses the prompt as given (after ``completion_to_prompt``
+    when one is set). When the tokenizer has a chat template the LLM reports itself as a chat
+    model, so query engines send it chat messages. Reuse statistics are in each response's
+    ``additional_kwargs``.
+    """
+
+    engine: Any = Field(default=None, exclude=True, description="the pc_rag.PromptCache")
+    model: str | None = Field(default=None, description="hub id or local folder used when no engine is given")
+    max_new_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = None
+    use_cache: bool = Field(default=True, description="False runs full prefill of the same tokens (the baseline)")
+
+    def __init__(self, engine: PromptCache | None = None, model: str | None = None, **kwargs: Any) -> None:
+        if engine is None:
+            engine = shared_engine(model)
+        elif not isinstance(engine, PromptCache):
+            raise PromptCacheError(f"engine must be a pc_rag.PromptCache, got {type(engine).__name__}")
+        super().__init__(engine=engine, model=model, **kwargs)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "PromptCacheLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self.engine.context_window or 2048,
+            num_output=self.max_new_tokens,
+            is_chat_model=bool(getattr(self.engine.tokenizer, "chat_template", None)),
+            model_name=model_name(self.engine),
+        )
+
+    def _engine_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(kwargs) - set(SAMPLING_KEYS) - {"stop", "formatted"}
+        if unknown:
+            raise PromptCacheError(f"unknown generation arguments: {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING_KEYS)}, stop)")
+        params: dict[str, Any] = {key: kwargs.get(key, getattr(self, key)) for key in ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache")}
+        if kwargs.get("stop") is not None:
+            params["stop"] = kwargs["stop"]
+        if "seed" in kwargs:
+            params["seed"] = kwargs["seed"]
+        return params
+
+    def _prepare(self, prompt: str, formatted: bool) -> str:
+        return prompt if formatted or self.completion_to_prompt is None else self.completion_to_prompt(prompt)
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        result = self.engine.generate(self._prepare(prompt, formatted), **self._engine_kwargs(kwargs))
+        return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        stream: StreamingGeneration = self.engine.stream(self._prepare(prompt, formatted), **self._engine_kwargs(kwargs))
+
+        def responses() -> CompletionResponseGen:
+            text = ""
+            for delta in stream:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+            assert stream.result is not None
+            yield CompletionResponse(text=text, delta="", additional_kwargs=generation_info(stream.result, self.engine))
+
+        return responses()
+
+    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        return self.engine.render_chat([{"role": str(m.role.value), "content": m.content or ""} for m in messages])
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        response = self.complete(self._chat_prompt(messages), formatted=True, **kwargs)
+        return ChatResponse(
+            message=ChatMessage(role="assistant", content=response.text),
+            additional_kwargs=response.additional_kwargs,
+        )
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        completions = self.stream_complete(self._chat_prompt(messages), formatted=True, **kwargs)
+
+        def responses() -> ChatResponseGen:
+            for response in completions:
+                yield ChatResponse(
+                    message=ChatMessage(role="assistant", content=response.text),
+                    delta=response.delta,
+                    additional_kwargs=response.additional_kwargs,
+                )
+
+        return responses()
+
+
+class PromptCacheRetriever(BaseRetriever):
+    """A LlamaIndex retriever over a :class:`~pc_rag.retrievers.FaissModuleRetriever`, returning ``NodeWithScore``.
+
+    Nodes carry ``metadata["module"]``; with ``references=True`` (default) their LLM rendering is
+    a reference to the module, so the synthesizer's prompt imports the KV instead of the text.
+    """
+
+    def __init__(self, retriever: FaissModuleRetriever | None = None, k: int = 4, *, references: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if retriever is None:
+            retriever = FaissModuleRetriever.from_engine(shared_engine())
+        elif not isinstance(retriever, FaissModuleRetriever):
+            raise PromptCacheError(f"retriever must be a pc_rag.retrievers.FaissModuleRetriever, got {type(retriever).__name__}")
+        if not isinstance(k, int) or k < 1:
+            raise PromptCacheError(f"k must be a positive int, got {k!r}")
+        self.retriever = retriever
+        self.k = k
+        self.references = references
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        nodes = []
+        for hit in self.retriever.search(query_bundle.query_str, k=self.k):
+            metadata = {**hit.metadata, "module": hit.module, "schema": hit.schema}
+            node = TextNode(
+                text=hit.text,
+                id_=hit.module,
+                metadata=metadata,
+                # the LLM sees the reference (template below) and no metadata header; embedders see only the text
+                excluded_llm_metadata_keys=[k for k in metadata if k != "module"] if self.references else list(metadata),
+                excluded_embed_metadata_keys=list(metadata),
+            )
+            if self.references:
+                # the template replaces the text only when the LLM rendering has metadata (``module``)
+                node.text_template = module_reference(hit.module, hit.schema).replace("{", "{{").replace("}", "}}")
+            nodes.append(NodeWithScore(node=node, score=hit.score))
+        return nodes
