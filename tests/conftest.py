@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,3 +63,29 @@ def make_engine(make_tiny, tokenizer) -> Callable[..., PromptCache]:
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+SQUAD = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "squad_v1.1_dev_super_bowl_50.json"
+
+
+@pytest.fixture(scope="session")
+def squad_paragraphs() -> list[dict]:
+    """The 54 paragraphs of SQuAD v1.1 dev "Super_Bowl_50", each with its questions."""
+    data = json.loads(SQUAD.read_text())["data"]
+    return [p for article in data for p in article["paragraphs"]]
+
+
+@pytest.fixture(scope="session")
+def smollm() -> PromptCache:
+    """The embedded SmolLM2-135M-Instruct engine, shared by the end-to-end tests."""
+    return PromptCache.from_pretrained()
+
+
+@pytest.fixture(scope="session")
+def squad_retriever(smollm, squad_paragraphs):
+    """A FAISS retriever bound to the SmolLM2 engine, holding the first 8 SQuAD paragraphs as modules."""
+    from pc_rag.retrievers import FaissModuleRetriever
+
+    retriever = FaissModuleRetriever(engine=smollm)
+    retriever.add([p["context"] for p in squad_paragraphs[:8]], progress=False)
+    return retriever
