@@ -1,0 +1,82 @@
+"""LlamaIndex adapters end to end: RetrieverQueryEngine on the embedded models."""
+
+from __future__ import annotations
+
+import pytest
+from llama_index.core.base.llms.types import ChatMessage
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.schema import NodeWithScore, QueryBundle
+
+from pc_rag.integrations.llama_index import PromptCacheLLM, PromptCacheRetriever
+
+QUESTION = "Who won Super Bowl 50?"
+
+
+@pytest.fixture
+def calls(smollm, monkeypatch):
+    """The engine's streams during the test (the query engine hides the stats); read ``.result`` after."""
+    streams = []
+    original = smollm.stream
+
+    def spy(*args, **kwargs):
+        streams.append(original(*args, **kwargs))
+        return streams[-1]
+
+    monkeypatch.setattr(smollm, "stream", spy)
+    return streams
+
+
+def test_retriever_returns_nodes_with_modules(squad_retriever):
+    retriever = PromptCacheRetriever(squad_retriever, k=3)
+    nodes = retriever.retrieve(QUESTION)
+    assert len(nodes) == 3 and all(isinstance(n, NodeWithScore) for n in nodes)
+    assert all(n.node.metadata["module"] in squad_retriever.names for n in nodes)
+    assert nodes[0].score >= nodes[-1].score
+    # shown to the LLM as a module reference, to embedders and users as its text
+    assert nodes[0].node.get_content(metadata_mode="llm").startswith("[[pc-rag-module ")
+    assert nodes[0].node.get_content(metadata_mode="none") == squad_retriever.texts[squad_retriever.names.index(nodes[0].node.node_id)]
+    plain = PromptCacheRetriever(squad_retriever, k=1, references=False).retrieve(QueryBundle(QUESTION))[0]
+    assert plain.node.get_content(metadata_mode="llm") == plain.node.get_content(metadata_mode="none")
+
+
+@pytest.mark.parametrize("mode", ["compact", "simple_summarize"])
+@pytest.mark.parametrize("references", [True, False])
+def test_query_engine_reuses_module_kv(smollm, squad_retriever, calls, mode, references):
+    llm = PromptCacheLLM(engine=smollm, max_new_tokens=24)
+    engine = RetrieverQueryEngine.from_args(PromptCacheRetriever(squad_retriever, k=3, references=references), llm=llm, response_mode=mode)
+    response = engine.query(QUESTION)
+    # answer quality is the quality benchmark's business (a 135M model, approximate KV); here: it answers
+    assert str(response).strip() and len(response.source_nodes) == 3
+    (stream,) = calls
+    result = stream.result
+    retrieved = [n.node.node_id for n in response.source_nodes]
+    if references or mode == "compact":
+        assert sorted(result.stats.modules) == sorted(retrieved)
+        assert result.stats.cached_tokens > 300 and result.stats.computed_tokens < result.stats.cached_tokens
+    else:
+        # simple_summarize formats its context as the repr() of a list of strings, which escapes
+        # quotes and newlines: texts containing them are no longer verbatim (references survive)
+        assert set(result.stats.modules) < set(retrieved) and result.stats.cached_tokens > 0
+
+
+def test_streaming_query_engine(smollm, squad_retriever, calls):
+    llm = PromptCacheLLM(engine=smollm, max_new_tokens=24)
+    engine = RetrieverQueryEngine.from_args(PromptCacheRetriever(squad_retriever, k=2), llm=llm, streaming=True)
+    response = engine.query("Where was Super Bowl 50 played?")
+    pieces = list(response.response_gen)
+    assert len(pieces) > 3 and "".join(pieces).strip()
+    assert calls[0].result.stats.cached_tokens > 0
+
+
+def test_llm_complete_chat_and_metadata(smollm):
+    llm = PromptCacheLLM(engine=smollm, max_new_tokens=8)
+    meta = llm.metadata
+    assert meta.context_window == smollm.context_window == 8192 and meta.num_output == 8 and meta.is_chat_model
+    completion = llm.complete("The capital of France is")
+    assert completion.text and {"cached_tokens", "computed_tokens", "ttft_s"} <= set(completion.additional_kwargs)
+    streamed = list(llm.stream_complete("The capital of France is"))
+    assert streamed[-1].text == completion.text and "".join(r.delta for r in streamed) == completion.text
+    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Say hi.")]
+    reply = llm.chat(messages)
+    assert reply.message.content and reply.additional_kwargs["computed_tokens"] > 0
+    assert [r.delta for r in llm.stream_chat(messages)][-1] == "" and list(llm.stream_chat(messages))[-1].message.content == reply.message.content
