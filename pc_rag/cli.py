@@ -1,26 +1,29 @@
-"""``pc-rag``: command-line entry points (``generate``, ``demo``)."""
+"""``pc-rag``: command-line entry points (``generate``, ``demo``, ``ask``)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
+import time
 from pathlib import Path
 
 from .engine import ENCODINGS, PromptCache
 from .errors import PromptCacheError
 from .generation import Generation
 from .model import cache_root
-from .pml import escape
 
-DEMO_MODULES = ("json", "csv", "argparse", "logging", "pathlib", "sqlite3")
+logger = logging.getLogger(__name__)
+
 DEMO_QUESTIONS = (
-    (("json",), "How do I turn a Python object into a JSON string?"),
-    (("csv",), "Which class reads CSV rows as dictionaries?"),
-    (("argparse", "logging"), "What are these two modules for?"),
-    (("pathlib", "sqlite3", "json"), "Which of these modules works with file system paths?"),
+    "How do I turn a Python object into a JSON string?",
+    "Which class reads CSV rows as dictionaries?",
+    "How can I run a shell command and capture its output?",
+    "How do I get the smallest item from a heap?",
+    "How do I generate a random UUID?",
 )
+DEMO_SYSTEM = "You are a concise Python expert. Answer the question from the documentation passages."
+CHAT_TEMPLATE = (("system", DEMO_SYSTEM), ("human", "Documentation:\n\n{context}\n\nQuestion: {question}"))
 
 
 def _read_text(value: str) -> str:
@@ -68,31 +71,70 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_schema() -> str:
-    """A schema whose modules are the docstrings of a few standard-library modules."""
-    parts = ['<schema name="stdlib-docs">', "<system>You are a concise Python expert. Answer from the documentation.</system>", "<user>"]
-    for name in DEMO_MODULES:
-        doc = (importlib.import_module(name).__doc__ or "").strip()
-        parts.append(f'<module name="{name}">Documentation of the {name} module:\n{escape(doc)}\n</module>')
-    parts.append("</user></schema>")
-    return "\n".join(parts)
+class DemoRAG:
+    """The demo's RAG stack: stdlib passages as document modules, FAISS, and a LangChain chain."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from .corpus import stdlib_corpus
+        from .retrievers import FaissModuleRetriever
+
+        if args.cache_dir is None:
+            args.cache_dir = str(cache_root())
+        started = time.perf_counter()
+        self.engine = _engine(args)
+        corpus = stdlib_corpus()
+        names = self.engine.add_documents(
+            [p.text for p in corpus], ids=[p.id for p in corpus], metadatas=[p.metadata for p in corpus], system=DEMO_SYSTEM
+        )
+        try:
+            self.retriever = FaissModuleRetriever.load(engine=self.engine)
+            if sorted(self.retriever.names) != sorted(names):
+                raise PromptCacheError("the saved index holds other documents")
+        except PromptCacheError as reason:
+            logger.info("building the index (%s)", reason)
+            self.retriever = FaissModuleRetriever(engine=self.engine)
+            self.retriever.add([p.text for p in corpus], ids=names, metadatas=[p.metadata for p in corpus], progress=False)
+            self.retriever.save()
+        tokens = sum(len(self.engine.schemas["docs"].layout.modules[n].token_ids) for n in names)
+        print(f"corpus: {len(names)} passages of standard-library documentation, {tokens} tokens, "
+              f"ready in {time.perf_counter() - started:.1f} s (cache: {args.cache_dir})\n")
+        self.k = args.k
+        self.max_new_tokens = args.max_new_tokens
+
+    def chain(self, use_cache: bool = True):  # noqa: ANN201 - a LangChain Runnable
+        from langchain_core.prompts import ChatPromptTemplate
+        from langchain_core.runnables import RunnablePassthrough
+
+        from .integrations.langchain import ChatPromptCache, PromptCacheRetriever, format_modules
+
+        retriever = PromptCacheRetriever(retriever=self.retriever, k=self.k)
+        llm = ChatPromptCache(engine=self.engine, max_new_tokens=self.max_new_tokens, use_cache=use_cache)
+        prompt = ChatPromptTemplate.from_messages(list(CHAT_TEMPLATE))
+        return {"context": retriever | format_modules, "question": RunnablePassthrough()} | prompt | llm
+
+    def answer(self, question: str, compare: bool) -> None:
+        message = self.chain().invoke(question)
+        meta = message.response_metadata
+        print(f"Q: {question}\nA: {message.content.strip()}")
+        print(f"   modules: {', '.join(meta['modules'])}")
+        line = f"   TTFT cached {meta['ttft_s'] * 1000:.0f} ms ({meta['cached_tokens']} cached / {meta['computed_tokens']} computed tokens)"
+        if compare:
+            full = self.chain(use_cache=False).invoke(question)
+            full_ttft = full.response_metadata["ttft_s"]
+            line += f" | full prefill {full_ttft * 1000:.0f} ms | speedup {full_ttft / max(meta['ttft_s'], 1e-9):.1f}x"
+            line += f" | same answer as full prefill: {full.content == message.content}"
+        print(line + "\n")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.cache_dir is None:
-        args.cache_dir = str(cache_root() / "kv")
-    engine = _engine(args)
-    schema = engine.add_schema(demo_schema())
-    print(f"schema {schema.name!r}: {len(schema.modules)} modules, {schema.layout.length} tokens (cache: {args.cache_dir})\n")
-    for modules, question in DEMO_QUESTIONS:
-        refs = "".join(f"<{m}/>" for m in modules)
-        prompt = f'<prompt schema="stdlib-docs">{refs}<user>{escape(question)}</user></prompt>'
-        cached = engine.generate(prompt, max_new_tokens=args.max_new_tokens)
-        full = engine.generate(prompt, max_new_tokens=args.max_new_tokens, use_cache=False)
-        print(f"Q: {question}\nA: {cached.text.strip()}")
-        _print_stats("cached", cached)
-        _print_stats("full prefill", full)
-        print(f"TTFT speedup: {full.stats.ttft_s / max(cached.stats.ttft_s, 1e-9):.1f}x; same answer as full prefill: {cached.text == full.text}\n")
+    rag = DemoRAG(args)
+    for question in DEMO_QUESTIONS:
+        rag.answer(question, compare=True)
+    return 0
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    DemoRAG(args).answer(args.question, compare=args.compare)
     return 0
 
 
@@ -103,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     common.add_argument("--encoding", choices=ENCODINGS, default=None, help="module encoding mode")
     common.add_argument("--cache-dir", default=None, help="persist module KV here")
-    common.add_argument("--max-new-tokens", type=int, default=64)
+    common.add_argument("--max-new-tokens", type=int, default=96)
     common.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", parents=[common], help="answer one PML (or plain) prompt")
@@ -113,8 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--no-cache", action="store_true", help="full prefill of the same tokens (the baseline)")
     mode.add_argument("--compare", action="store_true", help="run cached and full prefill and print the TTFT speedup")
     gen.set_defaults(func=cmd_generate)
-    demo = sub.add_parser("demo", parents=[common], help="cached vs full prefill on standard-library documentation")
+    rag = argparse.ArgumentParser(add_help=False)
+    rag.add_argument("-k", type=int, default=3, help="documents retrieved per question")
+    demo = sub.add_parser("demo", parents=[common, rag], help="RAG over standard-library documentation: cached vs full prefill")
     demo.set_defaults(func=cmd_demo)
+    ask = sub.add_parser("ask", parents=[common, rag], help="answer one question over the demo corpus")
+    ask.add_argument("question")
+    ask.add_argument("--compare", action="store_true", help="also run full prefill and print the TTFT speedup")
+    ask.set_defaults(func=cmd_ask)
     return parser
 
 

@@ -337,6 +337,11 @@ class PromptCache:
         if layout.prefix is not None:
             schema.keys[layout.prefix] = self._entry_key(layout, layout.prefix, None)
             self._ensure(layout, layout.prefix, schema.keys[layout.prefix], None)
+            if self.drop_in and turn and not self.bos_ids:
+                # a chat prompt that opens with this very system turn reuses its KV too (position 0: exact)
+                info = layout.modules[layout.prefix]
+                info.text, info.text_tokens = turn, len(info.token_ids)
+                self.text_index.add(name, layout.prefix, turn)
         self.schemas[name] = schema
         return schema
 

@@ -564,7 +564,8 @@ def plan_text(
         n = len(info.token_ids) if item.tokens is None else item.tokens
         segments.append(Segment(tuple(info.token_ids[:n]), position, item.name, 0, info.positions[0], item.schema))
         position += n
-        order.append(item.name)
+        if not item.name.startswith("#"):  # anonymous text (a system turn) is not an imported module
+            order.append(item.name)
     flush()
     if not segments:
         raise PromptCacheError("the prompt is empty")

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pc_rag.cli import demo_schema, main
-from pc_rag.pml import parse_schema
+from pc_rag.cli import DEMO_QUESTIONS, main
+from pc_rag.corpus import stdlib_corpus
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PAIRS = [("travel.xml", "travel_prompt.xml"), ("code_assistant.xml", "code_prompt.xml"), ("personalization.xml", "personalization_prompt.xml")]
@@ -35,6 +35,22 @@ def test_cli_reports_bad_prompts(tiny_folder, capsys):
     assert "unknown module <tokio/>" in capsys.readouterr().err
 
 
-def test_demo_schema_escapes_documentation_text():
-    doc = parse_schema(demo_schema())
-    assert doc.name == "stdlib-docs" and len(doc.children) == 2
+def test_corpus_is_real_documentation_in_bounded_passages():
+    corpus = stdlib_corpus()
+    assert len(corpus) > 30 and len({p.id for p in corpus}) == len(corpus)
+    assert all(len(p.text) <= 1000 + len("Python module statistics: ") for p in corpus)
+    assert any("JSON" in p.text for p in corpus if p.metadata["python_module"] == "json")
+
+
+def test_demo_and_ask_run_the_langchain_rag_chain(tiny_folder, tmp_path, capsys):
+    args = ["--model", str(tiny_folder), "--cache-dir", str(tmp_path), "--max-new-tokens", "3", "-k", "2"]
+    assert main(["demo", *args]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Q: ") == len(DEMO_QUESTIONS) and out.count("speedup") == len(DEMO_QUESTIONS)
+    assert "corpus: " in out and "modules: " in out
+    assert any((tmp_path / "kv").rglob("*.safetensors")) and (tmp_path / "index" / "docs" / "index.faiss").is_file()
+    stored = sorted(p.name for p in (tmp_path / "kv").rglob("*.safetensors"))
+    assert main(["ask", "How do I parse JSON?", *args]) == 0
+    out = capsys.readouterr().out
+    assert "Q: How do I parse JSON?" in out and "cached" in out and "speedup" not in out
+    assert sorted(p.name for p in (tmp_path / "kv").rglob("*.safetensors")) == stored  # nothing re-encoded
