@@ -107,7 +107,9 @@ def test_document_behind_its_prefix_reproduces_full_prefill(engine):
     prefix = engine.markers.starts["system"] + DEFAULT_SYSTEM + engine.markers.ends["system"]
     prompt = prefix + DOCS[1] + " And so?"
     plan = engine.plan(prompt)
-    assert plan.modules == [default_name(DOCS[1])] and plan.cached_tokens == len(engine.tokenize(DOCS[1]))
+    # the system turn (the schema's prefix, found verbatim at position 0) and the document are both reused
+    assert plan.modules == [default_name(DOCS[1])]
+    assert plan.cached_tokens == len(engine.tokenize(prefix)) + len(engine.tokenize(DOCS[1]))
     cached = engine.next_token_logits(prompt)
     full = engine.next_token_logits(prompt, use_cache=False)
     assert (cached - full).abs().max().item() <= 1e-4
