@@ -82,6 +82,7 @@ def test_llm_streaming_fires_callbacks_and_honours_stop(smollm):
     assert text and counter.tokens and "".join(counter.tokens) == text
     full = llm.invoke("The capital of France is")
     assert full == text  # greedy: streaming and invoke agree
+    assert PromptCacheLLM(engine=smollm, max_new_tokens=20, streaming=True).invoke("The capital of France is") == text
     cut = llm.invoke("The capital of France is", stop=[full.strip()[:3]])
     assert full.strip()[:3] not in cut and len(cut) < len(full)
     result = llm.generate(["Hello"], max_new_tokens=3)
@@ -97,6 +98,8 @@ def test_chat_streaming_batch_and_async(smollm):
     streamed = "".join(c.content for c in chunks)
     assert streamed == "".join(counter.tokens) and chunks[-1].response_metadata["ttft_s"] > 0
     assert chat.invoke(messages).content == streamed
+    streaming = ChatPromptCache(engine=smollm, max_new_tokens=12, streaming=True).invoke(messages)
+    assert streaming.content == streamed and streaming.response_metadata["computed_tokens"] > 0
     batch = chat.batch([messages, [HumanMessage("Say hi.")]])
     assert batch[0].content == streamed and len(batch) == 2
 
