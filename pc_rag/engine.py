@@ -254,6 +254,20 @@ class PromptCache:
             module = self.store.put(key, module, {"schema": layout.name, "module": name, "tokens": len(info.token_ids)})
         return module
 
+    def _check_budget(self, plan: Plan) -> None:
+        """Refuse, before any work, a request whose imported module KV alone exceeds the memory budget."""
+        budget = self.store.memory_budget
+        if budget is None:
+            return
+        layers, kv_heads, head_dim = kv_shape(self.model)
+        per_token = layers * 2 * kv_heads * head_dim * torch.empty((), dtype=self.store.kv_dtype).element_size()
+        needed = plan.cached_tokens * per_token
+        if needed > budget:
+            raise PromptCacheError(
+                f"the prompt imports {plan.cached_tokens} cached tokens ({needed:,} bytes of KV), "
+                f"more than memory_budget ({budget:,} bytes); raise the budget or import fewer modules"
+            )
+
     def _check_window(self, length: int, what: str) -> None:
         if self.context_window is not None and length > self.context_window:
             raise PromptCacheError(f"{what} needs {length} positions, more than the model's context window ({self.context_window})")
@@ -488,6 +502,9 @@ class PromptCache:
         started = time.perf_counter()
         params = SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed)
         plan = self.plan(prompt)  # errors surface here, before the caller starts iterating
+        self._check_window(max(plan.position_ids) + 1, "the prompt")
+        if use_cache:
+            self._check_budget(plan)
         return StreamingGeneration(self._decode(plan, params, use_cache, started))
 
     # -----------------------------------------------------------------------------------------

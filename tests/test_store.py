@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from pc_rag import PromptCache
+from pc_rag import PromptCache, PromptCacheError
 
 SCHEMA = """<schema name="kb">
 <system>Answer briefly.</system>
@@ -105,8 +105,8 @@ def test_no_temporary_files_are_left_behind(saved_model, tmp_path):
 def test_memory_budget_evicts_to_disk_and_serving_still_matches(make_tiny, tokenizer):
     reference = PromptCache(make_tiny("llama"), tokenizer)
     reference.add_schema(SCHEMA, progress=False)
-    per_module = max(m.nbytes for m in reference.store._memory.values())
-    budget = 2 * per_module
+    # room for what PROMPT imports (prefix, a, c), not for the whole schema: b's turn forces evictions
+    budget = sum(m.nbytes for m in reference.store._memory.values()) - min(m.nbytes for m in reference.store._memory.values()) // 2
     engine = PromptCache(make_tiny("llama"), tokenizer, memory_budget=budget)
     engine.add_schema(SCHEMA, progress=False)
     assert engine.store.memory_bytes <= budget
@@ -123,3 +123,13 @@ def test_store_dtype_keeps_kv_in_lower_precision(make_tiny, tokenizer):
     full = engine.next_token_logits(PROMPT, use_cache=False)
     cached = engine.next_token_logits(PROMPT)
     assert cached.dtype == torch.float32 and (cached - full).abs().max().item() < 0.5
+
+
+def test_request_over_the_memory_budget_is_refused_before_any_work(make_tiny, tokenizer):
+    engine = PromptCache(make_tiny("llama"), tokenizer, memory_budget=1024)  # smaller than any module
+    engine.add_schema(SCHEMA, progress=False)
+    passes = engine.forward.passes
+    with pytest.raises(PromptCacheError, match="more than memory_budget"):
+        engine.generate(PROMPT, max_new_tokens=2)
+    assert engine.forward.passes == passes
+    assert engine.generate(PROMPT, max_new_tokens=2, use_cache=False).stats.cached_tokens == 0  # the baseline needs no store
