@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PromptCacheError
+from .layout import ModuleSpan
 from .pml import ROLES, escape
 
 DEFAULT_SCHEMA = "docs"
@@ -119,22 +120,16 @@ def module_reference(name: str, schema: str = DEFAULT_SCHEMA) -> str:
     return f"[[pc-rag-module {_SECRET} {check_name(schema, 'schema name')}/{check_name(name, 'module name')}]]"
 
 
-@dataclass(frozen=True)
-class Reference:
-    schema: str
-    name: str
-
-
-def split_references(text: str) -> list[str | Reference]:
-    """Split plain text at the module references carrying this process's secret."""
-    out: list[str | Reference] = []
+def split_references(text: str) -> list[str | ModuleSpan]:
+    """Split plain text at the module references carrying this process's secret (spans of whole modules)."""
+    out: list[str | ModuleSpan] = []
     cursor = 0
     for m in _REFERENCE.finditer(text):
         if not secrets.compare_digest(m.group(1), _SECRET):
             continue  # a forged or foreign reference: text like any other
         if m.start() > cursor:
             out.append(text[cursor : m.start()])
-        out.append(Reference(m.group(2), m.group(3)))
+        out.append(ModuleSpan(m.group(2), m.group(3)))
         cursor = m.end()
     if cursor < len(text):
         out.append(text[cursor:])

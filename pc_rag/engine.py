@@ -20,13 +20,13 @@ from tqdm.auto import tqdm
 
 from . import attention
 from . import documents as docs_mod
-from .documents import DEFAULT_SCHEMA, SEPARATOR, DocumentRecord, Reference, split_references
+from .documents import DEFAULT_SCHEMA, SEPARATOR, DocumentRecord, split_references
 from .dropin import ModuleTextIndex
 from .encoder import Forward
 from .errors import PromptCacheError
 from .generation import CacheStats, Generation, IncrementalDetokenizer, Sampler, SamplingParams, StopFilter, StreamingGeneration
 from .kvcache import BufferPool, KVBuffer, ModuleKV, kv_shape
-from .layout import ModuleSpan, Plan, SchemaLayout, Segment, _close_names, add_document, document_layout, layout_schema, plan_prompt, plan_text
+from .layout import ModuleSpan, Plan, SchemaLayout, Segment, close_names, add_document, document_layout, layout_schema, plan_prompt, plan_text
 from .model import PositionKind, RopeRotator, chat_markers, load_model, model_fingerprint, probe_position_kind
 from .pml import is_pml_prompt, parse_prompt, parse_schema
 from .store import DiskTier, ModuleStore
@@ -95,12 +95,13 @@ class PromptCache:
         self.dtype = model.dtype
         self.forward = Forward(model)
         self.buffers = BufferPool(model)
-        kv_shape(model)  # fail early on models without the usual config fields
+        layers, kv_heads, head_dim = kv_shape(model)  # fails early on models without the usual config fields
         self.markers = chat_markers(tokenizer)
         self.position_kind: PositionKind = probe_position_kind(model, self.forward.keys_at)
         self.rotator = RopeRotator(model) if self.position_kind == "rope" else None
         self.forward.passes = 0  # the probe is not module encoding
         self.placeholder_id = self._placeholder_token()
+        self.separator_ids = self.tokenize(SEPARATOR)  # what follows every document's text in its module
         self.bos_ids = self._bos_ids()
         self.stop_token_ids = self._stop_token_ids()
         self.context_window = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0) or 0) or None
@@ -117,9 +118,11 @@ class PromptCache:
             atexit.register(shutil.rmtree, spill, True)
             disk = DiskTier(Path(spill), self.fingerprint)
         store_device = self.device if kv_location == "device" else torch.device("cpu")
+        kv_dtype = store_dtype or self.dtype
+        self._kv_bytes_per_token = layers * 2 * kv_heads * head_dim * torch.empty((), dtype=kv_dtype).element_size()
         self.store = ModuleStore(
             device=store_device,
-            kv_dtype=store_dtype or self.dtype,
+            kv_dtype=kv_dtype,
             memory_budget=memory_budget,
             disk=disk,
             pin=store_device.type == "cpu" and self.device.type == "cuda",
@@ -259,9 +262,7 @@ class PromptCache:
         budget = self.store.memory_budget
         if budget is None:
             return
-        layers, kv_heads, head_dim = kv_shape(self.model)
-        per_token = layers * 2 * kv_heads * head_dim * torch.empty((), dtype=self.store.kv_dtype).element_size()
-        needed = plan.cached_tokens * per_token
+        needed = plan.cached_tokens * self._kv_bytes_per_token
         if needed > budget:
             raise PromptCacheError(
                 f"the prompt imports {plan.cached_tokens} cached tokens ({needed:,} bytes of KV), "
@@ -306,7 +307,7 @@ class PromptCache:
         with self._lock:
             target = self._document_schema(schema, system)
             layout = target.layout
-            separator = self.tokenize(SEPARATOR)
+            separator = self.separator_ids
             names: list[str] = []
             fresh: dict[str, tuple[str, list[int], dict[str, Any]]] = {}
             for doc_id, text, meta in records:  # validate everything before changing anything
@@ -407,7 +408,7 @@ class PromptCache:
         bos = [] if bos_text and prompt.startswith(bos_text) else self.bos_ids  # a chat template may render BOS itself
         items: list[str | ModuleSpan] = []
         for piece in split_references(prompt):
-            if isinstance(piece, Reference):
+            if isinstance(piece, ModuleSpan):
                 items.append(self._referenced(piece))
                 continue
             cursor = 0
@@ -420,14 +421,14 @@ class PromptCache:
             items.append(piece[cursor:])
         return plan_text(items, {name: s.layout for name, s in self.schemas.items()}, self.tokenize, bos)
 
-    def _referenced(self, ref: Reference) -> ModuleSpan:
+    def _referenced(self, ref: ModuleSpan) -> ModuleSpan:
         schema = self.schemas.get(ref.schema)
         if schema is None:
             raise PromptCacheError(f"module reference to unknown schema {ref.schema!r} (schemas: {', '.join(sorted(self.schemas)) or 'none'})")
         info = schema.layout.modules.get(ref.name)
         if info is None or info.anonymous:
             raise PromptCacheError(
-                f"module reference to unknown module {ref.name!r} in schema {ref.schema!r}; {_close_names(ref.name, schema.layout.named_modules())}"
+                f"module reference to unknown module {ref.name!r} in schema {ref.schema!r}; {close_names(ref.name, schema.layout.named_modules())}"
             )
         if info.text is None:
             raise PromptCacheError(f"module {ref.name!r} has parameters or nested modules: import it with a PML prompt")
@@ -502,10 +503,11 @@ class PromptCache:
         started = time.perf_counter()
         params = SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed)
         plan = self.plan(prompt)  # errors surface here, before the caller starts iterating
-        self._check_window(max(plan.position_ids) + 1, "the prompt")
+        end = max(plan.position_ids) + 1  # the property builds a list: read it once
+        self._check_window(end, "the prompt")
         if use_cache:
             self._check_budget(plan)
-        return StreamingGeneration(self._decode(plan, params, use_cache, started))
+        return StreamingGeneration(self._decode(plan, end, params, use_cache, started))
 
     # -----------------------------------------------------------------------------------------
     def _prefill(self, plan: Plan, capacity: int, use_cache: bool) -> tuple[KVBuffer, torch.Tensor, float]:
@@ -552,10 +554,10 @@ class PromptCache:
             prefix_kv = self._ensure(schema.layout, prefix, schema.keys[prefix], None)
         return self._ensure(schema.layout, name, schema.keys[name], prefix_kv)
 
-    def _decode(self, plan: Plan, params: SamplingParams, use_cache: bool, started: float) -> Generator[str, None, Generation]:
+    def _decode(
+        self, plan: Plan, next_position: int, params: SamplingParams, use_cache: bool, started: float
+    ) -> Generator[str, None, Generation]:
         total = len(plan.input_ids)
-        next_position = max(plan.position_ids) + 1  # the property builds a list: read it once
-        self._check_window(next_position, "the prompt")
         budget = params.max_new_tokens
         if self.context_window is not None:
             budget = min(budget, self.context_window - next_position)

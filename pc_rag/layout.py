@@ -323,7 +323,7 @@ class Plan:
         return sum(len(s) for s in self.segments if not s.cached)
 
 
-def _close_names(name: str, candidates: list[str]) -> str:
+def close_names(name: str, candidates: list[str]) -> str:
     close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
     shown = close or candidates[:8]
     more = "" if close or len(candidates) <= 8 else f" (and {len(candidates) - 8} more)"
@@ -365,7 +365,7 @@ def plan_prompt(
         info = layout.modules.get(ref.name)
         if info is None or info.anonymous:
             raise PromptCacheError(
-                f"unknown module <{ref.name}/> in schema {layout.name!r}; {_close_names(ref.name, named)}",
+                f"unknown module <{ref.name}/> in schema {layout.name!r}; {close_names(ref.name, named)}",
                 line=ref.line,
                 column=ref.column,
             )

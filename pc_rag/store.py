@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 import zlib
@@ -26,24 +24,12 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from .atomic import atomic_write
 from .kvcache import ModuleKV
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class DiskTier:
@@ -65,7 +51,7 @@ class DiskTier:
         data_path, manifest_path = self._paths(key)
         data_path.parent.mkdir(parents=True, exist_ok=True)
         blob = save_safetensors({"kv": module.kv.detach().to("cpu").contiguous(), "positions": module.positions.contiguous()})
-        _atomic_write(data_path, blob)
+        atomic_write(data_path, blob)
         manifest = {
             "format": FORMAT_VERSION,
             "key": key,
@@ -75,7 +61,7 @@ class DiskTier:
             "created": time.time(),
             **info,
         }
-        _atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
+        atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
 
     def load(self, key: str) -> ModuleKV | None:
         """The entry for ``key``, or ``None`` when absent or invalid (an invalid entry is removed)."""

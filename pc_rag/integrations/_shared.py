@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from ..engine import PromptCache
+from ..errors import PromptCacheError
 from ..generation import Generation
 
 _engines: dict[str | None, PromptCache] = {}
@@ -40,3 +41,22 @@ def generation_info(result: Generation, engine: PromptCache) -> dict[str, Any]:
 
 
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache", "seed")
+_DEFAULTED = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache")  # fields every adapter has
+
+
+def engine_kwargs(adapter: Any, kwargs: dict[str, Any], stop: list[str] | None, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``generate`` arguments: per-call ``kwargs`` over the adapter's fields; unknown names are an error.
+
+    ``max_tokens`` (the LangChain/OpenAI name) is accepted for ``max_new_tokens``.
+    """
+    kwargs = dict(kwargs)
+    if "max_tokens" in kwargs:
+        kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
+    unknown = set(kwargs) - set(SAMPLING_KEYS) - set(ignored)
+    if unknown:
+        raise PromptCacheError(f"unknown generation arguments: {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING_KEYS)})")
+    params = {key: kwargs.get(key, getattr(adapter, key)) for key in _DEFAULTED}
+    params["stop"] = stop
+    if "seed" in kwargs:
+        params["seed"] = kwargs["seed"]
+    return params

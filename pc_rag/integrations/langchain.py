@@ -33,7 +33,7 @@ from ..errors import PromptCacheError
 from ..generation import Generation as EngineGeneration
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
-from ._shared import SAMPLING_KEYS, generation_info, model_name, shared_engine
+from ._shared import engine_kwargs, generation_info, model_name, shared_engine
 
 __all__ = ["ChatPromptCache", "PromptCacheLLM", "PromptCacheRetriever", "format_modules"]
 
@@ -64,20 +64,12 @@ class _EngineParams(BaseModel):
             raise PromptCacheError(f"engine must be a pc_rag.PromptCache, got {type(self.engine).__name__}")
 
     def _engine_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(kwargs) - set(SAMPLING_KEYS) - {"max_tokens", "model"}
-        if unknown:
-            raise PromptCacheError(f"unknown generation arguments: {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING_KEYS)})")
-        params: dict[str, Any] = {
-            "max_new_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
-            "temperature": kwargs.get("temperature", self.temperature),
-            "top_p": kwargs.get("top_p", self.top_p),
-            "top_k": kwargs.get("top_k", self.top_k),
-            "use_cache": kwargs.get("use_cache", self.use_cache),
-            "stop": stop if stop is not None else self.stop,
-        }
-        if "seed" in kwargs:
-            params["seed"] = kwargs["seed"]
-        return params
+        # LangChain passes ``model`` to tracing (see _get_ls_params); it does not select a model here
+        return engine_kwargs(self, kwargs, stop if stop is not None else self.stop, ignored=("model",))
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
 
     @property
     def model_name(self) -> str:
@@ -95,10 +87,6 @@ class PromptCacheLLM(_EngineParams, BaseLLM):
     @property
     def _llm_type(self) -> str:
         return "pc-rag"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
 
     def _generate(
         self,
@@ -161,10 +149,6 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "pc-rag-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         params: dict[str, Any] = {

@@ -30,7 +30,7 @@ from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
-from ._shared import SAMPLING_KEYS, generation_info, model_name, shared_engine
+from ._shared import engine_kwargs, generation_info, model_name, shared_engine
 
 __all__ = ["PromptCacheLLM", "PromptCacheRetriever"]
 
@@ -74,15 +74,8 @@ class PromptCacheLLM(CustomLLM):
         )
 
     def _engine_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(kwargs) - set(SAMPLING_KEYS) - {"stop", "formatted"}
-        if unknown:
-            raise PromptCacheError(f"unknown generation arguments: {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING_KEYS)}, stop)")
-        params: dict[str, Any] = {key: kwargs.get(key, getattr(self, key)) for key in ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache")}
-        if kwargs.get("stop") is not None:
-            params["stop"] = kwargs["stop"]
-        if "seed" in kwargs:
-            params["seed"] = kwargs["seed"]
-        return params
+        kwargs = dict(kwargs)
+        return engine_kwargs(self, kwargs, kwargs.pop("stop", None))
 
     def _prepare(self, prompt: str, formatted: bool) -> str:
         return prompt if formatted or self.completion_to_prompt is None else self.completion_to_prompt(prompt)

@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..atomic import atomic_write
 from ..documents import DEFAULT_SCHEMA, default_name, normalize
 from ..errors import PromptCacheError
 
@@ -183,8 +183,8 @@ class FaissModuleRetriever:
             )
         except TypeError as err:
             raise PromptCacheError(f"document metadata must be JSON-serialisable to save the index: {err}") from err
-        _atomic_write(folder / "index.faiss", index_bytes)
-        _atomic_write(folder / "records.json", records.encode())  # written last: it vouches for the index file
+        atomic_write(folder / "index.faiss", index_bytes)
+        atomic_write(folder / "records.json", records.encode())  # written last: it vouches for the index file
         return folder
 
     @classmethod
@@ -238,16 +238,3 @@ class FaissModuleRetriever:
         if engine.cache_dir is None:
             raise PromptCacheError("the engine has no cache_dir: pass a path")
         return Path(engine.cache_dir) / "index" / schema
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
