@@ -68,8 +68,10 @@ class ModuleTextIndex:
         with self._lock:
             if self._automaton is None and self._entries:
                 automaton = ahocorasick.Automaton()
-                for key in self._entries:
-                    automaton.add_word(key, key)
+                for key, bucket in self._entries.items():
+                    # the automaton holds a snapshot of each bucket, so a search never reads
+                    # ``_entries`` while another thread adds to it
+                    automaton.add_word(key, tuple(bucket))
                 automaton.make_automaton()
                 self._automaton = automaton
             return self._automaton
@@ -85,12 +87,12 @@ class ModuleTextIndex:
         allowed = set(schemas) if schemas is not None else None
         matches: list[TextMatch] = []
         covered = 0  # everything before this index belongs to an accepted match
-        for end, key in automaton.iter(text):
+        for end, bucket in automaton.iter(text):
             start = end - KEY_CHARS + 1
             if start < covered:
                 continue
             best: tuple[str, str, str] | None = None
-            for entry in self._entries.get(key, ()):
+            for entry in bucket:
                 schema, _, body = entry
                 if allowed is not None and schema not in allowed:
                     continue

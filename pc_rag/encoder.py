@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,17 +14,30 @@ from .kvcache import KVBuffer, ModuleKV
 class Forward:
     """Runs the model over new tokens at explicit positions, appending to a :class:`KVBuffer`.
 
-    Counts its calls: tests use ``passes`` to prove that a cache hit runs no forward pass.
+    Counts its work (thread-safe): ``passes`` (forward passes of any kind) and ``encoded``
+    (token sequences encoded as module KV). Tests use them to prove that a cache hit runs no
+    forward pass and that concurrent callers encode every module once.
     """
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.passes = 0
+        self.encoded = 0
+        self._count_lock = threading.Lock()
+
+    def _count(self, passes: int, encoded: int = 0) -> None:
+        with self._count_lock:
+            self.passes += passes
+            self.encoded += encoded
+
+    def reset_counts(self) -> None:
+        with self._count_lock:
+            self.passes = self.encoded = 0
 
     @torch.inference_mode()
     def __call__(self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], *, logits: bool) -> torch.Tensor | None:
         """Extend ``buffer`` with ``token_ids``; return the last token's logits when asked."""
-        self.passes += 1
+        self._count(1)
         device = self.model.device
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
         pos = torch.tensor([list(positions)], dtype=torch.long, device=device)
@@ -40,6 +54,7 @@ class Forward:
         buffer = KVBuffer.for_model(self.model, before + len(token_ids))
         if prefix is not None:
             buffer.append(prefix.kv)
+        self._count(0, 1)
         self(buffer, token_ids, positions, logits=False)
         kv = buffer.slice(before, before + len(token_ids)).clone()
         return ModuleKV(kv, torch.tensor(list(positions), dtype=torch.long))
@@ -64,7 +79,7 @@ class Forward:
         for row, seq in enumerate(sequences):
             ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
         positions = torch.arange(start, start + width, dtype=torch.long).expand(len(sequences), -1)
-        self.passes += 1
+        self._count(1, len(sequences))
         self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), past_key_values=buffer.cache, use_cache=True)
         return [
             ModuleKV(buffer.slice(before, before + len(seq), row).clone(), torch.arange(start, start + len(seq), dtype=torch.long))

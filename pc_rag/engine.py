@@ -26,7 +26,7 @@ from .encoder import Forward
 from .errors import PromptCacheError
 from .generation import CacheStats, Generation, IncrementalDetokenizer, Sampler, SamplingParams, StopFilter, StreamingGeneration
 from .kvcache import BufferPool, KVBuffer, ModuleKV, kv_shape
-from .layout import ModuleSpan, Plan, SchemaLayout, Segment, close_names, add_document, document_layout, layout_schema, plan_prompt, plan_text
+from .layout import ModuleInfo, ModuleSpan, Plan, SchemaLayout, Segment, close_names, add_document, document_layout, document_module, layout_schema, plan_prompt, plan_text
 from .model import PositionKind, RopeRotator, chat_markers, load_model, model_fingerprint, probe_position_kind
 from .pml import is_pml_prompt, parse_prompt, parse_schema
 from .store import DiskTier, ModuleStore
@@ -99,7 +99,7 @@ class PromptCache:
         self.markers = chat_markers(tokenizer)
         self.position_kind: PositionKind = probe_position_kind(model, self.forward.keys_at)
         self.rotator = RopeRotator(model) if self.position_kind == "rope" else None
-        self.forward.passes = 0  # the probe is not module encoding
+        self.forward.reset_counts()  # the probe is not module encoding
         self.placeholder_id = self._placeholder_token()
         self.separator_ids = self.tokenize(SEPARATOR)  # what follows every document's text in its module
         self.bos_ids = self._bos_ids()
@@ -217,13 +217,13 @@ class PromptCache:
             keys: dict[str, str] = {}
             prefix_kv: ModuleKV | None = None
             if prefix is not None:
-                keys[prefix] = self._entry_key(layout, prefix, None)
+                keys[prefix] = self._entry_key(layout.modules[prefix], None)
                 prefix_kv = self._ensure(layout, prefix, keys[prefix], None)
             # shared_prefix computes the always-included text after the prefix at serve time (see plan_prompt)
             shared = self.encoding == "shared_prefix"
             todo = [name for name, info in layout.modules.items() if name != prefix and not (shared and info.anonymous)]
             for name in todo:
-                keys[name] = self._entry_key(layout, name, keys.get(prefix) if prefix else None)
+                keys[name] = self._entry_key(layout.modules[name], keys.get(prefix) if prefix else None)
             missing = [n for n in todo if keys[n] not in self.store]
             bar = tqdm(missing, desc=f"encoding {doc.name}", unit="module", disable=not progress or not missing, leave=False)
             for name in todo:
@@ -241,8 +241,7 @@ class PromptCache:
             logger.info("schema %r: %d modules, %d tokens, %d encoded", doc.name, len(schema.modules), layout.length, len(missing))
             return schema
 
-    def _entry_key(self, layout: SchemaLayout, name: str, prefix_key: str | None) -> str:
-        info = layout.modules[name]
+    def _entry_key(self, info: ModuleInfo, prefix_key: str | None) -> str:
         h = hashlib.sha256()
         h.update(f"{self.fingerprint}|{self.encoding}|{prefix_key}|".encode())
         h.update(torch.tensor(info.token_ids, dtype=torch.int64).numpy().tobytes())
@@ -321,16 +320,20 @@ class PromptCache:
                     self._check_window(layout.prefix_length + len(text_ids) + len(separator), f"document {name!r}")
                     fresh[name] = (text, text_ids, meta)
                 names.append(name)
-            prefix_key = target.keys.get(layout.prefix) if layout.prefix else None
-            for name, (text, text_ids, meta) in fresh.items():
-                add_document(layout, name, text, text_ids, separator)
-                target.keys[name] = self._entry_key(layout, name, prefix_key if self.encoding == "shared_prefix" else None)
-                target.documents[name] = DocumentRecord(name, text, meta)
-                if self.drop_in:
-                    self.text_index.add(schema, name, text)
+            prefix_key = target.keys.get(layout.prefix) if layout.prefix and self.encoding == "shared_prefix" else None
+            built = {name: document_module(layout, name, text, text_ids, separator) for name, (text, text_ids, _) in fresh.items()}
+            keys = {name: self._entry_key(info, prefix_key) for name, info in built.items()}
             if batch_tokens is None:
                 batch_tokens = 512 if self.device.type == "cpu" else 8192
-            self._encode_documents(target, list(fresh), progress, batch_tokens)
+            # encode first, publish after: a prompt served meanwhile on another thread never sees a
+            # document whose KV is not stored yet (it would encode it a second time)
+            self._encode_documents(target, [(keys[n], built[n]) for n in built], progress, batch_tokens)
+            for name, info in built.items():
+                target.keys[name] = keys[name]
+                target.documents[name] = DocumentRecord(name, fresh[name][0], fresh[name][2])
+                add_document(layout, info)
+                if self.drop_in:
+                    self.text_index.add(schema, name, info.text or "")
             logger.info("documents %r: %d added (%d new), %d held", schema, len(names), len(fresh), len(target.documents))
             return names
 
@@ -350,7 +353,7 @@ class PromptCache:
         layout = document_layout(name, self.bos_ids + self.tokenize(turn))
         schema = Schema(name, f"<documents system={system!r}>", layout, {}, {}, system)
         if layout.prefix is not None:
-            schema.keys[layout.prefix] = self._entry_key(layout, layout.prefix, None)
+            schema.keys[layout.prefix] = self._entry_key(layout.modules[layout.prefix], None)
             self._ensure(layout, layout.prefix, schema.keys[layout.prefix], None)
             if self.drop_in and turn and not self.bos_ids:
                 # a chat prompt that opens with this very system turn reuses its KV too (position 0: exact)
@@ -360,29 +363,29 @@ class PromptCache:
         self.schemas[name] = schema
         return schema
 
-    def _encode_documents(self, schema: Schema, names: list[str], progress: bool, batch_tokens: int) -> None:
+    def _encode_documents(self, schema: Schema, modules: list[tuple[str, ModuleInfo]], progress: bool, batch_tokens: int) -> None:
         """Encode the documents whose KV the store lacks, longest first, several per forward pass."""
         layout = schema.layout
-        todo: dict[str, str] = {}  # key -> name: two names with one text share one entry
-        for name in names:
-            key = schema.keys[name]
+        todo: dict[str, ModuleInfo] = {}  # key -> module: two names with one text share one entry
+        for key, info in modules:
             if key not in todo and key not in self.store:
-                todo[key] = name
+                todo[key] = info
         if not todo:
             return
         prefix_kv = None
         if self.encoding == "shared_prefix" and layout.prefix is not None:
             prefix_kv = self._ensure(layout, layout.prefix, schema.keys[layout.prefix], None)
-        queue = sorted(todo.items(), key=lambda item: -len(layout.modules[item[1]].token_ids))
+        queue = sorted(todo.items(), key=lambda item: -len(item[1].token_ids))
         bar = tqdm(total=len(queue), desc=f"encoding {schema.name}", unit="doc", disable=not progress, leave=False)
         while queue:
-            width = len(layout.modules[queue[0][1]].token_ids)
+            width = len(queue[0][1].token_ids)
             take = max(1, min(len(queue), batch_tokens // max(width, 1)))
             batch, queue = queue[:take], queue[take:]
-            sequences = [layout.modules[name].token_ids for _, name in batch]
-            encoded = self.forward.encode_batch(sequences, layout.prefix_length, prefix_kv, pad_id=self.placeholder_id)
-            for (key, name), module in zip(batch, encoded):
-                self.store.put(key, module, {"schema": schema.name, "module": name, "tokens": len(module)})
+            encoded = self.forward.encode_batch(
+                [info.token_ids for _, info in batch], layout.prefix_length, prefix_kv, pad_id=self.placeholder_id
+            )
+            for (key, info), module in zip(batch, encoded):
+                self.store.put(key, module, {"schema": schema.name, "module": info.name, "tokens": len(module)})
             bar.update(len(batch))
         bar.close()
 
@@ -548,6 +551,10 @@ class PromptCache:
         return buffer, logits, assemble_s
 
     def _reencode(self, schema: Schema, name: str) -> ModuleKV:
+        with self._lock:  # two requests missing the same module encode it once (_ensure looks again)
+            return self._reencode_locked(schema, name)
+
+    def _reencode_locked(self, schema: Schema, name: str) -> ModuleKV:
         prefix = schema.layout.prefix if self.encoding == "shared_prefix" else None
         prefix_kv = None
         if prefix is not None and name != prefix:

@@ -256,21 +256,33 @@ def document_layout(name: str, prefix_ids: Sequence[int]) -> SchemaLayout:
     return layout
 
 
-def add_document(layout: SchemaLayout, name: str, text: str, text_ids: Sequence[int], separator_ids: Sequence[int]) -> ModuleInfo:
-    """Append a document module (its text's tokens, then the separator's) to a document layout."""
+def document_module(layout: SchemaLayout, name: str, text: str, text_ids: Sequence[int], separator_ids: Sequence[int]) -> ModuleInfo:
+    """A document module (its text's tokens, then the separator's) for ``layout``, not yet added to it.
+
+    Building and adding are separate so that the engine can encode a document before any
+    prompt can see it (:func:`add_document`).
+    """
     if not layout.documents:
         raise PromptCacheError(f"schema {layout.name!r} is a PML schema, not a document collection")
     if name in layout.modules:
         raise PromptCacheError(f"duplicate module name {name!r} in schema {layout.name!r}")
     start = layout.prefix_length
     ids = list(text_ids) + list(separator_ids)
-    index = len(layout.pieces)
-    info = ModuleInfo(name, None, None, ids, list(range(start, start + len(ids))), first_piece=index, last_piece=index)
+    info = ModuleInfo(name, None, None, ids, list(range(start, start + len(ids))), first_piece=-1, last_piece=-1)
     info.text, info.text_tokens = text, len(text_ids)
-    layout.pieces.append(Piece(name, 0, len(ids), start))
-    layout.modules[name] = info
-    layout.length = max(layout.length, start + len(ids))
     return info
+
+
+def add_document(layout: SchemaLayout, info: ModuleInfo) -> None:
+    """Make a module from :func:`document_module` part of ``layout`` (its piece first, then its name)."""
+    if info.name in layout.modules:
+        raise PromptCacheError(f"duplicate module name {info.name!r} in schema {layout.name!r}")
+    index = len(layout.pieces)
+    info.first_piece = info.last_piece = index
+    start = info.positions[0] if info.positions else layout.prefix_length
+    layout.pieces.append(Piece(info.name, 0, len(info.token_ids), start))
+    layout.modules[info.name] = info
+    layout.length = max(layout.length, start + len(info.token_ids))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +368,6 @@ def plan_prompt(
     the always-included text; later runs (role markers, instructions between modules) are
     computed so that they attend to the modules before them, as in full prefill.
     """
-    named = layout.named_modules()
     imported: set[str] = set()
     args: dict[str, list[int]] = {}
     by_union: dict[int, str] = {}
@@ -365,7 +376,7 @@ def plan_prompt(
         info = layout.modules.get(ref.name)
         if info is None or info.anonymous:
             raise PromptCacheError(
-                f"unknown module <{ref.name}/> in schema {layout.name!r}; {close_names(ref.name, named)}",
+                f"unknown module <{ref.name}/> in schema {layout.name!r}; {close_names(ref.name, layout.named_modules())}",
                 line=ref.line,
                 column=ref.column,
             )
