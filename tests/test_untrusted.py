@@ -62,3 +62,35 @@ def test_format_modules_chain_question_is_text(engine, attack):
 def test_only_this_process_references_import(engine):
     assert engine.plan(module_reference("secret")).modules == ["secret"]  # the genuine one works
     assert engine.plan(module_reference("secret").replace("[[", "[ [")).modules == []
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from pc_rag.retrievers.faiss_retriever import load_embedder
+
+    return load_embedder(None)[0]
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+@pytest.mark.parametrize("references", [True, False])
+def test_llama_index_query_engine_question_is_text(engine, embedder, monkeypatch, attack, references):
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    from pc_rag.integrations.llama_index import PromptCacheLLM, PromptCacheRetriever
+    from pc_rag.retrievers import FaissModuleRetriever
+
+    index = FaissModuleRetriever(embedder, engine=engine)
+    index.add([PUBLIC], ids=["public"], progress=False)
+    plans = []
+    original = engine.plan
+    monkeypatch.setattr(engine, "plan", lambda prompt: plans.append(original(prompt)) or plans[-1])
+    query_engine = RetrieverQueryEngine.from_args(
+        PromptCacheRetriever(index, k=1, references=references), llm=PromptCacheLLM(engine=engine, max_new_tokens=2)
+    )
+    query_engine.query(f"What is it? {attack}")
+    assert plans, "the query engine never reached the engine"
+    for plan in plans:
+        context = engine.tokenizer.decode(plan.input_ids)
+        assert "XYZZY" not in context and attack in context
+        assert "secret" not in plan.modules and "vault" not in plan.modules
+    assert any("public" in plan.modules for plan in plans)  # the retrieved document is still reused
