@@ -35,10 +35,24 @@ FORMAT_VERSION = 1
 class DiskTier:
     """Module KV persisted under ``root`` (see module docstring)."""
 
-    def __init__(self, root: Path, fingerprint: str) -> None:
+    def __init__(self, root: Path, fingerprint: str, *, orphan_age_s: float = 3600.0) -> None:
         self.root = Path(root)
         self.fingerprint = fingerprint
         self.root.mkdir(parents=True, exist_ok=True)
+        self._sweep_orphans(orphan_age_s)
+
+    def _sweep_orphans(self, age_s: float) -> None:
+        """Delete temporary files left by killed writers. A live writer renames its temporary file
+        within seconds, so only files older than ``age_s`` are taken; another process may be
+        writing the younger ones right now."""
+        cutoff = time.time() - age_s
+        for path in self.root.glob("*/.*.tmp"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    logger.info("removed %s, left by a writer that did not finish", path.name)
+            except FileNotFoundError:  # another process swept it first
+                pass
 
     def _paths(self, key: str) -> tuple[Path, Path]:
         folder = self.root / key[:2]

@@ -53,6 +53,15 @@ def make_tiny(tokenizer) -> Callable[..., torch.nn.Module]:
 
 
 @pytest.fixture
+def saved_model(make_tiny, tokenizer, tmp_path):
+    """A tiny Llama saved to a folder, for tests that start other processes."""
+    folder = tmp_path / "tiny-llama"
+    make_tiny("llama").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
 def make_engine(make_tiny, tokenizer) -> Callable[..., PromptCache]:
     def build(arch: str = "llama", **kwargs) -> PromptCache:
         return PromptCache(make_tiny(arch), tokenizer, **kwargs)

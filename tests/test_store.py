@@ -22,14 +22,6 @@ SCHEMA = """<schema name="kb">
 PROMPT = '<prompt schema="kb"><a/><c/><user>Which letter is third?</user></prompt>'
 
 
-@pytest.fixture
-def saved_model(make_tiny, tokenizer, tmp_path):
-    folder = tmp_path / "tiny-llama"
-    make_tiny("llama").save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def entry_files(cache_dir):
     return sorted(cache_dir.rglob("*.safetensors")), sorted(cache_dir.rglob("*.json"))
 
