@@ -48,12 +48,20 @@ class ModuleKV:
         return ModuleKV(kv, self.positions.to("cpu"))
 
 
+def _check_capacity(end: int, capacity: int) -> None:
+    if end > capacity:
+        raise PromptCacheError(f"KV buffer overflow: {end} tokens > capacity {capacity}")
+
+
 class _BufferLayer(DynamicLayer):
     """One layer's view of a :class:`KVBuffer`: ``update`` writes in place, never concatenates."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: "KVBuffer") -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
-        self._keys_all, self._values_all, self._owner = keys, values, owner
+        # no reference back to the KVBuffer: a cycle would keep the buffer's storage alive
+        # until Python's cyclic collector happens to run (it counts objects, not bytes), and
+        # a process encoding many documents held hundreds of MB of dead buffers that way
+        self._keys_all, self._values_all = keys, values
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         self.keys, self.values = keys[..., :0, :], values[..., :0, :]
@@ -64,7 +72,7 @@ class _BufferLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
-        self._owner.check_capacity(end)
+        _check_capacity(end, self._keys_all.shape[-2])
         self._keys_all[..., start:end, :].copy_(key_states)
         self._values_all[..., start:end, :].copy_(value_states)
         self.keys = self._keys_all[..., :end, :]
@@ -89,7 +97,7 @@ class KVBuffer:
         self.batch = batch
         # [layers, 2, batch, kv_heads, capacity, head_dim]: layer views are [batch, heads, capacity, dim]
         self.storage = torch.empty(layers, 2, batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self._layers = [_BufferLayer(self.storage[i, 0], self.storage[i, 1], self) for i in range(layers)]
+        self._layers = [_BufferLayer(self.storage[i, 0], self.storage[i, 1]) for i in range(layers)]
         self.cache = Cache(layers=self._layers)
 
     @classmethod
@@ -106,8 +114,7 @@ class KVBuffer:
             layer.grow_to(0)
 
     def check_capacity(self, end: int) -> None:
-        if end > self.capacity:
-            raise PromptCacheError(f"KV buffer overflow: {end} tokens > capacity {self.capacity}")
+        _check_capacity(end, self.capacity)
 
     def append(self, kv: torch.Tensor, rotate: Any = None) -> None:
         """Append stored module KV ``[layers, 2, heads, n, dim]`` after what the buffer holds.
