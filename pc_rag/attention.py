@@ -86,3 +86,25 @@ def install(model: Any) -> bool:
         logger.info("keeping sdpa attention: %s", err)
         return False
     return getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME
+
+
+# attention implementations that take an arbitrary 4D mask: boolean (True = attend) for SDPA,
+# additive float for eager
+BOOLEAN_MASK = ("sdpa", ATTENTION_NAME)
+ADDITIVE_MASK = ("eager",)
+
+
+def accepts_custom_mask(model: Any) -> bool:
+    return getattr(model.config, "_attn_implementation", None) in BOOLEAN_MASK + ADDITIVE_MASK
+
+
+def position_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, model: Any) -> torch.Tensor:
+    """``[1, 1, q, k]`` mask letting each query attend to every key whose position is not after its own.
+
+    For a cache whose entries are not in position order (see ``PromptCache._prefill_one_pass``).
+    """
+    allowed = key_positions[None, :] <= query_positions[:, None]
+    if getattr(model.config, "_attn_implementation", None) in BOOLEAN_MASK:
+        return allowed[None, None]
+    mask = torch.zeros(allowed.shape, dtype=model.dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)[None, None]

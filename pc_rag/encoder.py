@@ -35,17 +35,25 @@ class Forward:
             self.passes = self.encoded = 0
 
     @torch.inference_mode()
-    def __call__(self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], *, logits: bool) -> torch.Tensor | None:
-        """Extend ``buffer`` with ``token_ids``; return the last token's logits when asked."""
+    def __call__(
+        self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], *, logits: bool, mask: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Extend ``buffer`` with ``token_ids``; return the last token's logits when asked.
+
+        ``mask`` (``[1, 1, new, buffer + new]``, see :func:`pc_rag.attention.position_mask`)
+        replaces the causal mask transformers would build from buffer order.
+        """
         self._count(1)
         device = self.model.device
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
         pos = torch.tensor([list(positions)], dtype=torch.long, device=device)
         if logits:
             # logits_to_keep=1: the vocabulary projection runs for the last token only
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=buffer.cache, use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True, logits_to_keep=1
+            )
             return out.logits[0, -1]
-        self.model.base_model(input_ids=ids, position_ids=pos, past_key_values=buffer.cache, use_cache=True)
+        self.model.base_model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True)
         return None
 
     def encode(self, token_ids: Sequence[int], positions: Sequence[int], prefix: ModuleKV | None = None) -> ModuleKV:

@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +38,9 @@ ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix")
 # shared_prefix: every module sees the schema's system prompt, as it would in full prefill, so the
 # first module after it is exact and no module's first token becomes a spurious attention sink.
 DEFAULT_ENCODING: Encoding = "shared_prefix"
+# EPIC-style recovery: tokens recomputed at the head of every imported module that was not encoded
+# behind exactly what precedes it (benchmarks/quality.py measured the choice; see README)
+DEFAULT_RECOMPUTE = 16
 
 
 @dataclass
@@ -79,6 +82,7 @@ class PromptCache:
         store_dtype: torch.dtype | None = None,
         kv_location: Literal["device", "cpu"] = "device",
         drop_in: bool = True,
+        recompute: int | None = None,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
         if encoding not in ENCODINGS:
@@ -99,6 +103,7 @@ class PromptCache:
         self.markers = chat_markers(tokenizer)
         self.position_kind: PositionKind = probe_position_kind(model, self.forward.keys_at)
         self.rotator = RopeRotator(model) if self.position_kind == "rope" else None
+        self.recompute = self._recompute_tokens(recompute)
         self.forward.reset_counts()  # the probe is not module encoding
         self.placeholder_id = self._placeholder_token()
         self.separator_ids = self.tokenize(SEPARATOR)  # what follows every document's text in its module
@@ -147,6 +152,7 @@ class PromptCache:
         store_dtype: torch.dtype | None = None,
         kv_location: Literal["device", "cpu"] = "device",
         drop_in: bool = True,
+        recompute: int | None = None,
         **model_kwargs: Any,
     ) -> "PromptCache":
         """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct)."""
@@ -160,7 +166,22 @@ class PromptCache:
             store_dtype=store_dtype,
             kv_location=kv_location,
             drop_in=drop_in,
+            recompute=recompute,
         )
+
+    def _recompute_tokens(self, requested: int | None) -> int:
+        """How many head tokens of each imported module to recompute (see :meth:`_recover`)."""
+        supported = self.position_kind == "rope" and attention.accepts_custom_mask(self.model)
+        if requested is None:
+            return DEFAULT_RECOMPUTE if supported else 0
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+            raise PromptCacheError(f"recompute must be a number of tokens >= 0, got {requested!r}")
+        if requested and not supported:
+            raise PromptCacheError(
+                f"recompute needs a RoPE model on sdpa or eager attention; this one has {self.position_kind} positions "
+                f"and {getattr(self.model.config, '_attn_implementation', None)!r} attention (use recompute=0)"
+            )
+        return requested
 
     @property
     def movable(self) -> bool:
@@ -394,8 +415,10 @@ class PromptCache:
         """Which tokens of ``prompt`` are cached and which computed, at which positions."""
         if not isinstance(prompt, str):
             raise PromptCacheError(f"prompt must be a str, got {type(prompt).__name__}")
-        if not is_pml_prompt(prompt):
-            return self._plan_plain(prompt)
+        plan = self._plan_plain(prompt) if not is_pml_prompt(prompt) else self._plan_pml(prompt)
+        return self._recover(plan) if self.recompute else plan
+
+    def _plan_pml(self, prompt: str) -> Plan:
         doc = parse_prompt(prompt)
         schema = self.schemas.get(doc.schema)
         if schema is None:
@@ -404,6 +427,38 @@ class PromptCache:
         return plan_prompt(
             schema.layout, doc, self.tokenize, self.markers, compact=self.movable, cache_anonymous=self.encoding == "isolated"
         )
+
+    def _recover(self, plan: Plan) -> Plan:
+        """Compute the first ``recompute`` tokens of every imported module instead of reusing them.
+
+        A module encoded on its own never attended to the modules placed before it in this
+        prompt; its first tokens carry most of that loss (they also soak up attention as the
+        start of a sequence). Recomputing them behind everything that precedes them (EPIC,
+        arXiv:2410.15332) restores most cross-module attention for a few tokens per module.
+        Exact already, and left alone: the schema's prefix, and under ``shared_prefix`` encoding a
+        module sitting right after the prefix at the position it was encoded at.
+        """
+        segments: list[Segment] = []
+        only_prefix = True  # nothing but the prefix precedes the current segment
+        for segment in plan.segments:
+            if not segment.cached:
+                segments.append(segment)
+                only_prefix = False
+                continue
+            prefix = self.schemas[segment.schema or plan.schema].layout.prefix  # type: ignore[index]
+            exact = segment.owner == prefix or (
+                only_prefix and self.encoding == "shared_prefix" and segment.position == segment.source_position
+            )
+            only_prefix = only_prefix and segment.owner == prefix
+            k = 0 if exact or segment.offset else min(self.recompute, len(segment))
+            if k:
+                segments.append(Segment(segment.token_ids[:k], segment.position))
+            if k < len(segment):
+                segments.append(
+                    replace(segment, token_ids=segment.token_ids[k:], position=segment.position + k,
+                            offset=segment.offset + k, source_position=segment.source_position + k)
+                )
+        return replace(plan, segments=segments)
 
     def _plan_plain(self, prompt: str) -> Plan:
         """Plain text: honour module references, reuse the KV of known module text found verbatim."""
@@ -518,6 +573,8 @@ class PromptCache:
         buffer = self.buffers.acquire(capacity)
         if not use_cache:
             return buffer, self.forward(buffer, plan.input_ids, plan.position_ids, logits=True), 0.0
+        if self.recompute:
+            return self._prefill_one_pass(plan, buffer)
         assemble_s = 0.0
         logits: torch.Tensor | None = None
         ids: list[int] = []
@@ -532,23 +589,56 @@ class PromptCache:
                     ids, positions = [], []
                 continue
             t0 = time.perf_counter()
-            schema = self.schemas[segment.schema or plan.schema]  # type: ignore[index]
-            module = self.store.get(schema.keys[segment.owner])  # type: ignore[index]
-            if module is None:
-                # evicted and not on disk (or its disk entry was invalid): encode it again
-                module = self._reencode(schema, segment.owner)  # type: ignore[arg-type]
-            kv = module.kv[:, :, :, segment.offset : segment.offset + len(segment)]
-            delta = segment.position - segment.source_position
-            if delta and self.rotator is not None:
-                rotator = self.rotator
-                buffer.append(kv, rotate=lambda out, keys, d=delta: rotator.rotate_into(out, keys, d))
-            elif delta and self.position_kind == "learned":
-                raise PromptCacheError(f"module {segment.owner!r} cannot move on a model with learned absolute positions")
-            else:
-                buffer.append(kv)
+            self._append_cached(buffer, plan, segment)
             assemble_s += time.perf_counter() - t0
         assert logits is not None  # plan_prompt guarantees the last segment is computed
         return buffer, logits, assemble_s
+
+    def _prefill_one_pass(self, plan: Plan, buffer: KVBuffer) -> tuple[KVBuffer, torch.Tensor, float]:
+        """All cached segments first, then every computed token in one forward pass.
+
+        The computed tokens (recomputed module heads, text between modules, the question) sit
+        after all cached KV in the buffer, out of position order, so causality is given by
+        positions instead of buffer order: a token sees every entry whose position is not after
+        its own. That is the same computation as running them in order, in one pass instead of
+        one per gap (on CPU each pass costs a full read of the weights). RoPE only: keys carry
+        their positions, so buffer order does not matter to them.
+        """
+        t0 = time.perf_counter()
+        kv_positions: list[int] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        for segment in plan.segments:
+            span = range(segment.position, segment.position + len(segment))
+            if segment.cached:
+                self._append_cached(buffer, plan, segment)
+                kv_positions.extend(span)
+            else:
+                ids.extend(segment.token_ids)
+                positions.extend(span)
+        assemble_s = time.perf_counter() - t0
+        query = torch.tensor(positions, device=self.device)
+        keys = torch.cat([torch.tensor(kv_positions, dtype=torch.long, device=self.device), query])
+        mask = attention.position_mask(query, keys, self.model)
+        # plan_prompt guarantees the last segment is computed: the pass's last token is the prompt's
+        return buffer, self.forward(buffer, ids, positions, logits=True, mask=mask), assemble_s
+
+    def _append_cached(self, buffer: KVBuffer, plan: Plan, segment: Segment) -> None:
+        """Copy one cached segment's KV into ``buffer``, rotated to its position when it moved."""
+        schema = self.schemas[segment.schema or plan.schema]  # type: ignore[index]
+        module = self.store.get(schema.keys[segment.owner])  # type: ignore[index]
+        if module is None:
+            # evicted and not on disk (or its disk entry was invalid): encode it again
+            module = self._reencode(schema, segment.owner)  # type: ignore[arg-type]
+        kv = module.kv[:, :, :, segment.offset : segment.offset + len(segment)]
+        delta = segment.position - segment.source_position
+        if delta and self.rotator is not None:
+            rotator = self.rotator
+            buffer.append(kv, rotate=lambda out, keys, d=delta: rotator.rotate_into(out, keys, d))
+        elif delta and self.position_kind == "learned":
+            raise PromptCacheError(f"module {segment.owner!r} cannot move on a model with learned absolute positions")
+        else:
+            buffer.append(kv)
 
     def _reencode(self, schema: Schema, name: str) -> ModuleKV:
         with self._lock:  # two requests missing the same module encode it once (_ensure looks again)

@@ -64,6 +64,9 @@ def saved_model(make_tiny, tokenizer, tmp_path):
 @pytest.fixture
 def make_engine(make_tiny, tokenizer) -> Callable[..., PromptCache]:
     def build(arch: str = "llama", **kwargs) -> PromptCache:
+        # these tests check reuse itself, on modules a few tokens long that the default recovery
+        # (recompute the first 16 tokens of each module) would recompute whole; tests/test_recovery.py covers it
+        kwargs.setdefault("recompute", 0)
         return PromptCache(make_tiny(arch), tokenizer, **kwargs)
 
     return build

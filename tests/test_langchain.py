@@ -48,7 +48,8 @@ def test_lcel_chain_with_format_modules_imports_by_reference(smollm, retriever):
     retrieved = [d.metadata["module"] for d in retriever.invoke(QUESTION)]
     assert meta["modules"] == retrieved
     documents_tokens = sum(smollm.schemas["docs"].layout.modules[n].text_tokens for n in retrieved)
-    assert meta["cached_tokens"] == documents_tokens and meta["computed_tokens"] < 60
+    recomputed = smollm.recompute * len(retrieved)  # recovery: each document's first tokens are computed
+    assert meta["cached_tokens"] == documents_tokens - recomputed and meta["computed_tokens"] < 60 + recomputed
     assert "Broncos" in message.content
     assert message.usage_metadata["input_tokens"] == meta["cached_tokens"] + meta["computed_tokens"]
     # the same chain with full prefill of the same tokens answers the same (greedy)

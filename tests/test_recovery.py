@@ -1,0 +1,84 @@
+"""EPIC-style recovery: recomputing the head of each imported module behind what precedes it.
+
+Recomputing every token of every module must give exactly full prefill (the one-pass prefill
+with a position mask is the same computation); recomputing a few must move the logits towards
+full prefill; models that cannot take it say so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pc_rag import PromptCache, PromptCacheError, build_prompt
+from pc_rag.engine import DEFAULT_RECOMPUTE
+
+DOCS = [
+    "The river Elbe rises in the Krkonose mountains and flows north-west to the North Sea near Hamburg.",
+    "Hamburg is a port city whose harbour handles container ships from every continent, day and night.",
+    "Container shipping grew after 1956, when standard boxes made loading cranes far faster than before.",
+]
+QUESTION = "Where does the river reach the sea?"
+SCHEMA = """<schema name="kb"><system>Answer briefly.</system><user>
+<module name="a">Alpha is the first letter of the Greek alphabet and starts many words.</module>
+Between the modules.
+<module name="b">Beta follows alpha; it is the second letter and names a software stage.</module>
+</user></schema>"""
+
+
+def _logits(engine: PromptCache, prompt: str, use_cache: bool = True) -> torch.Tensor:
+    return engine.next_token_logits(prompt, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("encoding", ["shared_prefix", "isolated"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_recomputing_everything_is_full_prefill(make_tiny, tokenizer, arch, encoding, attn):
+    engine = PromptCache(make_tiny(arch, attn_implementation=attn), tokenizer, encoding=encoding, recompute=10_000)
+    names = engine.add_documents(DOCS, progress=False)
+    engine.add_schema(SCHEMA, progress=False)
+    prompts = [
+        build_prompt(QUESTION, names),
+        "\n\n".join(DOCS) + "\n\n" + QUESTION,  # drop-in
+        '<prompt schema="kb"><a/><b/><user>Which is second?</user></prompt>',  # text between modules
+    ]
+    for prompt in prompts:
+        plan = engine.plan(prompt)
+        assert len(plan.modules) >= 2
+        assert plan.cached_tokens > 0 or prompt == prompts[1]  # the prefix stays cached (the drop-in prompt has none)
+        # cached: the prefix, and under shared_prefix a module right behind it where it was encoded (exact)
+        assert {s.owner for s in plan.segments if s.cached} <= {"#0", "a" if encoding == "shared_prefix" else "#0"}
+        torch.testing.assert_close(_logits(engine, prompt), _logits(engine, prompt, use_cache=False), atol=1e-4, rtol=1e-4)
+
+
+def test_a_few_recomputed_tokens_move_towards_full_prefill(make_tiny, tokenizer):
+    model = make_tiny("llama")
+    distances = []
+    for k in (0, 4, 12):
+        engine = PromptCache(model, tokenizer, recompute=k)
+        prompt = build_prompt(QUESTION, engine.add_documents(DOCS, progress=False))
+        plan = engine.plan(prompt)
+        documents = sum(len(engine.schemas["docs"].layout.modules[n].token_ids) for n in plan.modules)
+        # every document is recomputed: the user marker sits between the prefix and the first one
+        assert plan.cached_tokens == engine.schemas["docs"].layout.prefix_length + documents - k * len(DOCS)
+        distances.append((_logits(engine, prompt) - _logits(engine, prompt, use_cache=False)).abs().max().item())
+    assert distances[2] < distances[0]
+
+
+def test_first_module_right_after_the_prefix_is_left_alone(make_tiny, tokenizer):
+    engine = PromptCache(make_tiny("llama"), tokenizer, recompute=4)
+    engine.add_schema(SCHEMA.replace("<user>", "").replace("</user>", ""), progress=False)
+    plan = engine.plan('<prompt schema="kb"><a/><b/>Which?</prompt>')
+    heads = [s for s in plan.segments if s.cached and s.owner == "a"]
+    assert heads and heads[0].offset == 0  # module a is where it was encoded, right behind the prefix: exact
+    assert [s.offset for s in plan.segments if s.cached and s.owner == "b"] == [4]
+
+
+def test_defaults_and_refusals(make_tiny, tokenizer):
+    assert PromptCache(make_tiny("llama"), tokenizer).recompute == DEFAULT_RECOMPUTE
+    assert PromptCache(make_tiny("gpt2"), tokenizer).recompute == 0  # learned positions: nothing moves
+    assert PromptCache(make_tiny("bloom"), tokenizer).recompute == 0  # ALiBi reads buffer order
+    with pytest.raises(PromptCacheError, match="recompute needs a RoPE model"):
+        PromptCache(make_tiny("bloom"), tokenizer, recompute=8)
+    with pytest.raises(PromptCacheError, match="recompute must be"):
+        PromptCache(make_tiny("llama"), tokenizer, recompute=-1)
