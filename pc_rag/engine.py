@@ -103,6 +103,8 @@ class PromptCache:
         self.markers = chat_markers(tokenizer)
         self.position_kind: PositionKind = probe_position_kind(model, self.forward.keys_at)
         self.rotator = RopeRotator(model) if self.position_kind == "rope" else None
+        # one prefill pass for all computed tokens, however many gaps they fill (see _prefill_one_pass)
+        self.one_pass = self.position_kind == "rope" and attention.accepts_custom_mask(model)
         self.recompute = self._recompute_tokens(recompute)
         self.forward.reset_counts()  # the probe is not module encoding
         self.placeholder_id = self._placeholder_token()
@@ -171,7 +173,7 @@ class PromptCache:
 
     def _recompute_tokens(self, requested: int | None) -> int:
         """How many head tokens of each imported module to recompute (see :meth:`_recover`)."""
-        supported = self.position_kind == "rope" and attention.accepts_custom_mask(self.model)
+        supported = self.one_pass
         if requested is None:
             return DEFAULT_RECOMPUTE if supported else 0
         if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
@@ -573,7 +575,7 @@ class PromptCache:
         buffer = self.buffers.acquire(capacity)
         if not use_cache:
             return buffer, self.forward(buffer, plan.input_ids, plan.position_ids, logits=True), 0.0
-        if self.recompute:
+        if self.one_pass:
             return self._prefill_one_pass(plan, buffer)
         assemble_s = 0.0
         logits: torch.Tensor | None = None
@@ -601,8 +603,9 @@ class PromptCache:
         after all cached KV in the buffer, out of position order, so causality is given by
         positions instead of buffer order: a token sees every entry whose position is not after
         its own. That is the same computation as running them in order, in one pass instead of
-        one per gap (on CPU each pass costs a full read of the weights). RoPE only: keys carry
-        their positions, so buffer order does not matter to them.
+        one per gap (on CPU each pass costs a full read of the weights; a drop-in prompt quoting
+        50 documents has 50 gaps). RoPE only: keys carry their positions, so buffer order does
+        not matter to them; ALiBi and learned positions read buffer order.
         """
         t0 = time.perf_counter()
         kv_positions: list[int] = []

@@ -181,6 +181,23 @@ class ModuleStore:
         self._evict()
         return module
 
+    def clear_memory(self) -> int:
+        """Drop every entry from the memory tier (saving unsaved ones to disk first); returns the bytes freed.
+
+        Entries without a disk tier to go to are kept: dropping them would lose the encoding.
+        """
+        with self._lock:
+            if self.disk is None:
+                return 0
+            freed = self._bytes
+            while self._memory:
+                key, module = self._memory.popitem(last=False)
+                info = self._info.get(key, {})
+                if info.pop("_unsaved", False):
+                    self.disk.save(key, module, info)
+            self._bytes = 0
+            return freed
+
     def _evict(self) -> None:
         if self.memory_budget is None:
             return

@@ -108,6 +108,17 @@ def test_memory_budget_evicts_to_disk_and_serving_still_matches(make_tiny, token
     assert engine.store.disk_loads > 0
 
 
+def test_clear_memory_keeps_everything_on_disk(saved_model, tmp_path):
+    engine = PromptCache.from_pretrained(saved_model, cache_dir=tmp_path / "cache", recompute=0)
+    engine.add_schema(SCHEMA, progress=False)
+    expected = engine.generate(PROMPT, max_new_tokens=6).token_ids
+    encoded = engine.forward.encoded
+    assert engine.store.clear_memory() > 0 and engine.store.memory_bytes == 0
+    assert engine.generate(PROMPT, max_new_tokens=6).token_ids == expected
+    assert engine.store.disk_loads == 3 and engine.forward.encoded == encoded  # prefix, a, c: loaded, not encoded
+    assert PromptCache.from_pretrained(saved_model).store.clear_memory() == 0  # no disk tier: nothing dropped
+
+
 def test_store_dtype_keeps_kv_in_lower_precision(make_tiny, tokenizer):
     engine = PromptCache(make_tiny("llama"), tokenizer, store_dtype=torch.bfloat16)
     engine.add_schema(SCHEMA, progress=False)
