@@ -1,11 +1,21 @@
-"""TTFT of cached inference against full prefill of the same tokens, measured in one run.
+"""Time to first token against context length: Prompt Cache, full prefill, and LangChain's HuggingFacePipeline.
 
-Modules are the paragraphs of the SQuAD v1.1 article "Super_Bowl_50" (real text); each context
-length imports the first paragraphs until it holds that many module tokens, then asks a short
-question. Reports medians over ``--runs`` runs (after one warm-up) and writes JSON.
+Documents are the paragraphs of the SQuAD v1.1 article "Super_Bowl_50" (real text), stored with
+``add_documents``. For each context length the prompt is one chat-formatted string: the system
+turn, the first paragraphs up to that many tokens pasted as text, and a short question. All
+series run on the same model object with that same prompt, in one run, median of ``--runs``
+runs after a warm-up:
 
-    python benchmarks/ttft.py                      # embedded SmolLM2-135M on this machine
-    python benchmarks/ttft.py --device cuda --model PATH
+- ``full prefill``: ``engine.generate(prompt, use_cache=False)``
+- ``cached (memory)``: module KV in memory (``kv_location``: device, or pinned CPU memory with ``--kv-location cpu``)
+- ``cached (disk)``: the memory tier emptied before every run, so each run loads the modules from ``cache_dir``
+- ``HuggingFacePipeline`` and ``PromptCacheLLM``: the same LCEL chain ``PromptTemplate | llm``
+  with either LLM (``max_new_tokens=1``: the invoke time is the time to first token)
+
+Writes JSON and a PNG plot (matplotlib).
+
+    python benchmarks/ttft.py                                   # embedded SmolLM2-135M, CPU
+    python benchmarks/ttft.py --device cuda --synthetic-7b --lengths 512 1024 2048 4096 8192
 """
 
 from __future__ import annotations
@@ -14,15 +24,18 @@ import argparse
 import json
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from pc_rag import PromptCache
-from pc_rag.pml import escape
+from pc_rag.documents import DEFAULT_SYSTEM
 
 QUESTION = "Which team won the game, and what was the final score?"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def paragraphs(data: Path) -> list[str]:
@@ -30,81 +43,163 @@ def paragraphs(data: Path) -> list[str]:
     return [p["context"] for p in article["paragraphs"]]
 
 
-def build_schema(texts: list[str]) -> str:
-    modules = "\n".join(f'<module name="p{i}">{escape(t)}\n</module>' for i, t in enumerate(texts))
-    return f'<schema name="bench"><system>Answer the question from the passages.</system><user>\n{modules}\n</user></schema>'
+def synthetic_7b(device: str) -> tuple[Any, Any]:
+    """A Llama-2-7B-shaped model with random bf16 weights (TTFT does not depend on weight values)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from pc_rag.model import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=8192 + 512)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval(), tokenizer
 
 
-def measure(engine: PromptCache, prompt: str, use_cache: bool, runs: int) -> dict[str, float]:
-    engine.generate(prompt, max_new_tokens=1, use_cache=use_cache)  # warm-up
-    ttft, assemble = [], []
-    for _ in range(runs):
-        stats = engine.generate(prompt, max_new_tokens=1, use_cache=use_cache).stats
-        ttft.append(stats.ttft_s)
-        assemble.append(stats.assemble_s)
-    return {"ttft_s": statistics.median(ttft), "assemble_s": statistics.median(assemble), "runs": runs}
+def median_time(run: Callable[[], float], runs: int) -> float:
+    run()  # warm-up
+    return statistics.median(run() for _ in range(runs))
+
+
+def timed(call: Callable[[], Any]) -> Callable[[], float]:
+    def run() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        call()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    return run
+
+
+def chains(engine: PromptCache) -> dict[str, Any]:
+    """``PromptTemplate | llm`` for both LLMs; skipped (with a note) when langchain-huggingface is missing."""
+    from langchain_core.prompts import PromptTemplate
+
+    from pc_rag.integrations.langchain import PromptCacheLLM
+
+    template = PromptTemplate.from_template("{prompt}")
+    built = {"PromptCacheLLM chain": template | PromptCacheLLM(engine=engine, max_new_tokens=1)}
+    try:
+        from langchain_huggingface import HuggingFacePipeline
+        from transformers import pipeline
+    except ImportError:
+        print("langchain-huggingface is not installed (pip install langchain-huggingface): HuggingFacePipeline skipped")
+        return built
+    generator = pipeline("text-generation", model=engine.model, tokenizer=engine.tokenizer, max_new_tokens=1,
+                         do_sample=False, return_full_text=False)
+    built["HuggingFacePipeline chain"] = template | HuggingFacePipeline(pipeline=generator)
+    return built
+
+
+def plot(rows: list[dict[str, Any]], series: list[str], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    tokens = [r["prompt_tokens"] for r in rows]
+    for name in series:
+        ax.plot(tokens, [r["ttft_ms"][name] for r in rows], "o-", label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms, log scale)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=None, help="hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--synthetic-7b", action="store_true", help="a randomly initialised Llama-7B-shaped model in bf16")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1].parent / "shared" / "data")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 7680])
+    parser.add_argument("--kv-location", choices=["device", "cpu"], nargs="+", default=["device"])
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 7680])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results") / "ttft.json")
+    parser.add_argument("--no-chains", action="store_true", help="skip the LangChain series")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ttft.json")
     args = parser.parse_args()
 
-    engine = PromptCache.from_pretrained(args.model, device=args.device)
+    if args.synthetic_7b:
+        model, tokenizer = synthetic_7b(args.device or "cuda")
+    else:
+        from pc_rag.model import load_model
+
+        model, tokenizer = load_model(args.model, device=args.device)
+    cache_dir = Path(tempfile.mkdtemp(prefix="pc-rag-ttft-"))
+    engines = {where: PromptCache(model, tokenizer, kv_location=where, cache_dir=cache_dir / where) for where in args.kv_location}
+    engine = engines[args.kv_location[0]]
     texts, budget = [], max(args.lengths) + 64
     for text in paragraphs(args.data):  # as many paragraphs as the longest context needs
-        budget -= len(engine.tokenize(text)) + 1
+        budget -= len(engine.tokenize(text)) + 2
         if budget < 0:
             break
         texts.append(text)
-    schema = engine.add_schema(build_schema(texts))
-    sizes = [len(schema.layout.modules[f"p{i}"].token_ids) for i in range(len(texts))]
+    for each in engines.values():
+        each.add_documents(texts)
+    sizes = [len(engine.tokenize(t)) for t in texts]
+    llm_chains = {} if args.no_chains else chains(engine)
+
     rows = []
     for target in args.lengths:
         count, total = 0, 0
         while count < len(sizes) and total + sizes[count] <= target:
             total += sizes[count]
             count += 1
-        refs = "".join(f"<p{i}/>" for i in range(count))
-        prompt = f'<prompt schema="bench">{refs}<user>{escape(QUESTION)}</user></prompt>'
+        count = max(count, 1)
+        user = "\n\n".join(texts[:count]) + f"\n\nQuestion: {QUESTION}"
+        prompt = engine.render_chat([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": user}])
         plan = engine.plan(prompt)
-        cached = measure(engine, prompt, True, args.runs)
-        full = measure(engine, prompt, False, args.runs)
+        ttft: dict[str, float] = {}
+        ttft["full prefill"] = median_time(timed(lambda: engine.generate(prompt, max_new_tokens=1, use_cache=False)), args.runs)
+        for where, each in engines.items():
+            label = "" if len(engines) == 1 else f", KV in {where} memory"
+            ttft[f"cached (memory{label})"] = median_time(lambda e=each: e.generate(prompt, max_new_tokens=1).stats.ttft_s, args.runs)
+
+        def from_disk() -> float:
+            engine.store.clear_memory()
+            return engine.generate(prompt, max_new_tokens=1).stats.ttft_s
+
+        ttft["cached (disk)"] = median_time(from_disk, args.runs)
+        for name, chain in llm_chains.items():
+            ttft[name] = median_time(timed(lambda c=chain: c.invoke({"prompt": prompt})), args.runs)
         row = {
-            "target_tokens": target,
-            "module_tokens": total,
             "prompt_tokens": len(plan.input_ids),
+            "documents": count,
+            "cached_tokens": plan.cached_tokens,
             "computed_tokens": plan.computed_tokens,
-            "cached": cached,
-            "full_prefill": full,
-            "speedup": full["ttft_s"] / cached["ttft_s"],
-            "assembly_share": cached["assemble_s"] / cached["ttft_s"],
+            "ttft_ms": {k: 1000 * v for k, v in ttft.items()},
+            "speedup_vs_full": {k: ttft["full prefill"] / v for k, v in ttft.items()},
         }
+        if "HuggingFacePipeline chain" in ttft:
+            row["chain_speedup"] = ttft["HuggingFacePipeline chain"] / ttft["PromptCacheLLM chain"]
         rows.append(row)
-        print(
-            f"{total:5d} module tokens: full {full['ttft_s'] * 1000:8.1f} ms | cached {cached['ttft_s'] * 1000:7.1f} ms "
-            f"(assembly {row['assembly_share']:.0%}) | speedup {row['speedup']:5.1f}x",
-            flush=True,
-        )
+        print(f"{row['prompt_tokens']:5d} tokens: " + " | ".join(f"{k} {v * 1000:.0f} ms" for k, v in ttft.items()), flush=True)
+
     result = {
-        "model": args.model or "SmolLM2-135M-Instruct (embedded)",
-        "device": str(engine.device),
+        "model": "Llama-7B-shaped, random bf16 weights" if args.synthetic_7b else (args.model or "SmolLM2-135M-Instruct (embedded)"),
+        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads",
         "dtype": str(engine.dtype),
         "encoding": engine.encoding,
-        "threads": torch.get_num_threads(),
+        "recompute": engine.recompute,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch": torch.__version__,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "runs": args.runs,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    plot(rows, list(rows[0]["ttft_ms"]), f"{result['model']} on {result['device']}", args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

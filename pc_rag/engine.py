@@ -40,7 +40,7 @@ ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix")
 DEFAULT_ENCODING: Encoding = "shared_prefix"
 # EPIC-style recovery: tokens recomputed at the head of every imported module that was not encoded
 # behind exactly what precedes it (benchmarks/quality.py measured the choice; see README)
-DEFAULT_RECOMPUTE = 16
+DEFAULT_RECOMPUTE = 4
 
 
 @dataclass
