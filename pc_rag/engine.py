@@ -479,7 +479,8 @@ class PromptCache:
                     items.append(ModuleSpan(match.schema, match.name, info.text_tokens))
                     cursor = match.end
             items.append(piece[cursor:])
-        return plan_text(items, {name: s.layout for name, s in self.schemas.items()}, self.tokenize, bos)
+        layouts = {name: s.layout for name, s in list(self.schemas.items())}  # a snapshot: add_schema may run meanwhile
+        return plan_text(items, layouts, self.tokenize, bos)
 
     def _referenced(self, ref: ModuleSpan) -> ModuleSpan:
         schema = self.schemas.get(ref.schema)
