@@ -54,6 +54,8 @@ class Schema:
     # document collections (add_documents): the records by module name, and the system prompt
     documents: dict[str, DocumentRecord] = field(default_factory=dict, repr=False)
     system: str | None = None
+    # the KV of prefix + lead that documents are encoded behind (computed when first needed)
+    context: ModuleKV | None = field(default=None, repr=False)
 
     @property
     def modules(self) -> list[str]:
@@ -340,10 +342,12 @@ class PromptCache:
                     raise PromptCacheError(f"document id {name!r} already holds a different text in schema {schema!r}")
                 if held is None:
                     text_ids = self.tokenize(text)
-                    self._check_window(layout.prefix_length + len(text_ids) + len(separator), f"document {name!r}")
+                    self._check_window(layout.document_start + len(text_ids) + len(separator), f"document {name!r}")
                     fresh[name] = (text, text_ids, meta)
                 names.append(name)
-            prefix_key = target.keys.get(layout.prefix) if layout.prefix and self.encoding == "shared_prefix" else None
+            prefix_key = None
+            if self.encoding == "shared_prefix" and layout.prefix:
+                prefix_key = f"{target.keys[layout.prefix]}+{layout.lead}"
             built = {name: document_module(layout, name, text, text_ids, separator) for name, (text, text_ids, _) in fresh.items()}
             keys = {name: self._entry_key(info, prefix_key) for name, info in built.items()}
             if batch_tokens is None:
@@ -373,7 +377,8 @@ class PromptCache:
             return existing
         system = docs_mod.DEFAULT_SYSTEM if system is None else system
         turn = self.markers.starts["system"] + system + self.markers.ends["system"] if system else ""
-        layout = document_layout(name, self.bos_ids + self.tokenize(turn))
+        # the user marker: a prompt's documents follow it, so they are encoded behind it too
+        layout = document_layout(name, self.bos_ids + self.tokenize(turn), self.tokenize(self.markers.starts["user"]))
         schema = Schema(name, f"<documents system={system!r}>", layout, {}, {}, system)
         if layout.prefix is not None:
             schema.keys[layout.prefix] = self._entry_key(layout.modules[layout.prefix], None)
@@ -395,9 +400,7 @@ class PromptCache:
                 todo[key] = info
         if not todo:
             return
-        prefix_kv = None
-        if self.encoding == "shared_prefix" and layout.prefix is not None:
-            prefix_kv = self._ensure(layout, layout.prefix, schema.keys[layout.prefix], None)
+        context = self._encoding_context(schema)
         queue = sorted(todo.items(), key=lambda item: -len(item[1].token_ids))
         bar = tqdm(total=len(queue), desc=f"encoding {schema.name}", unit="doc", disable=not progress, leave=False)
         while queue:
@@ -405,7 +408,7 @@ class PromptCache:
             take = max(1, min(len(queue), batch_tokens // max(width, 1)))
             batch, queue = queue[:take], queue[take:]
             encoded = self.forward.encode_batch(
-                [info.token_ids for _, info in batch], layout.prefix_length, prefix_kv, pad_id=self.placeholder_id
+                [info.token_ids for _, info in batch], layout.document_start, context, pad_id=self.placeholder_id
             )
             for (key, info), module in zip(batch, encoded):
                 self.store.put(key, module, {"schema": schema.name, "module": info.name, "tokens": len(module)})
@@ -438,20 +441,22 @@ class PromptCache:
         start of a sequence). Recomputing them behind everything that precedes them (EPIC,
         arXiv:2410.15332) restores most cross-module attention for a few tokens per module.
         Exact already, and left alone: the schema's prefix, and under ``shared_prefix`` encoding a
-        module sitting right after the prefix at the position it was encoded at.
+        module at the position it was encoded at behind exactly the tokens it was encoded behind
+        (the first document of a ``build_prompt`` or chat prompt, after the system turn and the
+        user marker).
         """
         segments: list[Segment] = []
-        only_prefix = True  # nothing but the prefix precedes the current segment
+        before: list[int] = []  # the tokens preceding the current segment
         for segment in plan.segments:
             if not segment.cached:
                 segments.append(segment)
-                only_prefix = False
+                before.extend(segment.token_ids)
                 continue
-            prefix = self.schemas[segment.schema or plan.schema].layout.prefix  # type: ignore[index]
-            exact = segment.owner == prefix or (
-                only_prefix and self.encoding == "shared_prefix" and segment.position == segment.source_position
+            schema = self.schemas[segment.schema or plan.schema]  # type: ignore[index]
+            exact = segment.owner == schema.layout.prefix or (
+                segment.position == segment.source_position and before == self._context_ids(schema)
             )
-            only_prefix = only_prefix and segment.owner == prefix
+            before.extend(segment.token_ids)
             k = 0 if exact or segment.offset else min(self.recompute, len(segment))
             if k:
                 segments.append(Segment(segment.token_ids[:k], segment.position))
@@ -461,6 +466,13 @@ class PromptCache:
                             offset=segment.offset + k, source_position=segment.source_position + k)
                 )
         return replace(plan, segments=segments)
+
+    def _context_ids(self, schema: Schema) -> list[int] | None:
+        """The tokens a module of ``schema`` was encoded behind (see :meth:`_encoding_context`)."""
+        layout = schema.layout
+        if self.encoding != "shared_prefix" or layout.prefix is None:
+            return None  # isolated: only the prefix itself, at position 0, is exact
+        return layout.modules[layout.prefix].token_ids + layout.lead
 
     def _plan_plain(self, prompt: str) -> Plan:
         """Plain text: honour module references, reuse the KV of known module text found verbatim."""
@@ -649,11 +661,25 @@ class PromptCache:
             return self._reencode_locked(schema, name)
 
     def _reencode_locked(self, schema: Schema, name: str) -> ModuleKV:
-        prefix = schema.layout.prefix if self.encoding == "shared_prefix" else None
-        prefix_kv = None
-        if prefix is not None and name != prefix:
-            prefix_kv = self._ensure(schema.layout, prefix, schema.keys[prefix], None)
-        return self._ensure(schema.layout, name, schema.keys[name], prefix_kv)
+        context = self._encoding_context(schema) if name != schema.layout.prefix else None
+        return self._ensure(schema.layout, name, schema.keys[name], context)
+
+    def _encoding_context(self, schema: Schema) -> ModuleKV | None:
+        """What the modules of ``schema`` are encoded behind: nothing (``isolated``), else its
+        prefix, and for documents the lead after it (computed once per process: a few tokens)."""
+        layout = schema.layout
+        if self.encoding != "shared_prefix" or layout.prefix is None:
+            return None
+        prefix = self._ensure(layout, layout.prefix, schema.keys[layout.prefix], None)
+        if not layout.lead:
+            return prefix
+        if schema.context is None:
+            total = layout.document_start
+            buffer = KVBuffer.for_model(self.model, total)
+            buffer.append(prefix.kv)
+            self.forward(buffer, layout.lead, range(layout.prefix_length, total), logits=False)
+            schema.context = ModuleKV(buffer.slice(0, total).clone(), torch.arange(total))
+        return schema.context
 
     def _decode(
         self, plan: Plan, next_position: int, params: SamplingParams, use_cache: bool, started: float

@@ -100,9 +100,11 @@ class SchemaLayout:
     uses_roles: bool
     length: int  # schema positions used
     anonymous_pieces: list[int] = field(default_factory=list)  # indices into pieces, ascending
-    # a document layout: every named module starts right after the prefix and prompts may import
-    # any of them together (movable modules; see document_layout)
+    # a document layout: every named module starts right after the prefix and the lead (the user
+    # marker a prompt puts before its documents), and prompts may import any of them together
+    # (movable modules; see document_layout)
     documents: bool = False
+    lead: list[int] = field(default_factory=list)
 
     @property
     def prefix(self) -> str | None:
@@ -115,6 +117,11 @@ class SchemaLayout:
     def prefix_length(self) -> int:
         prefix = self.prefix
         return len(self.modules[prefix].token_ids) if prefix is not None else 0
+
+    @property
+    def document_start(self) -> int:
+        """Where documents are encoded: after the prefix and the lead."""
+        return self.prefix_length + len(self.lead)
 
     def named_modules(self) -> list[str]:
         return [name for name, info in self.modules.items() if not info.anonymous]
@@ -240,14 +247,17 @@ def layout_schema(
     return SchemaLayout(doc.name, modules, pieces, uses_roles, cursor, anonymous)
 
 
-def document_layout(name: str, prefix_ids: Sequence[int]) -> SchemaLayout:
+def document_layout(name: str, prefix_ids: Sequence[int], lead_ids: Sequence[int] = ()) -> SchemaLayout:
     """An empty layout for documents: the prefix (BOS, system turn) and nothing else yet.
 
     Documents are added with :func:`add_document`. Unlike a PML schema, every document starts at
-    the same position, right after the prefix, and a prompt imports any number of them: on a
-    model whose modules can move, the plan places them one after another (compact positions).
+    the same position, right after the prefix and ``lead_ids`` (the user-turn marker that a
+    prompt puts before its documents; documents are encoded behind both, so the first document
+    of a prompt sits exactly where, and behind exactly what, it was encoded), and a prompt
+    imports any number of them: on a model whose modules can move, the plan places them one
+    after another (compact positions).
     """
-    layout = SchemaLayout(name, {}, [], uses_roles=True, length=len(prefix_ids), documents=True)
+    layout = SchemaLayout(name, {}, [], uses_roles=True, length=len(prefix_ids), documents=True, lead=list(lead_ids))
     if prefix_ids:
         info = ModuleInfo("#0", None, None, list(prefix_ids), list(range(len(prefix_ids))), first_piece=0, last_piece=0)
         layout.modules["#0"] = info
@@ -266,7 +276,7 @@ def document_module(layout: SchemaLayout, name: str, text: str, text_ids: Sequen
         raise PromptCacheError(f"schema {layout.name!r} is a PML schema, not a document collection")
     if name in layout.modules:
         raise PromptCacheError(f"duplicate module name {name!r} in schema {layout.name!r}")
-    start = layout.prefix_length
+    start = layout.document_start
     ids = list(text_ids) + list(separator_ids)
     info = ModuleInfo(name, None, None, ids, list(range(start, start + len(ids))), first_piece=-1, last_piece=-1)
     info.text, info.text_tokens = text, len(text_ids)
@@ -279,7 +289,7 @@ def add_document(layout: SchemaLayout, info: ModuleInfo) -> None:
         raise PromptCacheError(f"duplicate module name {info.name!r} in schema {layout.name!r}")
     index = len(layout.pieces)
     info.first_piece = info.last_piece = index
-    start = info.positions[0] if info.positions else layout.prefix_length
+    start = info.positions[0] if info.positions else layout.document_start
     layout.pieces.append(Piece(info.name, 0, len(info.token_ids), start))
     layout.modules[info.name] = info
     layout.length = max(layout.length, start + len(info.token_ids))

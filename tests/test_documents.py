@@ -103,9 +103,9 @@ def test_documents_sit_where_full_prefill_puts_them(engine):
 
 
 def test_document_behind_its_prefix_reproduces_full_prefill(engine):
-    """A plain prompt that is exactly the schema prefix followed by a document: exact reuse."""
+    """A plain prompt that is exactly the schema prefix, the user marker and a document: exact reuse."""
     prefix = engine.markers.starts["system"] + DEFAULT_SYSTEM + engine.markers.ends["system"]
-    prompt = prefix + DOCS[1] + " And so?"
+    prompt = prefix + engine.markers.starts["user"] + DOCS[1] + " And so?"
     plan = engine.plan(prompt)
     # the system turn (the schema's prefix, found verbatim at position 0) and the document are both reused
     assert plan.modules == [default_name(DOCS[1])]

@@ -46,8 +46,10 @@ def test_recomputing_everything_is_full_prefill(make_tiny, tokenizer, arch, enco
         plan = engine.plan(prompt)
         assert len(plan.modules) >= 2
         assert plan.cached_tokens > 0 or prompt == prompts[1]  # the prefix stays cached (the drop-in prompt has none)
-        # cached: the prefix, and under shared_prefix a module right behind it where it was encoded (exact)
-        assert {s.owner for s in plan.segments if s.cached} <= {"#0", "a" if encoding == "shared_prefix" else "#0"}
+        # cached: the prefix, and under shared_prefix a module where, and behind what, it was encoded (exact):
+        # module a right behind the schema prefix, the first document behind the system turn and user marker
+        exact = {"a", names[0]} if encoding == "shared_prefix" else set()
+        assert {s.owner for s in plan.segments if s.cached} <= {"#0"} | exact
         torch.testing.assert_close(_logits(engine, prompt), _logits(engine, prompt, use_cache=False), atol=1e-4, rtol=1e-4)
 
 
@@ -59,8 +61,8 @@ def test_a_few_recomputed_tokens_move_towards_full_prefill(make_tiny, tokenizer)
         prompt = build_prompt(QUESTION, engine.add_documents(DOCS, progress=False))
         plan = engine.plan(prompt)
         documents = sum(len(engine.schemas["docs"].layout.modules[n].token_ids) for n in plan.modules)
-        # every document is recomputed: the user marker sits between the prefix and the first one
-        assert plan.cached_tokens == engine.schemas["docs"].layout.prefix_length + documents - k * len(DOCS)
+        # the first document follows the system turn and the user marker, as when it was encoded: exact
+        assert plan.cached_tokens == engine.schemas["docs"].layout.prefix_length + documents - k * (len(DOCS) - 1)
         distances.append((_logits(engine, prompt) - _logits(engine, prompt, use_cache=False)).abs().max().item())
     assert distances[2] < distances[0]
 
@@ -82,3 +84,12 @@ def test_defaults_and_refusals(make_tiny, tokenizer):
         PromptCache(make_tiny("bloom"), tokenizer, recompute=8)
     with pytest.raises(PromptCacheError, match="recompute must be"):
         PromptCache(make_tiny("llama"), tokenizer, recompute=-1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_one_document_after_the_user_marker_is_exact_without_recovery(make_tiny, tokenizer, arch):
+    """Documents are encoded behind the system turn and the user marker, where build_prompt puts them."""
+    engine = PromptCache(make_tiny(arch), tokenizer, recompute=0)
+    prompt = build_prompt(QUESTION, engine.add_documents(DOCS[:1], progress=False))
+    assert engine.plan(prompt).cached_tokens > len(DOCS[0]) // 8
+    torch.testing.assert_close(_logits(engine, prompt), _logits(engine, prompt, use_cache=False), atol=1e-4, rtol=1e-4)
