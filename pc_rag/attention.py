@@ -103,8 +103,16 @@ def position_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, mo
 
     For a cache whose entries are not in position order (see ``PromptCache._prefill_one_pass``).
     """
-    allowed = key_positions[None, :] <= query_positions[:, None]
+    return _as_mask((key_positions[None, :] <= query_positions[:, None])[None, None], model)
+
+
+def row_mask(valid: torch.Tensor, model: Any) -> torch.Tensor:
+    """``[rows, 1, 1, k]`` mask for one decoding step of a batch: row ``r`` sees the keys ``valid[r]``."""
+    return _as_mask(valid[:, None, None, :], model)
+
+
+def _as_mask(allowed: torch.Tensor, model: Any) -> torch.Tensor:
     if getattr(model.config, "_attn_implementation", None) in BOOLEAN_MASK:
-        return allowed[None, None]
+        return allowed
     mask = torch.zeros(allowed.shape, dtype=model.dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)[None, None]
+    return mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)

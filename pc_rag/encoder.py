@@ -56,6 +56,16 @@ class Forward:
         self.model.base_model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True)
         return None
 
+    @torch.inference_mode()
+    def decode_batch(self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], mask: torch.Tensor) -> torch.Tensor:
+        """One decoding step for every row of a batched ``buffer``: logits ``[rows, vocab]``."""
+        self._count(1)
+        device = self.model.device
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)[:, None]
+        pos = torch.tensor(list(positions), dtype=torch.long, device=device)[:, None]
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
     def encode(self, token_ids: Sequence[int], positions: Sequence[int], prefix: ModuleKV | None = None) -> ModuleKV:
         """The KV of ``token_ids`` at ``positions``, attending to ``prefix`` (if any) and to themselves."""
         before = len(prefix) if prefix is not None else 0

@@ -684,49 +684,144 @@ class PromptCache:
     def _decode(
         self, plan: Plan, next_position: int, params: SamplingParams, use_cache: bool, started: float
     ) -> Generator[str, None, Generation]:
-        total = len(plan.input_ids)
-        budget = params.max_new_tokens
-        if self.context_window is not None:
-            budget = min(budget, self.context_window - next_position)
-        stats = CacheStats(modules=list(plan.modules))
-        if use_cache:
-            stats.cached_tokens, stats.computed_tokens = plan.cached_tokens, plan.computed_tokens
-        else:
-            stats.computed_tokens = total
-        prefill_started = time.perf_counter()
-        buffer, logits, assemble_s = self._prefill(plan, total + budget, use_cache)
-        sampler = Sampler(params, self.device)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stops = StopFilter(params.stop)
-        stats.assemble_s = (prefill_started - started) + assemble_s
-        finish = "length"
-        pieces: list[str] = []
-        for step in range(budget):
-            token = sampler(logits)
-            if step == 0:
-                stats.ttft_s = time.perf_counter() - started
-                stats.prefill_s = time.perf_counter() - prefill_started
-            if token in self.stop_token_ids:
-                finish = "stop"
-                break
-            stats.generated_tokens += 1
-            delta = stops.feed(detok.add(token))
+        request = _Request(self, plan, params, use_cache, started, next_position)
+        buffer, logits, assemble_s = self._prefill(plan, len(plan.input_ids) + request.budget, use_cache)
+        request.stats.assemble_s = (request.prefill_started - started) + assemble_s
+        while not request.done:
+            token, delta = request.take(logits)
             if delta:
-                pieces.append(delta)
                 yield delta
-            if stops.stopped:
-                finish = "stop"
-                break
-            if step + 1 < budget:
-                logits = self.forward(buffer, [token], [next_position], logits=True)
-                next_position += 1
-        if not stops.stopped:
-            tail = stops.feed(detok.finish()) + stops.flush()
-            if tail:
-                pieces.append(tail)
-                yield tail
+            if token is not None:
+                logits = self.forward(buffer, [token], [request.next_position], logits=True)
+                request.next_position += 1
         self.buffers.release(buffer)
-        stats.total_s = time.perf_counter() - started
-        text = "".join(pieces)
-        return Generation(text, stats, list(detok.tokens), finish)
+        tail, result = request.close()
+        if tail:
+            yield tail
+        return result
 
+    # -----------------------------------------------------------------------------------------
+    def generate_batch(
+        self,
+        prompts: Sequence[str],
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        use_cache: bool = True,
+        seed: int | None = None,
+    ) -> list[Generation]:
+        """Generate completions for several prompts, decoding them together (one forward pass per step).
+
+        Each prompt is planned and prefilled on its own (every error surfaces before any work),
+        then all decode in one batch: the requests' caches are copied into one batched buffer,
+        right-padded, and a per-row mask hides each row's padding. Greedy outputs equal those of
+        :meth:`generate` called on each prompt. Models whose attention cannot take such a mask
+        (ALiBi, learned positions, flash/flex attention) are served one prompt after another.
+        """
+        if isinstance(prompts, str):
+            raise PromptCacheError("generate_batch takes a sequence of prompts; use generate() for one")
+        prompts = list(prompts)
+        kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
+        if len(prompts) <= 1 or not self.one_pass:
+            return [self.generate(p, use_cache=use_cache, **kwargs) for p in prompts]  # type: ignore[arg-type]
+        started = time.perf_counter()
+        params = SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed)
+        plans = [self.plan(p) for p in prompts]
+        ends = [max(plan.position_ids) + 1 for plan in plans]
+        for index, (plan, end) in enumerate(zip(plans, ends)):
+            self._check_window(end, f"prompt {index}")
+            if use_cache:
+                self._check_budget(plan)
+        requests: list[_Request] = []
+        caches: list[KVBuffer] = []
+        tokens: list[int | None] = []
+        for plan, end in zip(plans, ends):
+            request = _Request(self, plan, params, use_cache, started, end)
+            cache, logits, assemble_s = self._prefill(plan, len(plan.input_ids), use_cache)
+            request.stats.assemble_s = (request.prefill_started - started) + assemble_s
+            token = None
+            if not request.done:
+                token, _ = request.take(logits)
+            requests.append(request)
+            caches.append(cache)
+            tokens.append(token)
+        width = max(len(c) for c in caches)
+        steps = max(r.budget for r in requests)
+        batch = KVBuffer.for_model(self.model, width + steps, batch=len(requests))
+        valid = torch.zeros(len(requests), width + steps, dtype=torch.bool, device=self.device)
+        for row, cache in enumerate(caches):
+            batch.storage[:, :, row, :, : len(cache)].copy_(cache.storage[:, :, 0, :, : len(cache)])
+            valid[row, : len(cache)] = True
+            self.buffers.release(cache)
+        batch.grow_to(width)
+        column = width
+        while any(token is not None for token in tokens):
+            valid[:, column] = True  # this step's keys (rows already finished attend to junk nobody reads)
+            column += 1
+            mask = attention.row_mask(valid[:, :column], self.model)
+            ids = [t if t is not None else self.placeholder_id for t in tokens]
+            logits = self.forward.decode_batch(batch, ids, [r.next_position for r in requests], mask)
+            for row, request in enumerate(requests):
+                request.next_position += 1
+                if tokens[row] is not None:
+                    tokens[row], _ = request.take(logits[row])
+        return [request.close()[1] for request in requests]
+
+
+class _Request:
+    """One request's decoding state: sampling, detokenising, stop handling and statistics."""
+
+    def __init__(self, engine: PromptCache, plan: Plan, params: SamplingParams, use_cache: bool, started: float, next_position: int) -> None:
+        self.stop_token_ids = engine.stop_token_ids
+        self.started = started
+        self.next_position = next_position
+        self.budget = params.max_new_tokens
+        if engine.context_window is not None:
+            self.budget = min(self.budget, engine.context_window - next_position)
+        self.stats = CacheStats(modules=list(plan.modules))
+        if use_cache:
+            self.stats.cached_tokens, self.stats.computed_tokens = plan.cached_tokens, plan.computed_tokens
+        else:
+            self.stats.computed_tokens = len(plan.input_ids)
+        self.sampler = Sampler(params, engine.device)
+        self.detok = IncrementalDetokenizer(engine.tokenizer)
+        self.stops = StopFilter(params.stop)
+        self.pieces: list[str] = []
+        self.finish = "length"
+        self.steps = 0
+        self.done = self.budget <= 0
+        self.prefill_started = time.perf_counter()  # built right before its prefill
+
+    def take(self, logits: torch.Tensor) -> tuple[int | None, str]:
+        """Sample from ``logits``; return the token to feed next (None once done) and the new text."""
+        token = self.sampler(logits)
+        if self.steps == 0:
+            now = time.perf_counter()
+            self.stats.ttft_s = now - self.started
+            self.stats.prefill_s = now - self.prefill_started
+        self.steps += 1
+        if token in self.stop_token_ids:
+            self.finish, self.done = "stop", True
+            return None, ""
+        self.stats.generated_tokens += 1
+        delta = self.stops.feed(self.detok.add(token))
+        if delta:
+            self.pieces.append(delta)
+        if self.stops.stopped:
+            self.finish, self.done = "stop", True
+        elif self.steps >= self.budget:
+            self.done = True
+        return (None if self.done else token), delta
+
+    def close(self) -> tuple[str, Generation]:
+        """The text still held back (flushed now) and the finished Generation."""
+        tail = ""
+        if not self.stops.stopped:
+            tail = self.stops.feed(self.detok.finish()) + self.stops.flush()
+            if tail:
+                self.pieces.append(tail)
+        self.stats.total_s = time.perf_counter() - self.started
+        return tail, Generation("".join(self.pieces), self.stats, list(self.detok.tokens), self.finish)

@@ -110,8 +110,13 @@ class KVBuffer:
 
     def reset(self) -> None:
         """Empty the buffer, keeping its storage (already faulted-in memory) for the next request."""
+        self.grow_to(0)
+
+    def grow_to(self, end: int) -> None:
+        """Declare the first ``end`` entries filled (written directly into ``storage``)."""
+        self.check_capacity(end)
         for layer in self._layers:
-            layer.grow_to(0)
+            layer.grow_to(end)
 
     def check_capacity(self, end: int) -> None:
         _check_capacity(end, self.capacity)

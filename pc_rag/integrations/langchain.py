@@ -96,14 +96,15 @@ class PromptCacheLLM(_EngineParams, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         generations: list[list[Generation]] = []
-        for prompt in prompts:
-            if self.streaming:
+        if self.streaming:
+            for prompt in prompts:
                 chunks = list(self._stream(prompt, stop, run_manager, **kwargs))
                 text = "".join(c.text for c in chunks)
                 generations.append([Generation(text=text, generation_info=chunks[-1].generation_info)])
-            else:
-                result = self.engine.generate(prompt, **self._engine_kwargs(stop, kwargs))
-                generations.append([Generation(text=result.text, generation_info=generation_info(result, self.engine))])
+        else:
+            # several prompts (LLM.batch / generate) decode together: one forward pass per step for all
+            results = self.engine.generate_batch(prompts, **self._engine_kwargs(stop, kwargs))
+            generations = [[Generation(text=r.text, generation_info=generation_info(r, self.engine))] for r in results]
         return LLMResult(generations=generations, llm_output={"model_name": self.model_name})
 
     def _stream(

@@ -1,0 +1,82 @@
+"""generate_batch: several prompts decoded together give exactly what generate gives each alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from pc_rag import PromptCacheError, build_prompt
+
+DOCS = [
+    "The lighthouse on the northern cape was automated in 1987 and still flashes every ten seconds.",
+    "Ferries to the island leave twice a day in summer and once a day in winter, weather permitting.",
+    "The island's only school teaches eleven children in two classrooms heated by a wood stove.",
+]
+
+
+def _prompts(engine):
+    names = engine.add_documents(DOCS, progress=False)
+    return [
+        build_prompt("When was the lighthouse automated?", names[:1]),
+        build_prompt("How often do ferries leave in winter, and who decides?", names[1:]),
+        "\n\n".join(DOCS) + "\n\nA plain prompt that quotes every document. Summary:",
+        build_prompt("Hi", []),  # short, no modules: its row is mostly padding
+    ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_batch_equals_sequential_on_tiny_models(make_engine, arch):
+    engine = make_engine(arch, recompute=4)
+    prompts = _prompts(engine)
+    for kwargs in ({"max_new_tokens": 12}, {"max_new_tokens": 12, "use_cache": False}, {"max_new_tokens": 9, "stop": ["e"]}):
+        sequential = [engine.generate(p, **kwargs) for p in prompts]
+        batched = engine.generate_batch(prompts, **kwargs)
+        assert [r.token_ids for r in batched] == [r.token_ids for r in sequential]
+        assert [r.text for r in batched] == [r.text for r in sequential]
+        assert [r.finish_reason for r in batched] == [r.finish_reason for r in sequential]
+        assert [(r.stats.cached_tokens, r.stats.computed_tokens, r.stats.modules) for r in batched] == [
+            (r.stats.cached_tokens, r.stats.computed_tokens, r.stats.modules) for r in sequential
+        ]
+
+
+def test_batch_equals_sequential_on_the_embedded_model(smollm):
+    prompts = _prompts(smollm)
+    sequential = [smollm.generate(p, max_new_tokens=20) for p in prompts]
+    batched = smollm.generate_batch(prompts, max_new_tokens=20)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in sequential]
+    passes = smollm.forward.passes
+    smollm.generate_batch(prompts, max_new_tokens=20)
+    longest = max(len(r.token_ids) for r in sequential)
+    # one prefill per prompt, then one forward pass per step for all of them together
+    assert smollm.forward.passes - passes <= len(prompts) + longest
+
+
+def test_models_without_custom_masks_are_served_one_by_one(make_engine):
+    engine = make_engine("bloom")
+    prompts = ["Alpha beta gamma delta.", "One two three."]
+    assert [r.token_ids for r in engine.generate_batch(prompts, max_new_tokens=5)] == [
+        engine.generate(p, max_new_tokens=5).token_ids for p in prompts
+    ]
+
+
+def test_bad_batches_fail_before_any_work(make_engine):
+    engine = make_engine("llama")
+    with pytest.raises(PromptCacheError, match="sequence of prompts"):
+        engine.generate_batch("one prompt")
+    passes = engine.forward.passes
+    with pytest.raises(PromptCacheError, match="unknown schema"):
+        engine.generate_batch(["fine", '<prompt schema="nope"><user>x</user></prompt>'])
+    assert engine.forward.passes == passes
+    assert engine.generate_batch([]) == []
+
+
+def test_langchain_llm_batch_uses_generate_batch(make_engine, monkeypatch):
+    from pc_rag.integrations.langchain import PromptCacheLLM
+
+    engine = make_engine("llama")
+    prompts = [p for p in _prompts(engine)]
+    calls = []
+    original = engine.generate_batch
+    monkeypatch.setattr(engine, "generate_batch", lambda ps, **kw: calls.append(len(ps)) or original(ps, **kw))
+    llm = PromptCacheLLM(engine=engine, max_new_tokens=8)
+    assert llm.batch(prompts) == [engine.generate(p, max_new_tokens=8).text for p in prompts]
+    assert calls == [len(prompts)]
