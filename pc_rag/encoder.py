@@ -43,27 +43,31 @@ class Forward:
         ``mask`` (``[1, 1, new, buffer + new]``, see :func:`pc_rag.attention.position_mask`)
         replaces the causal mask transformers would build from buffer order.
         """
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        pos = torch.tensor([list(positions)], dtype=torch.long)
+        if logits:
+            return self._step(buffer, ids, pos, mask)[0]
         self._count(1)
         device = self.model.device
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
-        pos = torch.tensor([list(positions)], dtype=torch.long, device=device)
-        if logits:
-            # logits_to_keep=1: the vocabulary projection runs for the last token only
-            out = self.model(
-                input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True, logits_to_keep=1
-            )
-            return out.logits[0, -1]
-        self.model.base_model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True)
+        self.model.base_model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask, past_key_values=buffer.cache, use_cache=True)
         return None
 
-    @torch.inference_mode()
     def decode_batch(self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], mask: torch.Tensor) -> torch.Tensor:
         """One decoding step for every row of a batched ``buffer``: logits ``[rows, vocab]``."""
+        ids = torch.tensor(list(token_ids), dtype=torch.long)[:, None]
+        pos = torch.tensor(list(positions), dtype=torch.long)[:, None]
+        return self._step(buffer, ids, pos, mask)
+
+    @torch.inference_mode()
+    def _step(self, buffer: KVBuffer, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Run ``ids [rows, n]`` at ``pos``; the last token's logits of each row, ``[rows, vocab]``."""
         self._count(1)
         device = self.model.device
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)[:, None]
-        pos = torch.tensor(list(positions), dtype=torch.long, device=device)[:, None]
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True, logits_to_keep=1)
+        # logits_to_keep=1: the vocabulary projection runs for the last token only
+        out = self.model(
+            input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask, past_key_values=buffer.cache,
+            use_cache=True, logits_to_keep=1,
+        )
         return out.logits[:, -1]
 
     def encode(self, token_ids: Sequence[int], positions: Sequence[int], prefix: ModuleKV | None = None) -> ModuleKV:

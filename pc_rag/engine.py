@@ -446,17 +446,16 @@ class PromptCache:
         user marker).
         """
         segments: list[Segment] = []
-        before: list[int] = []  # the tokens preceding the current segment
         for segment in plan.segments:
             if not segment.cached:
                 segments.append(segment)
-                before.extend(segment.token_ids)
                 continue
             schema = self.schemas[segment.schema or plan.schema]  # type: ignore[index]
             exact = segment.owner == schema.layout.prefix or (
-                segment.position == segment.source_position and before == self._context_ids(schema)
+                # rare (a module where it was encoded): only then compare what precedes it
+                segment.position == segment.source_position
+                and [t for s in segments for t in s.token_ids] == self._context_ids(schema)
             )
-            before.extend(segment.token_ids)
             k = 0 if exact or segment.offset else min(self.recompute, len(segment))
             if k:
                 segments.append(Segment(segment.token_ids[:k], segment.position))
@@ -575,12 +574,18 @@ class PromptCache:
         """Like :meth:`generate`, yielding text as it is decoded; ``.result`` holds the Generation."""
         started = time.perf_counter()
         params = SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed)
-        plan = self.plan(prompt)  # errors surface here, before the caller starts iterating
+        plan, end = self._prepare(prompt, use_cache, "the prompt")  # errors surface here, before iterating
+        return StreamingGeneration(self._decode(plan, end, params, use_cache, started))
+
+    def _prepare(self, prompt: str, use_cache: bool, what: str) -> tuple[Plan, int]:
+        """Plan ``prompt`` and refuse it before any work if it cannot be served; returns the plan
+        and the position after its last token."""
+        plan = self.plan(prompt)
         end = max(plan.position_ids) + 1  # the property builds a list: read it once
-        self._check_window(end, "the prompt")
+        self._check_window(end, what)
         if use_cache:
             self._check_budget(plan)
-        return StreamingGeneration(self._decode(plan, end, params, use_cache, started))
+        return plan, end
 
     # -----------------------------------------------------------------------------------------
     def _prefill(self, plan: Plan, capacity: int, use_cache: bool) -> tuple[KVBuffer, torch.Tensor, float]:
@@ -729,16 +734,11 @@ class PromptCache:
             return [self.generate(p, use_cache=use_cache, **kwargs) for p in prompts]  # type: ignore[arg-type]
         started = time.perf_counter()
         params = SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed)
-        plans = [self.plan(p) for p in prompts]
-        ends = [max(plan.position_ids) + 1 for plan in plans]
-        for index, (plan, end) in enumerate(zip(plans, ends)):
-            self._check_window(end, f"prompt {index}")
-            if use_cache:
-                self._check_budget(plan)
+        prepared = [self._prepare(p, use_cache, f"prompt {index}") for index, p in enumerate(prompts)]
         requests: list[_Request] = []
         caches: list[KVBuffer] = []
         tokens: list[int | None] = []
-        for plan, end in zip(plans, ends):
+        for plan, end in prepared:
             request = _Request(self, plan, params, use_cache, started, end)
             cache, logits, assemble_s = self._prefill(plan, len(plan.input_ids), use_cache)
             request.stats.assemble_s = (request.prefill_started - started) + assemble_s

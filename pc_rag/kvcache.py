@@ -142,8 +142,7 @@ class KVBuffer:
             if keys.dtype != dest.dtype or keys.device != dest.device:
                 keys = keys.to(dest.device, dest.dtype)
             rotate(dest[:, 0], keys)
-        for layer in self._layers:
-            layer.grow_to(end)
+        self.grow_to(end)
 
     def slice(self, start: int, end: int, row: int = 0) -> torch.Tensor:
         """The stored KV of positions ``[start, end)`` of one row as ``[layers, 2, heads, n, dim]`` (a view)."""
