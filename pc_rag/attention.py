@@ -16,6 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import shared_attention
+from .errors import PromptCacheError
+
 logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "pc_rag_sdpa"
@@ -35,6 +38,11 @@ def _pc_rag_sdpa(
 ) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    shared = kwargs.pop(shared_attention.KWARG, None)
+    if shared is not None:
+        if any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap", "sliding_window")):
+            raise PromptCacheError("shared-module attention does not support soft-capping or sliding windows")
+        return shared_attention.split_attention(module, query, key, value, attention_mask, scaling, shared), None
     groups = getattr(module, "num_key_value_groups", 1)
     special = any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap")) or kwargs.get("output_attentions")
     if query.device.type != "cpu" or groups == 1 or query.shape[2] == 1 or special:

@@ -9,6 +9,12 @@ from typing import Any
 import torch
 
 from .kvcache import KVBuffer, ModuleKV
+from .shared_attention import KWARG, SharedKV
+
+
+def _shared_kwargs(shared: SharedKV | None, positions: torch.Tensor) -> dict[str, Any]:
+    """The forward keyword that hands shared KV to the attention function (none without it)."""
+    return {} if shared is None else {KWARG: shared.for_queries(positions)}
 
 
 class Forward:
@@ -36,37 +42,61 @@ class Forward:
 
     @torch.inference_mode()
     def __call__(
-        self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], *, logits: bool, mask: torch.Tensor | None = None
+        self,
+        buffer: KVBuffer,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        *,
+        logits: bool,
+        mask: torch.Tensor | None = None,
+        shared: SharedKV | None = None,
     ) -> torch.Tensor | None:
         """Extend ``buffer`` with ``token_ids``; return the last token's logits when asked.
 
         ``mask`` (``[1, 1, new, buffer + new]``, see :func:`pc_rag.attention.position_mask`)
-        replaces the causal mask transformers would build from buffer order.
+        replaces the causal mask transformers would build from buffer order. ``shared`` is KV
+        attended to besides the buffer, read in place (see :mod:`pc_rag.shared_attention`).
         """
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         pos = torch.tensor([list(positions)], dtype=torch.long)
         if logits:
-            return self._step(buffer, ids, pos, mask)[0]
+            return self._step(buffer, ids, pos, mask, shared)[0]
         self._count(1)
         device = self.model.device
-        self.model.base_model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask, past_key_values=buffer.cache, use_cache=True)
+        pos = pos.to(device)
+        self.model.base_model(
+            input_ids=ids.to(device), position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True,
+            **_shared_kwargs(shared, pos),
+        )
         return None
 
-    def decode_batch(self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], mask: torch.Tensor) -> torch.Tensor:
+    def decode_batch(
+        self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], mask: torch.Tensor, shared: SharedKV | None = None
+    ) -> torch.Tensor:
         """One decoding step for every row of a batched ``buffer``: logits ``[rows, vocab]``."""
         ids = torch.tensor(list(token_ids), dtype=torch.long)[:, None]
         pos = torch.tensor(list(positions), dtype=torch.long)[:, None]
-        return self._step(buffer, ids, pos, mask)
+        return self._step(buffer, ids, pos, mask, shared)
+
+    def prefill_batch(
+        self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, shared: SharedKV | None = None
+    ) -> torch.Tensor:
+        """Run ``ids [rows, n]`` (left-padded, so every row's last column is a real token) at
+        ``positions``: the last column's logits, ``[rows, vocab]``."""
+        return self._step(buffer, ids, positions, mask, shared)
 
     @torch.inference_mode()
-    def _step(self, buffer: KVBuffer, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _step(
+        self, buffer: KVBuffer, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, shared: SharedKV | None = None
+    ) -> torch.Tensor:
         """Run ``ids [rows, n]`` at ``pos``; the last token's logits of each row, ``[rows, vocab]``."""
         self._count(1)
         device = self.model.device
+        pos = pos.to(device)
         # logits_to_keep=1: the vocabulary projection runs for the last token only
         out = self.model(
-            input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask, past_key_values=buffer.cache,
-            use_cache=True, logits_to_keep=1,
+            input_ids=ids.to(device), position_ids=pos, attention_mask=mask, past_key_values=buffer.cache,
+            use_cache=True, logits_to_keep=1, **_shared_kwargs(shared, pos),
         )
         return out.logits[:, -1]
 

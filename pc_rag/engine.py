@@ -26,6 +26,7 @@ from .encoder import Forward
 from .errors import PromptCacheError
 from .generation import CacheStats, Generation, IncrementalDetokenizer, Sampler, SamplingParams, StopFilter, StreamingGeneration
 from .kvcache import BufferPool, KVBuffer, ModuleKV, kv_shape
+from .shared_attention import SharedKV, SharedPart, share_prefixes
 from .layout import ModuleInfo, ModuleSpan, Plan, SchemaLayout, Segment, close_names, add_document, document_layout, document_module, layout_schema, plan_prompt, plan_text
 from .model import PositionKind, RopeRotator, chat_markers, load_model, model_fingerprint, probe_position_kind
 from .pml import is_pml_prompt, parse_prompt, parse_schema
@@ -34,6 +35,8 @@ from .store import DiskTier, ModuleStore
 logger = logging.getLogger(__name__)
 
 Encoding = Literal["isolated", "shared_prefix"]
+# how a request's cached KV reaches attention: copied into its cache, or read where it is stored
+Assembly = Literal["copy", "in_place"]
 ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix")
 # shared_prefix: every module sees the schema's system prompt, as it would in full prefill, so the
 # first module after it is exact and no module's first token becomes a spurious attention sink.
@@ -41,6 +44,7 @@ DEFAULT_ENCODING: Encoding = "shared_prefix"
 # EPIC-style recovery: tokens recomputed at the head of every imported module that was not encoded
 # behind exactly what precedes it (benchmarks/quality.py measured the choice; see README)
 DEFAULT_RECOMPUTE = 4
+DEFAULT_ASSEMBLY: Assembly = "copy"
 
 
 @dataclass
@@ -85,6 +89,7 @@ class PromptCache:
         kv_location: Literal["device", "cpu"] = "device",
         drop_in: bool = True,
         recompute: int | None = None,
+        assembly: Assembly | None = None,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
         if encoding not in ENCODINGS:
@@ -102,12 +107,16 @@ class PromptCache:
         self.forward = Forward(model)
         self.buffers = BufferPool(model)
         layers, kv_heads, head_dim = kv_shape(model)  # fails early on models without the usual config fields
+        self._heads_per_kv = model.config.get_text_config(decoder=True).num_attention_heads // kv_heads
         self.markers = chat_markers(tokenizer)
         self.position_kind: PositionKind = probe_position_kind(model, self.forward.keys_at)
         self.rotator = RopeRotator(model) if self.position_kind == "rope" else None
         # one prefill pass for all computed tokens, however many gaps they fill (see _prefill_one_pass)
         self.one_pass = self.position_kind == "rope" and attention.accepts_custom_mask(model)
         self.recompute = self._recompute_tokens(recompute)
+        # split attention (shared_attention.py) plugs into pc_rag_sdpa: RoPE models on SDPA
+        self.split = self.one_pass and getattr(model.config, "_attn_implementation", None) == attention.ATTENTION_NAME
+        self.assembly: Assembly = self._assembly(assembly)
         self.forward.reset_counts()  # the probe is not module encoding
         self.placeholder_id = self._placeholder_token()
         self.separator_ids = self.tokenize(SEPARATOR)  # what follows every document's text in its module
@@ -157,6 +166,7 @@ class PromptCache:
         kv_location: Literal["device", "cpu"] = "device",
         drop_in: bool = True,
         recompute: int | None = None,
+        assembly: Assembly | None = None,
         **model_kwargs: Any,
     ) -> "PromptCache":
         """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct)."""
@@ -171,6 +181,7 @@ class PromptCache:
             kv_location=kv_location,
             drop_in=drop_in,
             recompute=recompute,
+            assembly=assembly,
         )
 
     def _recompute_tokens(self, requested: int | None) -> int:
@@ -184,6 +195,19 @@ class PromptCache:
             raise PromptCacheError(
                 f"recompute needs a RoPE model on sdpa or eager attention; this one has {self.position_kind} positions "
                 f"and {getattr(self.model.config, '_attn_implementation', None)!r} attention (use recompute=0)"
+            )
+        return requested
+
+    def _assembly(self, requested: Assembly | None) -> Assembly:
+        """``in_place`` (zero-copy: modules are attended to where they are stored) needs split attention."""
+        if requested is None:
+            return DEFAULT_ASSEMBLY if self.split else "copy"
+        if requested not in ("copy", "in_place"):
+            raise PromptCacheError(f"assembly must be 'copy' or 'in_place', got {requested!r}")
+        if requested == "in_place" and not self.split:
+            raise PromptCacheError(
+                "assembly='in_place' needs a RoPE model on sdpa attention; this one has "
+                f"{self.position_kind} positions and {getattr(self.model.config, '_attn_implementation', None)!r} attention"
             )
         return requested
 
@@ -534,7 +558,7 @@ class PromptCache:
         """Logits of the first generated token: the quantity cached inference must reproduce."""
         plan = self.plan(prompt)
         self._check_window(max(plan.position_ids) + 1, "the prompt")
-        buffer, logits, _ = self._prefill(plan, len(plan.input_ids), use_cache)
+        buffer, _, logits, _ = self._prefill(plan, 0, use_cache)
         self.buffers.release(buffer)
         return logits
 
@@ -588,11 +612,18 @@ class PromptCache:
         return plan, end
 
     # -----------------------------------------------------------------------------------------
-    def _prefill(self, plan: Plan, capacity: int, use_cache: bool) -> tuple[KVBuffer, torch.Tensor, float]:
-        """Fill a buffer for ``plan``; return it, the last token's logits and the assembly time."""
-        buffer = self.buffers.acquire(capacity)
+    def _prefill(
+        self, plan: Plan, new_tokens: int, use_cache: bool, assembly: Assembly | None = None
+    ) -> tuple[KVBuffer, SharedKV | None, torch.Tensor, float]:
+        """Prefill ``plan`` into a buffer with room for ``new_tokens`` more; return the buffer, the
+        KV attended to in place (in-place assembly) or None, the last token's logits and the
+        assembly time."""
         if not use_cache:
-            return buffer, self.forward(buffer, plan.input_ids, plan.position_ids, logits=True), 0.0
+            buffer = self.buffers.acquire(len(plan.input_ids) + new_tokens)
+            return buffer, None, self.forward(buffer, plan.input_ids, plan.position_ids, logits=True), 0.0
+        if (assembly or self.assembly) == "in_place":
+            return self._prefill_in_place(plan, new_tokens)
+        buffer = self.buffers.acquire(len(plan.input_ids) + new_tokens)
         if self.one_pass:
             return self._prefill_one_pass(plan, buffer)
         assemble_s = 0.0
@@ -612,9 +643,9 @@ class PromptCache:
             self._append_cached(buffer, plan, segment)
             assemble_s += time.perf_counter() - t0
         assert logits is not None  # plan_prompt guarantees the last segment is computed
-        return buffer, logits, assemble_s
+        return buffer, None, logits, assemble_s
 
-    def _prefill_one_pass(self, plan: Plan, buffer: KVBuffer) -> tuple[KVBuffer, torch.Tensor, float]:
+    def _prefill_one_pass(self, plan: Plan, buffer: KVBuffer) -> tuple[KVBuffer, None, torch.Tensor, float]:
         """All cached segments first, then every computed token in one forward pass.
 
         The computed tokens (recomputed module heads, text between modules, the question) sit
@@ -642,10 +673,39 @@ class PromptCache:
         keys = torch.cat([torch.tensor(kv_positions, dtype=torch.long, device=self.device), query])
         mask = attention.position_mask(query, keys, self.model)
         # plan_prompt guarantees the last segment is computed: the pass's last token is the prompt's
-        return buffer, self.forward(buffer, ids, positions, logits=True, mask=mask), assemble_s
+        return buffer, None, self.forward(buffer, ids, positions, logits=True, mask=mask), assemble_s
 
-    def _append_cached(self, buffer: KVBuffer, plan: Plan, segment: Segment) -> None:
-        """Copy one cached segment's KV into ``buffer``, rotated to its position when it moved."""
+    def _prefill_in_place(self, plan: Plan, new_tokens: int) -> tuple[KVBuffer, SharedKV, torch.Tensor, float]:
+        """Zero-copy assembly: every cached segment is attended to where the store keeps it.
+
+        The request's own buffer receives only the computed tokens (in position order, so the
+        usual causal mask holds among them); moved modules are read unrotated, their queries
+        rotated back instead (see :mod:`pc_rag.shared_attention`).
+        """
+        t0 = time.perf_counter()
+        parts: list[SharedPart] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        for segment in plan.segments:
+            if segment.cached:
+                kv, shift = self._segment_kv(plan, segment)
+                parts.append(SharedPart(kv.to(self.device, self.dtype), self._positions(segment), slice(0, 1), shift))
+            else:
+                ids.extend(segment.token_ids)
+                positions.extend(range(segment.position, segment.position + len(segment)))
+        shared = self._shared_kv(parts)
+        buffer = self.buffers.acquire(len(ids) + new_tokens)
+        assemble_s = time.perf_counter() - t0
+        return buffer, shared, self.forward(buffer, ids, positions, logits=True, shared=shared), assemble_s
+
+    def _shared_kv(self, parts: list[SharedPart]) -> SharedKV:
+        return SharedKV(parts, heads_per_kv=self._heads_per_kv, dtype=self.dtype, rotator=self.rotator)
+
+    def _positions(self, segment: Segment) -> torch.Tensor:
+        return torch.arange(segment.position, segment.position + len(segment), device=self.device)
+
+    def _segment_kv(self, plan: Plan, segment: Segment) -> tuple[torch.Tensor, int]:
+        """A cached segment's stored KV ``[layers, 2, heads, n, dim]`` (a view) and how far it moved."""
         schema = self.schemas[segment.schema or plan.schema]  # type: ignore[index]
         module = self.store.get(schema.keys[segment.owner])  # type: ignore[index]
         if module is None:
@@ -653,13 +713,22 @@ class PromptCache:
             module = self._reencode(schema, segment.owner)  # type: ignore[arg-type]
         kv = module.kv[:, :, :, segment.offset : segment.offset + len(segment)]
         delta = segment.position - segment.source_position
-        if delta and self.rotator is not None:
-            rotator = self.rotator
-            buffer.append(kv, rotate=lambda out, keys, d=delta: rotator.rotate_into(out, keys, d))
-        elif delta and self.position_kind == "learned":
+        if delta and self.position_kind == "learned":
             raise PromptCacheError(f"module {segment.owner!r} cannot move on a model with learned absolute positions")
-        else:
-            buffer.append(kv)
+        # ALiBi keys carry no position: a moved module's KV is used as it is
+        return kv, delta if self.rotator is not None else 0
+
+    def _rotation(self, delta: int) -> Any:
+        """The ``rotate`` argument of :meth:`KVBuffer.write` for a module moved by ``delta``."""
+        if not delta:
+            return None
+        rotator = self.rotator
+        return lambda out, keys: rotator.rotate_into(out, keys, delta)
+
+    def _append_cached(self, buffer: KVBuffer, plan: Plan, segment: Segment) -> None:
+        """Copy one cached segment's KV into ``buffer``, rotated to its position when it moved."""
+        kv, delta = self._segment_kv(plan, segment)
+        buffer.append(kv, rotate=self._rotation(delta))
 
     def _reencode(self, schema: Schema, name: str) -> ModuleKV:
         with self._lock:  # two requests missing the same module encode it once (_ensure looks again)
@@ -690,14 +759,14 @@ class PromptCache:
         self, plan: Plan, next_position: int, params: SamplingParams, use_cache: bool, started: float
     ) -> Generator[str, None, Generation]:
         request = _Request(self, plan, params, use_cache, started, next_position)
-        buffer, logits, assemble_s = self._prefill(plan, len(plan.input_ids) + request.budget, use_cache)
+        buffer, shared, logits, assemble_s = self._prefill(plan, request.budget, use_cache)
         request.stats.assemble_s = (request.prefill_started - started) + assemble_s
         while not request.done:
             token, delta = request.take(logits)
             if delta:
                 yield delta
             if token is not None:
-                logits = self.forward(buffer, [token], [request.next_position], logits=True)
+                logits = self.forward(buffer, [token], [request.next_position], logits=True, shared=shared)
                 request.next_position += 1
         self.buffers.release(buffer)
         tail, result = request.close()
@@ -717,13 +786,17 @@ class PromptCache:
         stop: str | Sequence[str] | None = None,
         use_cache: bool = True,
         seed: int | None = None,
+        share_modules: bool = True,
     ) -> list[Generation]:
-        """Generate completions for several prompts, decoding them together (one forward pass per step).
+        """Generate completions for several prompts together: one forward pass per step for all.
 
-        Each prompt is planned and prefilled on its own (every error surfaces before any work),
-        then all decode in one batch: the requests' caches are copied into one batched buffer,
-        right-padded, and a per-row mask hides each row's padding. Greedy outputs equal those of
-        :meth:`generate` called on each prompt. Models whose attention cannot take such a mask
+        Every prompt is planned first, so every error surfaces before any work. With
+        ``share_modules`` (RoPE models on SDPA), cached KV that several prompts import at the same
+        positions is held once and attended to once per step for all of them (shared-module
+        attention, see :mod:`pc_rag.shared_attention`); what each prompt computes is prefilled in
+        one batched pass. Otherwise each prompt is prefilled on its own and the batch decodes
+        with a copy of every request's cache (naive batching). Greedy outputs equal those of
+        :meth:`generate` called on each prompt. Models whose attention cannot take per-row masks
         (ALiBi, learned positions, flash/flex attention) are served one prompt after another.
         """
         if isinstance(prompts, str):
@@ -735,12 +808,14 @@ class PromptCache:
         started = time.perf_counter()
         params = SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed)
         prepared = [self._prepare(p, use_cache, f"prompt {index}") for index, p in enumerate(prompts)]
+        if share_modules and use_cache and self.split:
+            return self._generate_shared(prepared, params, started)
         requests: list[_Request] = []
         caches: list[KVBuffer] = []
         tokens: list[int | None] = []
         for plan, end in prepared:
             request = _Request(self, plan, params, use_cache, started, end)
-            cache, logits, assemble_s = self._prefill(plan, len(plan.input_ids), use_cache)
+            cache, _, logits, assemble_s = self._prefill(plan, 0, use_cache, assembly="copy")
             request.stats.assemble_s = (request.prefill_started - started) + assemble_s
             token = None
             if not request.done:
@@ -769,6 +844,97 @@ class PromptCache:
                 if tokens[row] is not None:
                     tokens[row], _ = request.take(logits[row])
         return [request.close()[1] for request in requests]
+
+
+    def _generate_shared(self, prepared: list[tuple[Plan, int]], params: SamplingParams, started: float) -> list[Generation]:
+        """``generate_batch`` with shared-module attention.
+
+        Rows are sorted by their cached segments, so that prompts importing the same modules at
+        the same positions are adjacent; :func:`share_prefixes` finds the runs two or more rows
+        share (ChunkAttention's prefix tree). A run is held once: read in place when it is one
+        stored module, else assembled once for the whole batch. Each row's own cache receives
+        what it shares with nobody, then its computed tokens, left-padded so that one batched
+        pass ends on every row's last prompt token; masks follow positions, as in
+        :meth:`_prefill_one_pass`.
+        """
+        plans = [plan for plan, _ in prepared]
+        cached = [[s for s in plan.segments if s.cached] for plan in plans]
+        signatures = [tuple(self._signature(plan, s) for s in segments) for plan, segments in zip(plans, cached)]
+        order = sorted(range(len(plans)), key=lambda i: signatures[i])
+        runs, private_from = share_prefixes([signatures[i] for i in order])
+        requests = [_Request(self, plans[i], params, True, started, prepared[i][1]) for i in order]
+        t0 = time.perf_counter()
+        parts = [self._shared_part(plans[order[run.rows.start]], cached[order[run.rows.start]][run.first : run.stop], run.rows) for run in runs]
+        own = [cached[i][private_from[row] :] for row, i in enumerate(order)]
+        computed = [[s for s in plans[i].segments if not s.cached] for i in order]
+        own_width = max(sum(len(s) for s in segments) for segments in own)
+        width = max(sum(len(s) for s in segments) for segments in computed)
+        end = own_width + width
+        capacity = end + max(r.budget for r in requests)
+        rows = len(order)
+        buffer = KVBuffer.for_model(self.model, capacity, batch=rows)
+        valid = torch.zeros(rows, capacity, dtype=torch.bool)
+        key_positions = torch.zeros(rows, capacity, dtype=torch.long)
+        ids = torch.full((rows, width), self.placeholder_id, dtype=torch.long)
+        positions = torch.zeros(rows, width, dtype=torch.long)
+        for row, (segments, computing) in enumerate(zip(own, computed)):
+            at = 0
+            for segment in segments:
+                kv, delta = self._segment_kv(plans[order[row]], segment)
+                buffer.write(kv, at, row=row, rotate=self._rotation(delta))
+                key_positions[row, at : at + len(segment)] = torch.arange(segment.position, segment.position + len(segment))
+                valid[row, at : at + len(segment)] = True
+                at += len(segment)
+            row_ids = [t for s in computing for t in s.token_ids]
+            row_positions = [p for s in computing for p in range(s.position, s.position + len(s))]
+            pad = width - len(row_ids)
+            ids[row, pad:] = torch.tensor(row_ids)
+            positions[row, pad:] = torch.tensor(row_positions)
+            positions[row, :pad] = row_positions[0]  # padding queries see what the row's first token sees: no NaN
+            valid[row, own_width + pad : end] = True
+        key_positions[:, own_width:end] = positions
+        buffer.grow_to(own_width)
+        shared = self._shared_kv(parts)
+        valid, key_positions, positions = valid.to(self.device), key_positions.to(self.device), positions.to(self.device)
+        assemble_s = time.perf_counter() - t0
+        allowed = valid[:, None, :end] & (key_positions[:, None, :end] <= positions[:, :, None])
+        logits = self.forward.prefill_batch(buffer, ids, positions, allowed[:, None], shared)
+        tokens: list[int | None] = []
+        for row, request in enumerate(requests):
+            request.stats.assemble_s = (request.prefill_started - started) + assemble_s
+            tokens.append(request.take(logits[row])[0] if not request.done else None)
+        column = end
+        while any(token is not None for token in tokens):
+            valid[:, column] = True  # this step's keys (rows already finished attend to junk nobody reads)
+            column += 1
+            mask = attention.row_mask(valid[:, :column], self.model)
+            step_ids = [t if t is not None else self.placeholder_id for t in tokens]
+            logits = self.forward.decode_batch(buffer, step_ids, [r.next_position for r in requests], mask, shared)
+            for row, request in enumerate(requests):
+                request.next_position += 1
+                if tokens[row] is not None:
+                    tokens[row], _ = request.take(logits[row])
+        results: list[Generation | None] = [None] * rows
+        for row, i in enumerate(order):
+            results[i] = requests[row].close()[1]
+        return results  # type: ignore[return-value]
+
+    def _signature(self, plan: Plan, segment: Segment) -> tuple[str, int, int, int, int]:
+        """What makes two cached segments the same KV: entry, offset, length, position, encoded position."""
+        schema = self.schemas[segment.schema or plan.schema]  # type: ignore[index]
+        return (schema.keys[segment.owner], segment.offset, len(segment), segment.position, segment.source_position)  # type: ignore[index]
+
+    def _shared_part(self, plan: Plan, segments: list[Segment], rows: slice) -> SharedPart:
+        """One shared run: the stored KV read in place when it is one segment, else assembled once."""
+        if len(segments) == 1:
+            kv, shift = self._segment_kv(plan, segments[0])
+            return SharedPart(kv.to(self.device, self.dtype), self._positions(segments[0]), rows, shift)
+        run = KVBuffer.for_model(self.model, sum(len(s) for s in segments))
+        for segment in segments:
+            kv, delta = self._segment_kv(plan, segment)
+            run.append(kv, rotate=self._rotation(delta))
+        positions = torch.cat([self._positions(s) for s in segments])
+        return SharedPart(run.slice(0, len(run)), positions, rows)
 
 
 class _Request:

@@ -126,23 +126,31 @@ class KVBuffer:
 
         ``rotate(out, keys)`` writes moved keys into ``out`` (RoPE modules placed at a new
         position); without it keys and values are copied as they are, all layers in one copy.
-        A batched buffer gets the same KV in every row (a shared prefix).
+        A batched buffer gets the same KV in every row (a shared prefix) unless rotated.
         """
         start = len(self)
+        self.write(kv, start, rotate=rotate)
+        self.grow_to(start + kv.shape[3])
+
+    def write(self, kv: torch.Tensor, start: int, *, row: int | None = None, rotate: Any = None) -> None:
+        """Write module KV at entries ``[start, start + n)`` of one row (every row when ``row`` is
+        None), without changing how many entries count as filled."""
         end = start + kv.shape[3]
         self.check_capacity(end)
         if rotate is None:
-            self.storage[:, :, :, :, start:end, :].copy_(kv.unsqueeze(2))
-        else:
+            dest = self.storage[:, :, :, :, start:end, :] if row is None else self.storage[:, :, row, :, start:end, :]
+            dest.copy_(kv.unsqueeze(2) if row is None else kv)
+            return
+        if row is None:
             if self.batch != 1:
-                raise PromptCacheError("rotated appends are for single-request buffers")
-            dest = self.storage[:, :, 0, :, start:end, :]
-            dest[:, 1].copy_(kv[:, 1])
-            keys = kv[:, 0]
-            if keys.dtype != dest.dtype or keys.device != dest.device:
-                keys = keys.to(dest.device, dest.dtype)
-            rotate(dest[:, 0], keys)
-        self.grow_to(end)
+                raise PromptCacheError("rotated writes go to one row at a time")
+            row = 0
+        dest = self.storage[:, :, row, :, start:end, :]
+        dest[:, 1].copy_(kv[:, 1])
+        keys = kv[:, 0]
+        if keys.dtype != dest.dtype or keys.device != dest.device:
+            keys = keys.to(dest.device, dest.dtype)
+        rotate(dest[:, 0], keys)
 
     def slice(self, start: int, end: int, row: int = 0) -> torch.Tensor:
         """The stored KV of positions ``[start, end)`` of one row as ``[layers, 2, heads, n, dim]`` (a view)."""

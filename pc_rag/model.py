@@ -196,6 +196,12 @@ class RopeRotator:
         cos, sin = self.rotary(probe, positions)
         return (cos[0, 0] / self.scaling).to(like.dtype), (sin[0, 0] / self.scaling).to(like.dtype)
 
+    def cos_sin_many(self, deltas: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[len(deltas), rotary_dim]`` for several moves at once."""
+        probe = torch.empty(1, dtype=torch.float32, device=like.device)
+        cos, sin = self.rotary(probe, deltas.to(like.device)[None, :])
+        return (cos[0] / self.scaling).to(like.dtype), (sin[0] / self.scaling).to(like.dtype)
+
     def rotate_into(self, out: torch.Tensor, keys: torch.Tensor, delta: int) -> None:
         """``out = keys`` moved by ``delta`` positions; keys are ``[..., seq, head_dim]``.
 
