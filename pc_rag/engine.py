@@ -826,6 +826,7 @@ class PromptCache:
         width = max(len(c) for c in caches)
         steps = max(r.budget for r in requests)
         batch = KVBuffer.for_model(self.model, width + steps, batch=len(requests))
+        batch.storage.zero_()  # padding is masked, but 0 x NaN garbage would still be NaN
         valid = torch.zeros(len(requests), width + steps, dtype=torch.bool, device=self.device)
         for row, cache in enumerate(caches):
             batch.storage[:, :, row, :, : len(cache)].copy_(cache.storage[:, :, 0, :, : len(cache)])
@@ -873,6 +874,9 @@ class PromptCache:
         capacity = end + max(r.budget for r in requests)
         rows = len(order)
         buffer = KVBuffer.for_model(self.model, capacity, batch=rows)
+        # masked entries still meet the values in a product (weight 0 x value): uninitialised
+        # memory can hold NaN, and 0 x NaN is NaN
+        buffer.storage.zero_()
         valid = torch.zeros(rows, capacity, dtype=torch.bool)
         key_positions = torch.zeros(rows, capacity, dtype=torch.long)
         ids = torch.full((rows, width), self.placeholder_id, dtype=torch.long)
