@@ -833,18 +833,25 @@ class PromptCache:
             valid[row, : len(cache)] = True
             self.buffers.release(cache)
         batch.grow_to(width)
-        column = width
+        self._decode_rows(batch, requests, tokens, valid, width)
+        return [request.close()[1] for request in requests]
+
+    def _decode_rows(
+        self, buffer: KVBuffer, requests: list[_Request], tokens: list[int | None], valid: torch.Tensor, column: int,
+        shared: SharedKV | None = None,
+    ) -> None:
+        """Decode a batch until every row is done; ``valid`` marks each row's real entries (its
+        first ``column`` columns are filled), ``tokens`` the first token each row feeds."""
         while any(token is not None for token in tokens):
             valid[:, column] = True  # this step's keys (rows already finished attend to junk nobody reads)
             column += 1
             mask = attention.row_mask(valid[:, :column], self.model)
             ids = [t if t is not None else self.placeholder_id for t in tokens]
-            logits = self.forward.decode_batch(batch, ids, [r.next_position for r in requests], mask)
+            logits = self.forward.decode_batch(buffer, ids, [r.next_position for r in requests], mask, shared)
             for row, request in enumerate(requests):
                 request.next_position += 1
                 if tokens[row] is not None:
                     tokens[row], _ = request.take(logits[row])
-        return [request.close()[1] for request in requests]
 
 
     def _generate_shared(self, prepared: list[tuple[Plan, int]], params: SamplingParams, started: float) -> list[Generation]:
@@ -907,17 +914,7 @@ class PromptCache:
         for row, request in enumerate(requests):
             request.stats.assemble_s = (request.prefill_started - started) + assemble_s
             tokens.append(request.take(logits[row])[0] if not request.done else None)
-        column = end
-        while any(token is not None for token in tokens):
-            valid[:, column] = True  # this step's keys (rows already finished attend to junk nobody reads)
-            column += 1
-            mask = attention.row_mask(valid[:, :column], self.model)
-            step_ids = [t if t is not None else self.placeholder_id for t in tokens]
-            logits = self.forward.decode_batch(buffer, step_ids, [r.next_position for r in requests], mask, shared)
-            for row, request in enumerate(requests):
-                request.next_position += 1
-                if tokens[row] is not None:
-                    tokens[row], _ = request.take(logits[row])
+        self._decode_rows(buffer, requests, tokens, valid, end, shared)
         results: list[Generation | None] = [None] * rows
         for row, i in enumerate(order):
             results[i] = requests[row].close()[1]

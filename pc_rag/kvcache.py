@@ -126,7 +126,8 @@ class KVBuffer:
 
         ``rotate(out, keys)`` writes moved keys into ``out`` (RoPE modules placed at a new
         position); without it keys and values are copied as they are, all layers in one copy.
-        A batched buffer gets the same KV in every row (a shared prefix) unless rotated.
+        A batched buffer gets the same KV in every row (a shared prefix); rotated KV goes to one
+        row at a time (:meth:`write`).
         """
         start = len(self)
         self.write(kv, start, rotate=rotate)
