@@ -22,6 +22,8 @@ from .errors import PromptCacheError
 logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "pc_rag_sdpa"
+# attention keywords of model families whose attention is more than softmax(q k^T) v
+_SPECIAL = ("position_bias", "cache", "softcap")
 _registered = False
 
 
@@ -39,12 +41,13 @@ def _pc_rag_sdpa(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     shared = kwargs.pop(shared_attention.KWARG, None)
+    special = any(kwargs.get(k) is not None for k in _SPECIAL)
     if shared is not None:
-        if any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap", "sliding_window")):
-            raise PromptCacheError("shared-module attention does not support soft-capping or sliding windows")
+        if special or kwargs.get("sliding_window") is not None:
+            raise PromptCacheError("shared-module attention does not support position biases, soft-capping or sliding windows")
         return shared_attention.split_attention(module, query, key, value, attention_mask, scaling, shared), None
     groups = getattr(module, "num_key_value_groups", 1)
-    special = any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap")) or kwargs.get("output_attentions")
+    special = special or kwargs.get("output_attentions")
     if query.device.type != "cpu" or groups == 1 or query.shape[2] == 1 or special:
         # decode steps (q_len 1) are already copy-free upstream (pack_gqa); everything else as upstream
         return sdpa_attention_forward(

@@ -100,9 +100,6 @@ class SharedKV:
             by_rows.setdefault((part.rows.start, part.rows.stop), []).append(part)
         self.groups = [_Group(slice(*rows), members, rotator) for rows, members in by_rows.items()]
 
-    def __len__(self) -> int:
-        return sum(len(g.positions) for g in self.groups)
-
     def for_queries(self, query_positions: torch.Tensor) -> "SharedStep":
         """The per-forward view for queries at ``query_positions`` ``[rows, q]``.
 
@@ -140,6 +137,14 @@ class _PartMask:
 class SharedStep:
     shared: SharedKV
     masks: list[list[_PartMask] | None]  # per group: per part masks, or None (every key visible)
+    # the rows' own mask in kernel layout: transformers hands every layer the same mask object,
+    # so it is converted once per forward pass, not once per layer
+    _own: tuple[Any, _PartMask | None] | None = None
+
+    def own_mask(self, mask: torch.Tensor | None, q_len: int, groups: int, k_len: int, like: torch.Tensor) -> _PartMask | None:
+        if self._own is None or self._own[0] is not mask:
+            self._own = (mask, _own_mask(mask, q_len, groups, k_len, like))
+        return self._own[1]
 
 
 # PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp that the public
@@ -202,7 +207,9 @@ def split_attention(
 
     # the rows' own keys: each kv head's query heads stacked, [rows, kv_heads, groups * q, dim]
     grouped = query.reshape(rows, kv_heads, groups * q_len, dim)
-    out, lse = _attend(grouped, key, value, scale, _own_mask(attention_mask, q_len, groups, key.shape[2], query))
+    out, lse = _attend(grouped, key, value, scale, step.own_mask(attention_mask, q_len, groups, key.shape[2], query))
+    if step.shared.groups:
+        out = out.float()  # the merge accumulates in float32, in place for groups of some rows only
 
     for group, masks in zip(step.shared.groups, step.masks):
         sub = grouped[group.rows]
@@ -223,7 +230,6 @@ def split_attention(
         if n == rows:
             out, lse = merged_out, merged_lse
         else:
-            out, lse = out.float().clone(), lse.clone()
             out[group.rows], lse[group.rows] = merged_out, merged_lse
 
     return out.to(query.dtype).reshape(rows, heads, q_len, dim).transpose(1, 2).contiguous()
