@@ -146,6 +146,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads",
         "dtype": str(engine.dtype),
         "recompute": engine.recompute,
+        "recompute_tail": engine.recompute_tail,
         "new_tokens": args.new_tokens,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch": torch.__version__,

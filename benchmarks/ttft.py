@@ -190,6 +190,7 @@ def main() -> None:
         "dtype": str(engine.dtype),
         "encoding": engine.encoding,
         "recompute": engine.recompute,
+        "recompute_tail": engine.recompute_tail,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch": torch.__version__,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -41,9 +41,11 @@ ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix")
 # shared_prefix: every module sees the schema's system prompt, as it would in full prefill, so the
 # first module after it is exact and no module's first token becomes a spurious attention sink.
 DEFAULT_ENCODING: Encoding = "shared_prefix"
-# EPIC-style recovery: tokens recomputed at the head of every imported module that was not encoded
-# behind exactly what precedes it (benchmarks/quality.py measured the choice; see README)
+# Recovery: tokens recomputed at the head (EPIC-style) and at the tail of every imported module
+# that was not encoded behind exactly what precedes it (benchmarks/quality.py measured the choice;
+# see README)
 DEFAULT_RECOMPUTE = 4
+DEFAULT_RECOMPUTE_TAIL = 1
 DEFAULT_ASSEMBLY: Assembly = "copy"
 
 
@@ -89,6 +91,7 @@ class PromptCache:
         kv_location: Literal["device", "cpu"] = "device",
         drop_in: bool = True,
         recompute: int | None = None,
+        recompute_tail: int | None = None,
         assembly: Assembly | None = None,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
@@ -113,7 +116,8 @@ class PromptCache:
         self.rotator = RopeRotator(model) if self.position_kind == "rope" else None
         # one prefill pass for all computed tokens, however many gaps they fill (see _prefill_one_pass)
         self.one_pass = self.position_kind == "rope" and attention.accepts_custom_mask(model)
-        self.recompute = self._recompute_tokens(recompute)
+        self.recompute = self._recompute_tokens(recompute, "recompute", DEFAULT_RECOMPUTE)
+        self.recompute_tail = self._recompute_tokens(recompute_tail, "recompute_tail", DEFAULT_RECOMPUTE_TAIL)
         # split attention (shared_attention.py) plugs into pc_rag_sdpa: RoPE models on SDPA
         self.split = self.one_pass and getattr(model.config, "_attn_implementation", None) == attention.ATTENTION_NAME
         self.assembly: Assembly = self._assembly(assembly)
@@ -166,6 +170,7 @@ class PromptCache:
         kv_location: Literal["device", "cpu"] = "device",
         drop_in: bool = True,
         recompute: int | None = None,
+        recompute_tail: int | None = None,
         assembly: Assembly | None = None,
         **model_kwargs: Any,
     ) -> "PromptCache":
@@ -181,20 +186,21 @@ class PromptCache:
             kv_location=kv_location,
             drop_in=drop_in,
             recompute=recompute,
+            recompute_tail=recompute_tail,
             assembly=assembly,
         )
 
-    def _recompute_tokens(self, requested: int | None) -> int:
-        """How many head tokens of each imported module to recompute (see :meth:`_recover`)."""
+    def _recompute_tokens(self, requested: int | None, what: str, default: int) -> int:
+        """How many head (tail) tokens of each imported module to recompute (see :meth:`_recover`)."""
         supported = self.one_pass
         if requested is None:
-            return DEFAULT_RECOMPUTE if supported else 0
+            return default if supported else 0
         if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
-            raise PromptCacheError(f"recompute must be a number of tokens >= 0, got {requested!r}")
+            raise PromptCacheError(f"{what} must be a number of tokens >= 0, got {requested!r}")
         if requested and not supported:
             raise PromptCacheError(
-                f"recompute needs a RoPE model on sdpa or eager attention; this one has {self.position_kind} positions "
-                f"and {getattr(self.model.config, '_attn_implementation', None)!r} attention (use recompute=0)"
+                f"{what} needs a RoPE model on sdpa or eager attention; this one has {self.position_kind} positions "
+                f"and {getattr(self.model.config, '_attn_implementation', None)!r} attention (use {what}=0)"
             )
         return requested
 
@@ -445,7 +451,7 @@ class PromptCache:
         if not isinstance(prompt, str):
             raise PromptCacheError(f"prompt must be a str, got {type(prompt).__name__}")
         plan = self._plan_plain(prompt) if not is_pml_prompt(prompt) else self._plan_pml(prompt)
-        return self._recover(plan) if self.recompute else plan
+        return self._recover(plan) if self.recompute or self.recompute_tail else plan
 
     def _plan_pml(self, prompt: str) -> Plan:
         doc = parse_prompt(prompt)
@@ -458,12 +464,16 @@ class PromptCache:
         )
 
     def _recover(self, plan: Plan) -> Plan:
-        """Compute the first ``recompute`` tokens of every imported module instead of reusing them.
+        """Compute the first ``recompute`` and the last ``recompute_tail`` tokens of every imported
+        module instead of reusing them.
 
         A module encoded on its own never attended to the modules placed before it in this
-        prompt; its first tokens carry most of that loss (they also soak up attention as the
-        start of a sequence). Recomputing them behind everything that precedes them (EPIC,
-        arXiv:2410.15332) restores most cross-module attention for a few tokens per module.
+        prompt. Its first tokens carry much of that loss (they also soak up attention as the start
+        of a sequence): recomputing them behind everything that precedes them (EPIC,
+        arXiv:2410.15332) restores cross-module attention for a few tokens per module. Its last
+        token -- for a document, the separator -- is what the tokens after it attend to most;
+        recomputed, it summarises everything before it, not one document (on HotpotQA one tail
+        token per document cut the first-token KL to full prefill by a third, see README).
         Exact already, and left alone: the schema's prefix, and under ``shared_prefix`` encoding a
         module at the position it was encoded at behind exactly the tokens it was encoded behind
         (the first document of a ``build_prompt`` or chat prompt, after the system turn and the
@@ -480,14 +490,22 @@ class PromptCache:
                 segment.position == segment.source_position
                 and [t for s in segments for t in s.token_ids] == self._context_ids(schema)
             )
-            k = 0 if exact or segment.offset else min(self.recompute, len(segment))
-            if k:
-                segments.append(Segment(segment.token_ids[:k], segment.position))
-            if k < len(segment):
+            if exact:
+                segments.append(segment)
+                continue
+            module_end = segment.offset + len(segment) == len(schema.layout.modules[segment.owner].token_ids)  # type: ignore[index]
+            head = 0 if segment.offset else min(self.recompute, len(segment))
+            tail = min(self.recompute_tail, len(segment) - head) if module_end else 0
+            kept = len(segment) - head - tail
+            if head:
+                segments.append(Segment(segment.token_ids[:head], segment.position))
+            if kept:
                 segments.append(
-                    replace(segment, token_ids=segment.token_ids[k:], position=segment.position + k,
-                            offset=segment.offset + k, source_position=segment.source_position + k)
+                    replace(segment, token_ids=segment.token_ids[head : head + kept], position=segment.position + head,
+                            offset=segment.offset + head, source_position=segment.source_position + head)
                 )
+            if tail:
+                segments.append(Segment(segment.token_ids[head + kept :], segment.position + head + kept))
         return replace(plan, segments=segments)
 
     def _context_ids(self, schema: Schema) -> list[int] | None:
