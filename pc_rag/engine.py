@@ -471,9 +471,11 @@ class PromptCache:
         prompt. Its first tokens carry much of that loss (they also soak up attention as the start
         of a sequence): recomputing them behind everything that precedes them (EPIC,
         arXiv:2410.15332) restores cross-module attention for a few tokens per module. Its last
-        token -- for a document, the separator -- is what the tokens after it attend to most;
-        recomputed, it summarises everything before it, not one document (on HotpotQA one tail
-        token per document cut the first-token KL to full prefill by a third, see README).
+        token (for a document, the separator) has, in full prefill, read every module before it;
+        encoded alone it read one. Recomputed, it carries the whole context to the tokens after
+        it (on HotpotQA one tail token per document cut the first-token KL divergence from full
+        prefill by a third, see README). The tail is the end of the stored module: a document
+        quoted into plain text ends with its text, and the separator after it is computed anyway.
         Exact already, and left alone: the schema's prefix, and under ``shared_prefix`` encoding a
         module at the position it was encoded at behind exactly the tokens it was encoded behind
         (the first document of a ``build_prompt`` or chat prompt, after the system turn and the
