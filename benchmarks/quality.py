@@ -76,12 +76,18 @@ def answer(engine: PromptCache, prompt: str, *, use_cache: bool, max_new_tokens:
     return {"text": result.text.strip(), "tokens": result.token_ids, "ttft_s": result.stats.ttft_s, "logprobs": logprobs}
 
 
+def margin(logprobs: torch.Tensor) -> float:
+    """How much probability the top token has over the runner-up."""
+    first, second = logprobs.exp().topk(2).values
+    return float(first - second)
+
+
 def summarize(rows: list[dict[str, Any]], full: list[dict[str, Any]], golds: list[list[str]]) -> dict[str, Any]:
     n = len(rows)
     full_ttft = statistics.mean(r["ttft_s"] for r in full)
     ttft = statistics.mean(r["ttft_s"] for r in rows)
     kl = [float((f["logprobs"].exp() * (f["logprobs"] - r["logprobs"])).sum()) for r, f in zip(rows, full)]
-    decisive = [i for i, f in enumerate(full) if float(f["logprobs"].exp().topk(2).values.diff().neg()) >= DECISIVE]
+    decisive = [i for i, f in enumerate(full) if margin(f["logprobs"]) >= DECISIVE]
     agree = [r["tokens"][:1] == f["tokens"][:1] for r, f in zip(rows, full)]
     return {
         "em": 100 * sum(best(exact, r["text"], g) for r, g in zip(rows, golds)) / n,

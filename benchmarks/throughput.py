@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
 
 from pc_rag import PromptCache, build_prompt
 
@@ -142,15 +143,8 @@ def main() -> None:
             )
 
     result = {
-        "model": args.model or "SmolLM2-135M-Instruct (embedded)",
-        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads",
-        "dtype": str(engine.dtype),
-        "recompute": engine.recompute,
-        "recompute_tail": engine.recompute_tail,
+        **run_info(engine, args.model or "SmolLM2-135M-Instruct (embedded)"),
         "new_tokens": args.new_tokens,
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "torch": torch.__version__,
-        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "runs": args.runs,
         "rows": rows,
     }

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
 
 from pc_rag import PromptCache
 from pc_rag.documents import DEFAULT_SYSTEM
@@ -185,15 +186,7 @@ def main() -> None:
         print(f"{row['prompt_tokens']:5d} tokens: " + " | ".join(f"{k} {v * 1000:.0f} ms" for k, v in ttft.items()), flush=True)
 
     result = {
-        "model": "Llama-7B-shaped, random bf16 weights" if args.synthetic_7b else (args.model or "SmolLM2-135M-Instruct (embedded)"),
-        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads",
-        "dtype": str(engine.dtype),
-        "encoding": engine.encoding,
-        "recompute": engine.recompute,
-        "recompute_tail": engine.recompute_tail,
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "torch": torch.__version__,
-        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **run_info(engine, "Llama-7B-shaped, random bf16 weights" if args.synthetic_7b else (args.model or "SmolLM2-135M-Instruct (embedded)")),
         "runs": args.runs,
         "rows": rows,
     }

@@ -1,0 +1,26 @@
+"""What a benchmark result was measured with: the engine's settings, the device and the machine."""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any
+
+import torch
+
+from pc_rag import PromptCache
+
+
+def run_info(engine: PromptCache, model: str) -> dict[str, Any]:
+    """The header of a result file (``model`` names the model as the result should show it)."""
+    return {
+        "model": model,
+        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads",
+        "dtype": str(engine.dtype),
+        "encoding": engine.encoding,
+        "recompute": engine.recompute,
+        "recompute_tail": engine.recompute_tail,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "torch": torch.__version__,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
