@@ -4,7 +4,8 @@ Reusable text is declared as prompt modules in a PML schema; their attention key
 are computed once and reused by every prompt that imports them.
 """
 
-from .engine import DEFAULT_ENCODING, PromptCache, Schema
+from .engine import DEFAULT_ENCODING, PromptCache
+from .registry import Schema
 from .documents import DocumentRecord, build_prompt, module_reference
 from .errors import PromptCacheError
 from .generation import CacheStats, Generation

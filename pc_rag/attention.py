@@ -43,9 +43,10 @@ def _pc_rag_sdpa(
     shared = kwargs.pop(shared_attention.KWARG, None)
     special = any(kwargs.get(k) is not None for k in _SPECIAL)
     if shared is not None:
-        if special or kwargs.get("sliding_window") is not None:
-            raise PromptCacheError("shared-module attention does not support position biases, soft-capping or sliding windows")
-        return shared_attention.split_attention(module, query, key, value, attention_mask, scaling, shared), None
+        if special:
+            raise PromptCacheError("shared-module attention does not support position biases or soft-capping")
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        return shared_attention.split_attention(module, query, key, value, attention_mask, scaling, shared, window=window), None
     groups = getattr(module, "num_key_value_groups", 1)
     special = special or kwargs.get("output_attentions")
     if query.device.type != "cpu" or groups == 1 or query.shape[2] == 1 or special:
@@ -109,21 +110,33 @@ def accepts_custom_mask(model: Any) -> bool:
     return getattr(model.config, "_attn_implementation", None) in BOOLEAN_MASK + ADDITIVE_MASK
 
 
-def position_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, model: Any) -> torch.Tensor:
-    """``[1, 1, q, k]`` mask letting each query attend to every key whose position is not after its own.
+def attention_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, valid: torch.Tensor | None, spec: Any
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The mask for queries at ``query_positions [rows, q]`` over keys at ``key_positions [rows, k]``.
 
-    For a cache whose entries are not in position order (see ``PromptCache._prefill_one_pass``).
+    Causality is given by positions, not by where a key sits in the cache: a request's cache holds
+    its cached modules first and its computed tokens after them, out of position order (see
+    :func:`pc_rag.generate.prefill`). ``valid [rows, k]`` marks real entries (not padding).
+    Sliding-window models see only keys within the window (``query - window < key``), as
+    transformers' own masks do; a model whose layers differ gets one mask per layer type.
+    Boolean (True = attend) for SDPA, additive for eager, as ``spec.attn_implementation`` takes.
     """
-    return _as_mask((key_positions[None, :] <= query_positions[:, None])[None, None], model)
+    allowed = key_positions[:, None, :] <= query_positions[:, :, None]
+    if valid is not None:
+        allowed &= valid[:, None, :]
+    allowed = allowed[:, None]  # [rows, 1, q, k]
+    window = spec.sliding_window
+    if window is None:
+        return _as_mask(allowed, spec)
+    windowed = allowed & (key_positions[:, None, None, :] > query_positions[:, None, :, None] - window)
+    if not spec.mixed_window:
+        return _as_mask(windowed, spec)
+    return {"full_attention": _as_mask(allowed, spec), "sliding_attention": _as_mask(windowed, spec)}
 
 
-def row_mask(valid: torch.Tensor, model: Any) -> torch.Tensor:
-    """``[rows, 1, 1, k]`` mask for one decoding step of a batch: row ``r`` sees the keys ``valid[r]``."""
-    return _as_mask(valid[:, None, None, :], model)
-
-
-def _as_mask(allowed: torch.Tensor, model: Any) -> torch.Tensor:
-    if getattr(model.config, "_attn_implementation", None) in BOOLEAN_MASK:
+def _as_mask(allowed: torch.Tensor, spec: Any) -> torch.Tensor:
+    if spec.attn_implementation in BOOLEAN_MASK:
         return allowed
-    mask = torch.zeros(allowed.shape, dtype=model.dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(model.dtype).min)
+    mask = torch.zeros(allowed.shape, dtype=spec.dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(spec.dtype).min)

@@ -10,17 +10,28 @@ where some module's key occurs, in time linear in the prompt plus matches, whate
 modules. Each candidate is then confirmed by comparing the module's whole text in place. Modules
 shorter than ``KEY_CHARS`` are not indexed: their KV is too small to be worth the risk of a
 coincidental match.
+
+Adding to an automaton means building it again, which takes ~30 ms at 10,000 modules. So the
+index has two levels, like a log-structured store: a large *base* automaton rebuilt rarely, and
+a small *recent* one rebuilt when modules are added; recent entries merge into the base once
+they are a sixteenth of it. Searches read an immutable :class:`IndexSnapshot`, published whole
+by the writer: a search never waits for a build and never sees one half done.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import ahocorasick
 
 KEY_CHARS = 32
+# recent entries merge into the base level past max(MERGE_MIN, base / MERGE_FRACTION)
+MERGE_MIN = 256
+MERGE_FRACTION = 16
+
+Entry = tuple[str, str, str]  # (schema, module name, text)
 
 
 @dataclass(frozen=True)
@@ -31,67 +42,45 @@ class TextMatch:
     name: str
 
 
-class ModuleTextIndex:
-    """Verbatim module texts, searchable in a prompt in one linear pass."""
+def _automaton(buckets: Mapping[str, list[Entry]]) -> ahocorasick.Automaton | None:
+    if not buckets:
+        return None
+    automaton = ahocorasick.Automaton()
+    for key, bucket in buckets.items():
+        automaton.add_word(key, tuple(bucket))  # a snapshot of the bucket: later adds do not show through
+    automaton.make_automaton()
+    return automaton
 
-    def __init__(self) -> None:
-        # key -> [(schema, name, text)]: modules whose texts share their first KEY_CHARS characters
-        self._entries: dict[str, list[tuple[str, str, str]]] = {}
-        self._automaton: ahocorasick.Automaton | None = None
-        self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._entries.values())
+@dataclass(frozen=True)
+class IndexSnapshot:
+    """The module texts indexed at one moment; immutable, safe to search from any thread."""
 
-    def add(self, schema: str, name: str, text: str) -> bool:
-        """Index one module's text; returns False when the text is too short to index."""
-        if len(text) < KEY_CHARS:
-            return False
-        with self._lock:
-            bucket = self._entries.setdefault(text[:KEY_CHARS], [])
-            if (schema, name, text) not in bucket:
-                bucket.append((schema, name, text))
-                self._automaton = None  # rebuilt on the next search
-        return True
-
-    def remove_schema(self, schema: str) -> None:
-        with self._lock:
-            for key in list(self._entries):
-                kept = [e for e in self._entries[key] if e[0] != schema]
-                if kept:
-                    self._entries[key] = kept
-                else:
-                    del self._entries[key]
-            self._automaton = None
-
-    def _built(self) -> ahocorasick.Automaton | None:
-        with self._lock:
-            if self._automaton is None and self._entries:
-                automaton = ahocorasick.Automaton()
-                for key, bucket in self._entries.items():
-                    # the automaton holds a snapshot of each bucket, so a search never reads
-                    # ``_entries`` while another thread adds to it
-                    automaton.add_word(key, tuple(bucket))
-                automaton.make_automaton()
-                self._automaton = automaton
-            return self._automaton
+    automata: tuple[ahocorasick.Automaton, ...] = ()
 
     def find(self, text: str, schemas: Iterable[str] | None = None) -> list[TextMatch]:
         """Non-overlapping occurrences of module texts in ``text``, left to right.
 
         Where candidates overlap, the one starting first wins, then the longest.
         """
-        automaton = self._built()
-        if automaton is None:
+        if not self.automata:
             return []
         allowed = set(schemas) if schemas is not None else None
+        if len(self.automata) == 1:
+            candidates = list(self.automata[0].iter(text))
+        else:
+            by_end: dict[int, list[Entry]] = {}
+            for automaton in self.automata:
+                for end, bucket in automaton.iter(text):
+                    by_end.setdefault(end, []).extend(bucket)
+            candidates = sorted(by_end.items())
         matches: list[TextMatch] = []
         covered = 0  # everything before this index belongs to an accepted match
-        for end, bucket in automaton.iter(text):
+        for end, bucket in candidates:
             start = end - KEY_CHARS + 1
             if start < covered:
                 continue
-            best: tuple[str, str, str] | None = None
+            best: Entry | None = None
             for entry in bucket:
                 schema, _, body = entry
                 if allowed is not None and schema not in allowed:
@@ -102,3 +91,76 @@ class ModuleTextIndex:
                 matches.append(TextMatch(start, start + len(best[2]), best[0], best[1]))
                 covered = start + len(best[2])
         return matches
+
+
+class ModuleTextIndex:
+    """Verbatim module texts, searchable in a prompt in one linear pass (see module docstring).
+
+    Writers call :meth:`add` / :meth:`remove_schema`; :meth:`snapshot` publishes what they
+    changed (building only the recent level, or merging when it has grown) and returns the
+    immutable view that :meth:`find` searches.
+    """
+
+    def __init__(self) -> None:
+        # key -> entries whose texts share their first KEY_CHARS characters, per level
+        self._base: dict[str, list[Entry]] = {}
+        self._recent: dict[str, list[Entry]] = {}
+        self._base_automaton: ahocorasick.Automaton | None = None
+        self._recent_count = 0
+        self._base_count = 0
+        self._snapshot = IndexSnapshot()
+        self._dirty = False
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._base_count + self._recent_count
+
+    def add(self, schema: str, name: str, text: str) -> bool:
+        """Index one module's text; returns False when the text is too short to index."""
+        if len(text) < KEY_CHARS:
+            return False
+        entry = (schema, name, text)
+        key = text[:KEY_CHARS]
+        with self._lock:
+            if entry in self._base.get(key, ()) or entry in self._recent.get(key, ()):
+                return True
+            self._recent.setdefault(key, []).append(entry)
+            self._recent_count += 1
+            self._dirty = True
+        return True
+
+    def remove_schema(self, schema: str) -> None:
+        with self._lock:
+            for level in (self._base, self._recent):
+                for key in list(level):
+                    kept = [e for e in level[key] if e[0] != schema]
+                    if kept:
+                        level[key] = kept
+                    else:
+                        del level[key]
+            self._merge()
+
+    def _merge(self) -> None:
+        """Everything into the base level (one full build)."""
+        for key, bucket in self._recent.items():
+            self._base.setdefault(key, []).extend(bucket)
+        self._recent.clear()
+        self._base_count = sum(len(b) for b in self._base.values())
+        self._recent_count = 0
+        self._base_automaton = _automaton(self._base)
+        self._dirty = True
+
+    def snapshot(self) -> IndexSnapshot:
+        """The current immutable view, built first if texts were added or removed since the last one."""
+        with self._lock:
+            if self._dirty:
+                if self._recent_count > max(MERGE_MIN, self._base_count // MERGE_FRACTION):
+                    self._merge()
+                recent = _automaton(self._recent)
+                self._snapshot = IndexSnapshot(tuple(a for a in (self._base_automaton, recent) if a is not None))
+                self._dirty = False
+            return self._snapshot
+
+    def find(self, text: str, schemas: Iterable[str] | None = None) -> list[TextMatch]:
+        """Search the current snapshot (see :meth:`IndexSnapshot.find`)."""
+        return self.snapshot().find(text, schemas)

@@ -1,20 +1,23 @@
-"""Forward passes: module text -> per-layer K/V at given positions, and logits for new tokens."""
+"""Forward passes (module text -> per-layer K/V at given positions, logits for new tokens) and
+module encoding into the store."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from .kvcache import KVBuffer, ModuleKV
 from .shared_attention import KWARG, SharedKV
 
 
-def _shared_kwargs(shared: SharedKV | None, positions: torch.Tensor) -> dict[str, Any]:
+def _shared_kwargs(shared: SharedKV | None, positions: torch.Tensor, bounds: tuple[int, int] | None) -> dict[str, Any]:
     """The forward keyword that hands shared KV to the attention function (none without it)."""
-    return {} if shared is None else {KWARG: shared.for_queries(positions)}
+    return {} if shared is None else {KWARG: shared.for_queries(positions, bounds)}
 
 
 class Forward:
@@ -57,37 +60,42 @@ class Forward:
         replaces the causal mask transformers would build from buffer order. ``shared`` is KV
         attended to besides the buffer, read in place (see :mod:`pc_rag.shared_attention`).
         """
+        positions = list(positions)
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
-        pos = torch.tensor([list(positions)], dtype=torch.long)
+        pos = torch.tensor([positions], dtype=torch.long)
+        bounds = (min(positions), max(positions)) if shared is not None else None
         if logits:
-            return self._step(buffer, ids, pos, mask, shared)[0]
+            return self._step(buffer, ids, pos, mask, shared, bounds)[0]
         self._count(1)
         device = self.model.device
         pos = pos.to(device)
         self.model.base_model(
             input_ids=ids.to(device), position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True,
-            **_shared_kwargs(shared, pos),
+            **_shared_kwargs(shared, pos, bounds),
         )
         return None
 
     def decode_batch(
-        self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], mask: torch.Tensor, shared: SharedKV | None = None
+        self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], mask: Any, shared: SharedKV | None = None
     ) -> torch.Tensor:
         """One decoding step for every row of a batched ``buffer``: logits ``[rows, vocab]``."""
+        positions = list(positions)
         ids = torch.tensor(list(token_ids), dtype=torch.long)[:, None]
-        pos = torch.tensor(list(positions), dtype=torch.long)[:, None]
-        return self._step(buffer, ids, pos, mask, shared)
+        pos = torch.tensor(positions, dtype=torch.long)[:, None]
+        return self._step(buffer, ids, pos, mask, shared, (min(positions), max(positions)))
 
     def prefill_batch(
-        self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, shared: SharedKV | None = None
+        self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: Any, shared: SharedKV | None = None,
+        bounds: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """Run ``ids [rows, n]`` (left-padded, so every row's last column is a real token) at
-        ``positions``: the last column's logits, ``[rows, vocab]``."""
-        return self._step(buffer, ids, positions, mask, shared)
+        ``positions`` (their smallest and largest in ``bounds``): the last column's logits, ``[rows, vocab]``."""
+        return self._step(buffer, ids, positions, mask, shared, bounds)
 
     @torch.inference_mode()
     def _step(
-        self, buffer: KVBuffer, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, shared: SharedKV | None = None
+        self, buffer: KVBuffer, ids: torch.Tensor, pos: torch.Tensor, mask: Any, shared: SharedKV | None = None,
+        bounds: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """Run ``ids [rows, n]`` at ``pos``; the last token's logits of each row, ``[rows, vocab]``."""
         self._count(1)
@@ -96,7 +104,7 @@ class Forward:
         # logits_to_keep=1: the vocabulary projection runs for the last token only
         out = self.model(
             input_ids=ids.to(device), position_ids=pos, attention_mask=mask, past_key_values=buffer.cache,
-            use_cache=True, logits_to_keep=1, **_shared_kwargs(shared, pos),
+            use_cache=True, logits_to_keep=1, **_shared_kwargs(shared, pos, bounds),
         )
         return out.logits[:, -1]
 
@@ -142,3 +150,113 @@ class Forward:
         """Keys ``[layers, heads, n, dim]`` of ``token_ids`` encoded alone from position ``start``."""
         module = self.encode(token_ids, range(start, start + len(token_ids)))
         return module.kv[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Module encoding: what goes into the store, under which key, behind which context
+# ---------------------------------------------------------------------------------------------
+def entry_key(fingerprint: str, encoding: str, token_ids: Sequence[int], positions: Sequence[int], context_key: str | None) -> str:
+    """The store key of a module's KV: engine, encoding, what it was encoded behind, its tokens and positions."""
+    h = hashlib.sha256()
+    h.update(f"{fingerprint}|{encoding}|{context_key}|".encode())
+    h.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
+    h.update(torch.tensor(list(positions), dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+class ModuleEncoder:
+    """Encodes modules into the store, each once: the KV of a module's tokens at its positions,
+    behind its schema's encoding context (nothing for ``isolated``; the schema's prefix, and for
+    documents the lead after it, for ``shared_prefix``).
+
+    Registration (:mod:`pc_rag.registry`) encodes through it before it publishes a module, and
+    assembly reads through :meth:`fetch`, which encodes again what the store lost (evicted with
+    no disk tier, or a disk entry that failed verification). One lock serialises encoding, so
+    two requests missing the same module encode it once.
+    """
+
+    def __init__(self, forward: Forward, store: Any, spec: Any, encoding: str, fingerprint: str) -> None:
+        self.forward = forward
+        self.store = store
+        self.spec = spec
+        self.encoding = encoding
+        self.fingerprint = fingerprint
+        self._contexts: dict[str, ModuleKV] = {}  # prefix + lead KV of document schemas, by key
+        self._lock = threading.RLock()
+
+    def key(self, token_ids: Sequence[int], positions: Sequence[int], context_key: str | None) -> str:
+        return entry_key(self.fingerprint, self.encoding, token_ids, positions, context_key)
+
+    def ensure(self, key: str, token_ids: Sequence[int], positions: Sequence[int], context: ModuleKV | None, info: dict[str, Any]) -> ModuleKV:
+        """The stored KV under ``key``, encoded now if the store does not hold it."""
+        module = self.store.get(key)
+        if module is not None:
+            return module
+        with self._lock:
+            module = self.store.get(key)  # another thread may have encoded it meanwhile
+            if module is None:
+                module = self.forward.encode(token_ids, positions, context)
+                module = self.store.put(key, module, info)
+            return module
+
+    def context(self, schema: Any) -> ModuleKV | None:
+        """What the modules of ``schema`` are encoded behind (see class docstring)."""
+        layout = schema.layout
+        if self.encoding != "shared_prefix" or layout.prefix is None:
+            return None
+        prefix_info = layout.modules[layout.prefix]
+        prefix = self.ensure(schema.keys[layout.prefix], prefix_info.token_ids, prefix_info.positions, None, _info(schema, layout.prefix))
+        if not layout.lead:
+            return prefix
+        # the prefix and the lead: a few tokens, computed once per process and kept here
+        total = layout.document_start
+        key = self.key(list(prefix_info.token_ids) + list(layout.lead), range(total), schema.keys[layout.prefix])
+        module = self._contexts.get(key)
+        if module is None:
+            with self._lock:
+                module = self._contexts.get(key)
+                if module is None:
+                    buffer = KVBuffer.for_model(self.forward.model, total)
+                    buffer.append(prefix.kv)
+                    self.forward(buffer, layout.lead, range(layout.prefix_length, total), logits=False)
+                    module = ModuleKV(buffer.slice(0, total).clone(), torch.arange(total))
+                    self._contexts[key] = module
+        return module
+
+    def fetch(self, schema: Any, name: str, key: str) -> ModuleKV:
+        """A planned segment's KV: from the store, or encoded again from the schema the plan pinned."""
+        module = self.store.get(key)
+        if module is not None:
+            return module
+        info = schema.layout.modules[name]
+        context = self.context(schema) if name != schema.layout.prefix else None
+        return self.ensure(key, info.token_ids, info.positions, context, _info(schema, name))
+
+    def encode_documents(self, schema: Any, modules: Sequence[tuple[str, Any]], *, progress: bool, batch_tokens: int) -> None:
+        """Encode the documents whose KV the store lacks, longest first, several per forward pass."""
+        todo: dict[str, Any] = {}  # key -> module: two names with one text share one entry
+        for key, info in modules:
+            if key not in todo and key not in self.store:
+                todo[key] = info
+        if not todo:
+            return
+        with self._lock:
+            context = self.context(schema)
+            queue = sorted(todo.items(), key=lambda item: -len(item[1].token_ids))
+            bar = tqdm(total=len(queue), desc=f"encoding {schema.name}", unit="doc", disable=not progress, leave=False)
+            while queue:
+                width = len(queue[0][1].token_ids)
+                take = max(1, min(len(queue), batch_tokens // max(width, 1)))
+                batch, queue = queue[:take], queue[take:]
+                encoded = self.forward.encode_batch(
+                    [info.token_ids for _, info in batch], schema.layout.document_start, context, pad_id=self.spec.placeholder_id
+                )
+                for (key, info), module in zip(batch, encoded):
+                    self.store.put(key, module, {"schema": schema.name, "module": info.name, "tokens": len(module)})
+                bar.update(len(batch))
+            bar.close()
+
+
+def _info(schema: Any, name: str) -> dict[str, Any]:
+    module = schema.layout.modules.get(name)
+    return {"schema": schema.name, "module": name, "tokens": len(module.token_ids) if module is not None else 0}

@@ -1,7 +1,8 @@
-"""Decoding helpers: sampling, incremental detokenisation, stop sequences, result types."""
+"""Per-request decoding state: sampling, incremental detokenisation, stop sequences, result types."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,6 +197,81 @@ class StreamingGeneration(Iterator[str]):
             self.result = done.value
             raise
 
+    def close(self) -> None:
+        """Stop decoding now; the request's buffer goes back to the pool (as when the stream is collected)."""
+        self._deltas.close()
+
     @property
     def stats(self) -> CacheStats | None:
         return self.result.stats if self.result else None
+
+
+class RequestState:
+    """One request's decoding state: sampling, detokenising, stop handling and statistics.
+
+    Fed one row of logits per step by the decode loop (:mod:`pc_rag.generate`), whatever the
+    batch; it decides the next token, what text that releases, and when the request is done.
+    """
+
+    def __init__(
+        self,
+        *,
+        params: SamplingParams,
+        tokenizer: Any,
+        device: torch.device,
+        stop_token_ids: frozenset[int],
+        context_window: int | None,
+        modules: list[str],
+        cached_tokens: int,
+        computed_tokens: int,
+        next_position: int,
+        started: float,
+    ) -> None:
+        self.stop_token_ids = stop_token_ids
+        self.started = started
+        self.next_position = next_position
+        self.budget = params.max_new_tokens
+        if context_window is not None:
+            self.budget = min(self.budget, context_window - next_position)
+        self.stats = CacheStats(modules=list(modules), cached_tokens=cached_tokens, computed_tokens=computed_tokens)
+        self.greedy = params.temperature == 0
+        self.sampler = Sampler(params, device)
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopFilter(params.stop)
+        self.pieces: list[str] = []
+        self.finish = "length"
+        self.steps = 0
+        self.done = self.budget <= 0
+        self.prefill_started = time.perf_counter()
+
+    def take(self, logits: torch.Tensor, greedy_token: int | None = None) -> tuple[int | None, str]:
+        """Choose the next token from ``logits`` (``greedy_token``: its argmax, read once for the
+        whole batch); return the token to feed next (None once done) and the new text."""
+        token = greedy_token if self.greedy and greedy_token is not None else self.sampler(logits)
+        if self.steps == 0:
+            now = time.perf_counter()
+            self.stats.ttft_s = now - self.started
+            self.stats.prefill_s = now - self.prefill_started
+        self.steps += 1
+        if token in self.stop_token_ids:
+            self.finish, self.done = "stop", True
+            return None, ""
+        self.stats.generated_tokens += 1
+        delta = self.stops.feed(self.detok.add(token))
+        if delta:
+            self.pieces.append(delta)
+        if self.stops.stopped:
+            self.finish, self.done = "stop", True
+        elif self.steps >= self.budget:
+            self.done = True
+        return (None if self.done else token), delta
+
+    def close(self) -> tuple[str, Generation]:
+        """The text still held back (flushed now) and the finished Generation."""
+        tail = ""
+        if not self.stops.stopped:
+            tail = self.stops.feed(self.detok.finish()) + self.stops.flush()
+            if tail:
+                self.pieces.append(tail)
+        self.stats.total_s = time.perf_counter() - self.started
+        return tail, Generation("".join(self.pieces), self.stats, list(self.detok.tokens), self.finish)

@@ -173,7 +173,8 @@ class BufferPool:
 
     A fresh multi-megabyte allocation is served by new pages from the OS, and faulting them in
     costs more than copying the module KV itself (measured: 76 ms vs 20 ms for 4K tokens of
-    SmolLM2 KV). Idle buffers are kept and handed out again; at most ``keep`` are retained.
+    SmolLM2 KV). Idle buffers are kept and handed out again: as many as were ever in use at
+    once (concurrent callers each find one), at least ``keep``.
     """
 
     def __init__(self, model: Any, keep: int = 2, granularity: int = 1024) -> None:
@@ -181,10 +182,14 @@ class BufferPool:
         self.keep = keep
         self.granularity = granularity
         self._idle: list[KVBuffer] = []
+        self._in_use = 0
+        self._peak = 0
         self._lock = threading.Lock()
 
     def acquire(self, capacity: int) -> KVBuffer:
         with self._lock:
+            self._in_use += 1
+            self._peak = max(self._peak, self._in_use)
             fitting = [b for b in self._idle if b.capacity >= capacity]
             if fitting:
                 buffer = min(fitting, key=lambda b: b.capacity)
@@ -196,6 +201,15 @@ class BufferPool:
 
     def release(self, buffer: KVBuffer) -> None:
         with self._lock:
+            self._in_use = max(0, self._in_use - 1)
             self._idle.append(buffer)
-            if len(self._idle) > self.keep:
+            if len(self._idle) > max(self.keep, self._peak):
                 self._idle.remove(min(self._idle, key=lambda b: b.capacity))
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use

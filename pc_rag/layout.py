@@ -30,6 +30,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import PromptCacheError
 from .pml import ModuleNode, ModuleRef, ParamNode, PromptDoc, PromptRole, RoleNode, SchemaDoc, SchemaNode, TextNode, UnionNode
@@ -312,7 +313,8 @@ class Segment:
     owner: str | None = None
     offset: int = 0
     source_position: int = 0
-    schema: str | None = None  # the owner's schema when it is not the plan's (plain-text plans)
+    schema: str | None = None  # the owner's schema (the planner sets it on every cached segment)
+    key: str | None = None  # the store key of the owner's KV, pinned when the prompt is planned
 
     @property
     def cached(self) -> bool:
@@ -327,6 +329,14 @@ class Plan:
     segments: list[Segment]
     modules: list[str]  # imported named modules, in emission order
     schema: str | None = None
+    # the schemas the plan was made against, by name (pinned: a module missing from the store is
+    # encoded again from these, never from a schema registered since)
+    sources: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def end(self) -> int:
+        """The position after the prompt's last token."""
+        return max(s.position + len(s) for s in self.segments)
 
     @property
     def input_ids(self) -> list[int]:

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +29,7 @@ from .layout import ChatMarkers
 
 logger = logging.getLogger(__name__)
 
-PositionKind = Literal["rope", "alibi", "learned"]
+PositionKind = Literal["rope", "alibi", "learned", "rope_length_dependent"]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _FALLBACK_MARKERS = ChatMarkers(
@@ -153,22 +154,50 @@ def chat_markers(tokenizer: Any) -> ChatMarkers:
         logger.warning("cannot derive role markers from the chat template (%s): using plain markers", exc)
         return _FALLBACK_MARKERS
 
+def render_chat(tokenizer: Any, markers: ChatMarkers, messages: Any) -> str:
+    """``[{"role", "content"}]`` rendered by the tokenizer's chat template (or ``markers`` when it
+    has none), ending with the generation prompt."""
+    rendered: list[dict[str, str]] = []
+    for index, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise PromptCacheError(f"message {index} needs a str 'role' and a str 'content', got {message!r:.120}")
+        rendered.append({"role": role, "content": content})
+    if not rendered:
+        raise PromptCacheError("no messages to render")
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    parts = [markers.starts.get(m["role"], markers.starts["user"]) + m["content"] + markers.ends.get(m["role"], markers.ends["user"])
+             for m in rendered]
+    return "".join(parts) + markers.generation
+
 
 def model_fingerprint(model: Any, tokenizer: Any) -> str:
-    """A hash of config, a strided sample of every weight, dtype and tokenizer vocabulary.
+    """A hash of the config, every byte of every weight, the tokenizer and the versions that change KV.
 
-    Sampling (rather than hashing ~all bytes) keeps this under a second for large models while
-    still telling apart different checkpoints and fine-tunes of one architecture.
+    Every weight byte: an edit to a few rows of one matrix (a fine-tune, a patched embedding)
+    changes the KV of every module, and a strided sample would miss it. Hashing is linear in the
+    model size (the embedded 135M model: ~0.3 s, once per engine). Tensors that share storage
+    (tied embeddings) are hashed once.
     """
     h = hashlib.sha256()
     h.update(model.config.to_json_string(use_diff=False).encode())
+    for package in ("torch", "transformers"):
+        h.update(f"{package}={importlib.metadata.version(package)}|".encode())
+    seen: set[tuple[int, int]] = set()
     with torch.no_grad():
-        for name, param in model.state_dict().items():
-            flat = param.detach().reshape(-1)
-            step = max(1, flat.numel() // 4096)
-            sample = flat[::step][:4096].to("cpu", torch.float32)
-            h.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
-            h.update(sample.numpy().tobytes())
+        for name, tensor in model.state_dict().items():
+            h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+            if identity in seen:
+                continue
+            seen.add(identity)
+            flat = tensor.detach().contiguous().reshape(-1)
+            # raw bytes in chunks: no float conversion, bounded host memory for accelerator weights
+            step = max(1, (64 << 20) // max(1, flat.element_size()))
+            for start in range(0, flat.numel(), step):
+                chunk = flat[start : start + step].to("cpu")
+                h.update(chunk.view(torch.uint8).numpy().data)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         h.update(backend.to_str().encode())
@@ -182,61 +211,253 @@ class RopeRotator:
     """Moves RoPE keys from one position to another with the model's own rotary frequencies.
 
     RoPE keys at position p are ``R(p) k``; ``R(p + d) k = R(d) R(p) k``, so moving by ``d`` is a
-    rotation by ``d``. The model's rotary module multiplies cos/sin by an attention scaling (YaRN's
-    mscale); the cached keys already carry it once, so it is divided out of the rotation.
+    rotation by ``d``. The frequencies are copied from the model's rotary module once, at
+    construction, and the module is never called again: length-dependent variants (dynamic NTK,
+    LongRoPE) change its ``inv_freq`` in place on every call, so calling it per request would race
+    with other requests (such models are not moved at all, see :func:`inspect_model`). The
+    rotary module multiplies cos/sin by an attention scaling (YaRN's mscale); the cached keys
+    already carry it once, so a rotation leaves it out.
     """
 
     def __init__(self, model: Any) -> None:
-        self.rotary = model.base_model.rotary_emb
-        self.scaling = float(getattr(self.rotary, "attention_scaling", 1.0) or 1.0)
-
-    def cos_sin(self, delta: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.tensor([[delta]], device=like.device)
-        probe = torch.empty(1, dtype=torch.float32, device=like.device)
-        cos, sin = self.rotary(probe, positions)
-        return (cos[0, 0] / self.scaling).to(like.dtype), (sin[0, 0] / self.scaling).to(like.dtype)
+        rotary = model.base_model.rotary_emb
+        inv_freq = getattr(rotary, "original_inv_freq", None)
+        if not isinstance(inv_freq, torch.Tensor):
+            inv_freq = rotary.inv_freq
+        self.inv_freq = inv_freq.detach().to(torch.float32).clone()
+        self.scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
 
     def cos_sin_many(self, deltas: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` ``[len(deltas), rotary_dim]`` for several moves at once."""
-        probe = torch.empty(1, dtype=torch.float32, device=like.device)
-        cos, sin = self.rotary(probe, deltas.to(like.device)[None, :])
-        return (cos[0] / self.scaling).to(like.dtype), (sin[0] / self.scaling).to(like.dtype)
+        """``cos, sin`` ``[len(deltas), rotary_dim]`` for several moves at once (float32 math, as the model's)."""
+        inv_freq = self.inv_freq.to(like.device)
+        angles = deltas.to(like.device, torch.float32)[:, None] * inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+    def cos_sin(self, delta: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_many(torch.tensor([delta]), like)
+        return cos[0], sin[0]
 
     def rotate_into(self, out: torch.Tensor, keys: torch.Tensor, delta: int) -> None:
-        """``out = keys`` moved by ``delta`` positions; keys are ``[..., seq, head_dim]``.
-
-        Written as ``k*cos + rotate_half(k)*sin`` into the destination buffer directly, so the
-        move costs no more temporaries than one half-size product.
-        """
+        """``out = keys`` moved by ``delta`` positions; keys are ``[..., seq, head_dim]``."""
         cos, sin = self.cos_sin(delta, keys)
-        rot = cos.shape[-1]  # partial rotary models rotate only the first `rot` dims
-        half = rot // 2
-        torch.mul(keys[..., :rot], cos, out=out[..., :rot])
-        out[..., :half].addcmul_(keys[..., half:rot], sin[:half], value=-1.0)
-        out[..., half:rot].addcmul_(keys[..., :half], sin[half:rot])
-        if rot < keys.shape[-1]:
-            out[..., rot:].copy_(keys[..., rot:])
+        rotate_with(out, keys, cos, sin)
+
+
+def rotate_with(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """``out = keys * cos + rotate_half(keys) * sin`` on the first ``cos.shape[-1]`` dims.
+
+    Written into the destination directly, so a move costs no temporaries beyond one product;
+    partial-rotary models keep the dims past the rotary ones as they are.
+    """
+    rot = cos.shape[-1]
+    half = rot // 2
+    torch.mul(keys[..., :rot], cos, out=out[..., :rot])
+    out[..., :half].addcmul_(keys[..., half:rot], sin[..., :half], value=-1.0)
+    out[..., half:rot].addcmul_(keys[..., :half], sin[..., half:rot])
+    if rot < keys.shape[-1]:
+        out[..., rot:].copy_(keys[..., rot:])
+
+
+def _rope_windows(config: Any) -> tuple[int, int]:
+    """The lengths at which length-dependent RoPE variants may switch frequencies: the smallest
+    and the largest of the configured windows (LongRoPE switches past its original window,
+    dynamic NTK past ``max_position_embeddings``); (0, 0) when none is configured."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    candidates = [getattr(config, "max_position_embeddings", 0), getattr(config, "original_max_position_embeddings", 0)]
+    if isinstance(rope, dict):
+        candidates.append(rope.get("original_max_position_embeddings", 0))
+    windows = [int(c) for c in candidates if isinstance(c, int) and c > 0]
+    return (min(windows), max(windows)) if windows else (0, 0)
 
 
 def probe_position_kind(model: Any, forward_keys: Any) -> PositionKind:
     """Measure how ``model`` encodes positions (see module docstring).
 
     ``forward_keys(token_ids, start)`` returns the layer keys of ``token_ids`` encoded alone at
-    positions ``start, start+1, ...`` as ``[layers, kv_heads, n, head_dim]``.
+    positions ``start, start+1, ...`` as ``[layers, kv_heads, n, head_dim]``. RoPE keys must
+    rotate exactly both inside the original window and past it: length-dependent variants
+    (dynamic NTK, LongRoPE) switch frequencies there, so a module encoded in a short prompt is
+    not the module a long prompt would compute (``"rope_length_dependent"``: modules stay put).
     """
     ids = [11, 42, 7, 99]
-    delta = 37
-    at_zero = forward_keys(ids, 0).float()
-    moved = forward_keys(ids, delta).float()
     tol = 1e-4 if model.dtype == torch.float32 else 3e-2
+    low, high = _rope_windows(model.config.get_text_config(decoder=True))
+    # inside every window, so that length-dependent variants still use their short frequencies
+    delta = min(37, low - len(ids) - 1) if low > 2 * len(ids) else 37
+    at_zero = forward_keys(ids, 0).float()
     scale = at_zero.abs().max().item() + 1e-6
+
+    def rotates_to(delta: int, rotator: RopeRotator) -> bool:
+        moved = forward_keys(ids, delta).float()
+        rotated = torch.empty_like(at_zero)
+        rotator.rotate_into(rotated, at_zero, delta)
+        return (rotated - moved).abs().max().item() <= tol * scale
+
+    moved = forward_keys(ids, delta).float()
     if (at_zero - moved).abs().max().item() <= tol * scale:
         return "alibi"
     if getattr(model.base_model, "rotary_emb", None) is not None:
         rotator = RopeRotator(model)
-        rotated = torch.empty_like(at_zero)
-        rotator.rotate_into(rotated, at_zero, delta)
-        if (rotated - moved).abs().max().item() <= tol * scale:
+        if rotates_to(delta, rotator):
+            if high and not rotates_to(high + 1, rotator):
+                logger.warning("RoPE frequencies change with the input length (dynamic/LongRoPE scaling): modules stay at schema positions")
+                return "rope_length_dependent"
             return "rope"
         logger.warning("model has a rotary embedding but its keys do not rotate as RoPE: modules stay at schema positions")
     return "learned"
+
+
+# ---------------------------------------------------------------------------------------------
+# ModelSpec: every fact about the model that the rest of pc-rag needs, derived once
+# ---------------------------------------------------------------------------------------------
+PINNED_REASONS = {
+    "learned": "learned absolute positions",
+    "rope_length_dependent": "RoPE frequencies that change with the input length (dynamic NTK or LongRoPE scaling)",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What pc-rag knows about a model and its tokenizer, measured once by :func:`inspect_model`."""
+
+    tokenizer: Any = field(repr=False, compare=False)
+    device: torch.device
+    dtype: torch.dtype
+    position_kind: PositionKind
+    # RoPE keys are moved with it (None: positions are not in the keys, or modules cannot move)
+    rotator: RopeRotator | None = field(repr=False, compare=False)
+    attn_implementation: str | None
+    # every computed token of a prompt in one forward pass, causality given by positions (a mask)
+    one_pass: bool
+    # split attention (pc_rag_sdpa): module KV attended to where it is stored, shared by a batch
+    split: bool
+    layers: int
+    kv_heads: int
+    head_dim: int
+    heads_per_kv: int
+    # sliding-window attention: the window (keys with position > query - window are seen) and
+    # which layers use it; (None, ()) for models without
+    sliding_window: int | None
+    window_layers: tuple[bool, ...]
+    context_window: int | None
+    # cached KV is exact only for prompts within this many positions (length-dependent RoPE)
+    exact_window: int | None
+    bos_ids: tuple[int, ...]
+    bos_text: str | None
+    placeholder_id: int
+    stop_token_ids: frozenset[int]
+    separator_ids: tuple[int, ...]  # what follows every document's text in its module
+    markers: ChatMarkers
+    fingerprint: str  # model + tokenizer + dtype + positions + chat markers + versions
+
+    @property
+    def movable(self) -> bool:
+        """Whether cached modules can be placed at positions other than those they were encoded at."""
+        return self.position_kind in ("rope", "alibi")
+
+    @property
+    def pinned_reason(self) -> str:
+        """Why modules cannot move on this model (for error messages)."""
+        return PINNED_REASONS.get(self.position_kind, "")
+
+    @property
+    def mixed_window(self) -> bool:
+        """Some layers attend through a sliding window and others do not (masks per layer type)."""
+        return self.sliding_window is not None and not all(self.window_layers)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        size = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return self.layers * 2 * self.kv_heads * self.head_dim * size
+
+
+def _placeholder_token(tokenizer: Any) -> int:
+    for attr in ("unk_token_id", "pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _bos_ids(tokenizer: Any) -> list[int]:
+    bos = getattr(tokenizer, "bos_token_id", None)
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return [bos] if bos is not None and with_special and with_special[0] == bos else []
+
+
+def _stop_token_ids(model: Any, tokenizer: Any, markers: ChatMarkers) -> set[int]:
+    ids: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    # the end-of-turn marker of the chat template ends an answer too (e.g. <|im_end|>)
+    end = tokenizer(markers.ends["assistant"].strip(), add_special_tokens=False)["input_ids"]
+    if len(end) == 1:
+        ids.add(end[0])
+    return ids
+
+
+def _sliding_window(config: Any, layers: int) -> tuple[int | None, tuple[bool, ...]]:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None, ()
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return int(window), (True,) * layers
+    windowed = tuple(t == "sliding_attention" for t in types)
+    return (int(window), windowed) if any(windowed) else (None, ())
+
+
+def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> ModelSpec:
+    """Measure and collect what pc-rag needs to know about ``model`` (see :class:`ModelSpec`).
+
+    Runs a few tiny forward passes (the position probe), so build it once per model.
+    """
+    from . import attention
+    from .encoder import Forward
+    from .kvcache import kv_shape
+
+    attention.install(model)
+    layers, kv_heads, head_dim = kv_shape(model)  # fails early on models without the usual config fields
+    config = model.config.get_text_config(decoder=True)
+    markers = chat_markers(tokenizer)
+    position_kind = probe_position_kind(model, Forward(model).keys_at)
+    implementation = getattr(model.config, "_attn_implementation", None)
+    one_pass = position_kind == "rope" and attention.accepts_custom_mask(model)
+    window, window_layers = _sliding_window(config, layers)
+    bos = _bos_ids(tokenizer)
+    exact_window = _rope_windows(config)[0] if position_kind == "rope_length_dependent" else None
+    fingerprint = hashlib.sha256(
+        f"{model_fingerprint(model, tokenizer)}|{model.dtype}|{position_kind}|{markers}".encode()
+    ).hexdigest()[:32]
+    return ModelSpec(
+        tokenizer=tokenizer,
+        device=model.device,
+        dtype=model.dtype,
+        position_kind=position_kind,
+        rotator=RopeRotator(model) if position_kind == "rope" else None,
+        attn_implementation=implementation,
+        one_pass=one_pass,
+        split=one_pass and implementation == attention.ATTENTION_NAME,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        heads_per_kv=config.num_attention_heads // kv_heads,
+        sliding_window=window,
+        window_layers=window_layers,
+        context_window=int(getattr(config, "max_position_embeddings", 0) or 0) or None,
+        exact_window=exact_window,
+        bos_ids=tuple(bos),
+        bos_text=getattr(tokenizer, "bos_token", None) if bos else None,
+        placeholder_id=_placeholder_token(tokenizer),
+        stop_token_ids=frozenset(_stop_token_ids(model, tokenizer, markers)),
+        separator_ids=tuple(tokenizer(separator, add_special_tokens=False)["input_ids"]),
+        markers=markers,
+        fingerprint=fingerprint,
+    )

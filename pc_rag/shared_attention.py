@@ -55,7 +55,9 @@ class _Group:
         self.rows = rows
         self.parts = parts
         self.positions = torch.cat([p.positions for p in parts])
-        self.last_position = int(self.positions.max()) if self.positions.numel() else -1
+        # read once here (a host sync per batch, not per step): decides when masks are needed
+        low, high = torch.aminmax(self.positions) if self.positions.numel() else (torch.tensor(0), torch.tensor(-1))
+        self.first_position, self.last_position = int(low), int(high)
         self.bounds: list[tuple[int, int]] = []
         start = 0
         for part in parts:
@@ -100,24 +102,19 @@ class SharedKV:
             by_rows.setdefault((part.rows.start, part.rows.stop), []).append(part)
         self.groups = [_Group(slice(*rows), members, rotator) for rows, members in by_rows.items()]
 
-    def for_queries(self, query_positions: torch.Tensor) -> "SharedStep":
+    def for_queries(self, query_positions: torch.Tensor, bounds: tuple[int, int] | None = None) -> "SharedStep":
         """The per-forward view for queries at ``query_positions`` ``[rows, q]``.
 
-        Masks are built only when some query comes before some shared key (a prefill whose
-        recomputed module heads precede later modules); decoding steps come after everything.
-        They are built here once per forward pass, in the layout the kernels take, not per layer.
+        ``bounds``: the smallest and largest query position, known on the host (else read from
+        the tensor: one device sync). Masks are built once per forward pass (per sliding window),
+        in the layout the kernels take, not per layer, and only where some query does not see
+        every key of a group: a prefill whose recomputed module heads precede later modules, or
+        a window that has moved past a module's first keys.
         """
-        masks: list[list[_PartMask] | None] = []
-        for group in self.groups:
-            queries = query_positions[group.rows]
-            if int(queries.min()) > group.last_position:
-                masks.append(None)
-                continue
-            n, q_len = queries.shape
-            # stacked query order is (row, head in group, query): [n * heads_per_kv * q]
-            at = queries[:, None, :].expand(n, self.heads_per_kv, q_len).reshape(-1)
-            masks.append([_PartMask.build(group.positions[start:stop], at, self.dtype) for start, stop in group.bounds])
-        return SharedStep(self, masks)
+        if bounds is None:
+            low, high = torch.aminmax(query_positions)
+            bounds = (int(low), int(high))
+        return SharedStep(self, query_positions, bounds)
 
 
 @dataclass
@@ -126,25 +123,51 @@ class _PartMask:
     dead: torch.Tensor | None  # [queries]: queries that see no key of the part (None when every one sees some)
 
     @classmethod
-    def build(cls, keys: torch.Tensor, queries: torch.Tensor, dtype: torch.dtype) -> "_PartMask":
+    def build(cls, keys: torch.Tensor, queries: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> "_PartMask":
         allowed = keys[None, :] <= queries[:, None]
+        if window is not None:
+            allowed &= keys[None, :] > queries[:, None] - window
         bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
         dead = ~allowed.any(dim=-1)
         return cls(bias[None, None], dead if bool(dead.any()) else None)
 
 
-@dataclass
 class SharedStep:
-    shared: SharedKV
-    masks: list[list[_PartMask] | None]  # per group: per part masks, or None (every key visible)
-    # the rows' own mask in kernel layout: transformers hands every layer the same mask object,
-    # so it is converted once per forward pass, not once per layer
-    _own: tuple[Any, _PartMask | None] | None = None
+    """One forward pass's view of the shared parts: the queries' positions and the masks they need."""
+
+    def __init__(self, shared: SharedKV, query_positions: torch.Tensor, bounds: tuple[int, int]) -> None:
+        self.shared = shared
+        self.query_positions = query_positions
+        self.bounds = bounds
+        self._masks: dict[int | None, list[list[_PartMask] | None]] = {}
+        # the rows' own mask in kernel layout, by the mask object transformers hands every layer
+        # (one per layer type): converted once per forward pass, not once per layer
+        self._own: dict[int, tuple[Any, _PartMask | None]] = {}
+
+    def masks(self, window: int | None) -> list[list[_PartMask] | None]:
+        """Per group: per part masks, or None where every query sees every key of the group."""
+        if window not in self._masks:
+            low, high = self.bounds
+            shared = self.shared
+            masks: list[list[_PartMask] | None] = []
+            for group in shared.groups:
+                if low > group.last_position and (window is None or high - window < group.first_position):
+                    masks.append(None)
+                    continue
+                queries = self.query_positions[group.rows]
+                n, q_len = queries.shape
+                # stacked query order is (row, head in group, query): [n * heads_per_kv * q]
+                at = queries[:, None, :].expand(n, shared.heads_per_kv, q_len).reshape(-1)
+                masks.append([_PartMask.build(group.positions[start:stop], at, shared.dtype, window) for start, stop in group.bounds])
+            self._masks[window] = masks
+        return self._masks[window]
 
     def own_mask(self, mask: torch.Tensor | None, q_len: int, groups: int, k_len: int, like: torch.Tensor) -> _PartMask | None:
-        if self._own is None or self._own[0] is not mask:
-            self._own = (mask, _own_mask(mask, q_len, groups, k_len, like))
-        return self._own[1]
+        held = self._own.get(id(mask))
+        if held is None or held[0] is not mask:
+            held = (mask, _own_mask(mask, q_len, groups, k_len, like))
+            self._own[id(mask)] = held
+        return held[1]
 
 
 # PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp that the public
@@ -195,10 +218,13 @@ def split_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None,
     step: SharedStep,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [rows, heads, q, dim]`` over the rows' own ``key``/``value``
     ``[rows, kv_heads, k, dim]`` (masked by ``attention_mask``, boolean, or causal when None)
-    and over every shared part; returns ``[rows, q, heads, dim]`` like transformers' kernels."""
+    and over every shared part (seen through the layer's sliding ``window``, if any); returns
+    ``[rows, q, heads, dim]`` like transformers' kernels."""
     rows, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
@@ -211,7 +237,7 @@ def split_attention(
     if step.shared.groups:
         out = out.float()  # the merge accumulates in float32, in place for groups of some rows only
 
-    for group, masks in zip(step.shared.groups, step.masks):
+    for group, masks in zip(step.shared.groups, step.masks(window)):
         sub = grouped[group.rows]
         n = sub.shape[0]
         # all the group's rows stacked per kv head: [1, kv_heads, n * groups * q, dim], so each

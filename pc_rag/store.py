@@ -11,8 +11,12 @@ caller re-encodes it. Nothing is unpickled: safetensors holds only raw tensors.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import mmap
+import shutil
+import tempfile
 import threading
 import time
 import zlib
@@ -21,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as load_safetensors
+from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
 from .atomic import atomic_write
@@ -35,9 +39,12 @@ FORMAT_VERSION = 1
 class DiskTier:
     """Module KV persisted under ``root`` (see module docstring)."""
 
-    def __init__(self, root: Path, fingerprint: str, *, orphan_age_s: float = 3600.0) -> None:
+    def __init__(self, root: Path, fingerprint: str, *, orphan_age_s: float = 3600.0, durable: bool = True) -> None:
         self.root = Path(root)
         self.fingerprint = fingerprint
+        # durable: a cache_dir that outlives the process, written when a module is encoded; a
+        # private spill folder is written only when the memory tier evicts
+        self.durable = durable
         self.root.mkdir(parents=True, exist_ok=True)
         self._sweep_orphans(orphan_age_s)
 
@@ -77,8 +84,12 @@ class DiskTier:
         }
         atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
 
-    def load(self, key: str) -> ModuleKV | None:
-        """The entry for ``key``, or ``None`` when absent or invalid (an invalid entry is removed)."""
+    def load(self, key: str, device: torch.device | str = "cpu") -> ModuleKV | None:
+        """The entry for ``key``, or ``None`` when absent or invalid (an invalid entry is removed).
+
+        The data file is checksummed through a memory map and its tensors read from it straight
+        onto ``device`` (no copy of the file into Python bytes first).
+        """
         data_path, manifest_path = self._paths(key)
         if not manifest_path.is_file():
             return None
@@ -90,14 +101,18 @@ class DiskTier:
             elif manifest.get("key") != key or manifest.get("fingerprint") != self.fingerprint:
                 problem = "written for another model, tokenizer, dtype or encoding"
             else:
-                blob = data_path.read_bytes()
-                if len(blob) != manifest["bytes"]:
-                    problem = f"truncated ({len(blob)} of {manifest['bytes']} bytes)"
-                elif zlib.crc32(blob) != manifest["crc32"]:
-                    problem = "checksum mismatch"
-                else:
-                    tensors = load_safetensors(blob)
-                    return ModuleKV(tensors["kv"], tensors["positions"])
+                with data_path.open("rb") as handle:
+                    size = data_path.stat().st_size
+                    if size != manifest["bytes"]:
+                        problem = f"truncated ({size} of {manifest['bytes']} bytes)"
+                    else:
+                        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                            crc = zlib.crc32(view)
+                        if crc != manifest["crc32"]:
+                            problem = "checksum mismatch"
+                if problem is None:
+                    with safe_open(str(data_path), framework="pt", device=str(device)) as tensors:
+                        return ModuleKV(tensors.get_tensor("kv"), tensors.get_tensor("positions").to("cpu"))
         except Exception as exc:  # noqa: BLE001 - any unreadable entry is treated the same way
             problem = f"unreadable ({exc})"
         logger.warning("discarding cache entry %s: %s; it will be re-encoded", key[:16], problem)
@@ -113,8 +128,13 @@ class ModuleStore:
     """Module KV by key: memory tier (LRU, ``memory_budget`` bytes) over an optional disk tier.
 
     Entries evicted from memory are written to disk first (when a disk tier exists), so eviction
-    never loses an encoding. ``kv_dtype`` stores KV in a lower precision than the model's;
-    ``pin`` pins CPU-resident entries for fast host-to-device copies.
+    never loses an encoding; a durable tier (``cache_dir``) is also written when a module is
+    stored, a spill folder only on eviction. ``kv_dtype`` stores KV in a lower precision than the
+    model's; ``pin`` pins CPU-resident entries for fast host-to-device copies.
+
+    The lock guards the memory tier's bookkeeping only: disk reads, checksums and writes happen
+    outside it, so a memory hit never waits behind another request's I/O. An entry being written
+    out on eviction stays readable from memory until its file is complete.
     """
 
     def __init__(
@@ -133,8 +153,10 @@ class ModuleStore:
         self.pin = pin
         self._memory: OrderedDict[str, ModuleKV] = OrderedDict()
         self._info: dict[str, dict[str, Any]] = {}
+        self._unsaved: set[str] = set()
+        self._writing: dict[str, ModuleKV] = {}  # evicted, file not complete yet
         self._bytes = 0
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self.disk_loads = 0
 
     @property
@@ -143,7 +165,9 @@ class ModuleStore:
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
-            return key in self._memory or (self.disk is not None and key in self.disk)
+            if key in self._memory or key in self._writing:
+                return True
+        return self.disk is not None and key in self.disk
 
     def in_memory(self, key: str) -> bool:
         return key in self._memory
@@ -154,58 +178,102 @@ class ModuleStore:
             if module is not None:
                 self._memory.move_to_end(key)
                 return module
-            if self.disk is None:
-                return None
-            module = self.disk.load(key)
-            if module is None:
-                return None
+            module = self._writing.get(key)
+            if module is not None:
+                return module
+        if self.disk is None:
+            return None
+        module = self.disk.load(key, self.device if not self.pin else "cpu")
+        if module is None:
+            return None
+        with self._lock:
             self.disk_loads += 1
-            return self._remember(key, module, persisted=True)
+            module, victims = self._remember(key, module, saved=True)
+        self._write_out(victims)
+        return module
 
     def put(self, key: str, module: ModuleKV, info: dict[str, Any] | None = None, *, persist: bool = True) -> ModuleKV:
+        info = info or {}
+        durable = persist and self.disk is not None and self.disk.durable
+        if durable:
+            self.disk.save(key, module, info)  # type: ignore[union-attr]
         with self._lock:
-            self._info[key] = info or {}
-            if persist and self.disk is not None:
-                self.disk.save(key, module, self._info[key])
-            return self._remember(key, module, persisted=persist and self.disk is not None)
+            self._info[key] = info
+            module, victims = self._remember(key, module, saved=durable)
+        self._write_out(victims)
+        return module
 
-    def _remember(self, key: str, module: ModuleKV, *, persisted: bool) -> ModuleKV:
+    def _remember(self, key: str, module: ModuleKV, *, saved: bool) -> tuple[ModuleKV, list[tuple[str, ModuleKV]]]:
+        """Hold ``module`` in memory (lock held); returns the evicted entries that need writing out."""
         module = module.to(self.device, self.kv_dtype, pin=self.pin)
         old = self._memory.pop(key, None)
         if old is not None:
             self._bytes -= old.nbytes
         self._memory[key] = module
         self._bytes += module.nbytes
-        if not persisted:
-            self._info.setdefault(key, {})["_unsaved"] = True
-        self._evict()
-        return module
+        if not saved:
+            self._unsaved.add(key)
+        return module, self._evict()
+
+    def _evict(self) -> list[tuple[str, ModuleKV]]:
+        victims: list[tuple[str, ModuleKV]] = []
+        if self.memory_budget is None:
+            return victims
+        # keep the newest entry even when it alone exceeds the budget: the caller is using it
+        while self._bytes > self.memory_budget and len(self._memory) > 1:
+            key, module = self._memory.popitem(last=False)
+            self._bytes -= module.nbytes
+            logger.debug("evicted %s (%d bytes) from memory", key[:16], module.nbytes)
+            if key in self._unsaved and self.disk is not None:
+                self._unsaved.discard(key)
+                self._writing[key] = module
+                victims.append((key, module))
+        return victims
+
+    def _write_out(self, victims: list[tuple[str, ModuleKV]]) -> None:
+        """Write evicted entries to disk (outside the lock), then forget them."""
+        for key, module in victims:
+            try:
+                self.disk.save(key, module, self._info.get(key, {}))  # type: ignore[union-attr]
+            finally:
+                with self._lock:
+                    self._writing.pop(key, None)
 
     def clear_memory(self) -> int:
         """Drop every entry from the memory tier (saving unsaved ones to disk first); returns the bytes freed.
 
         Entries without a disk tier to go to are kept: dropping them would lose the encoding.
         """
+        if self.disk is None:
+            return 0
         with self._lock:
-            if self.disk is None:
-                return 0
             freed = self._bytes
-            while self._memory:
-                key, module = self._memory.popitem(last=False)
-                info = self._info.get(key, {})
-                if info.pop("_unsaved", False):
-                    self.disk.save(key, module, info)
+            victims = [(key, module) for key, module in self._memory.items() if key in self._unsaved]
+            for key, module in victims:
+                self._writing[key] = module
+            self._unsaved.clear()
+            self._memory.clear()
             self._bytes = 0
-            return freed
+        self._write_out(victims)
+        return freed
 
-    def _evict(self) -> None:
-        if self.memory_budget is None:
-            return
-        # keep the newest entry even when it alone exceeds the budget: the caller is using it
-        while self._bytes > self.memory_budget and len(self._memory) > 1:
-            key, module = self._memory.popitem(last=False)
-            self._bytes -= module.nbytes
-            info = self._info.get(key, {})
-            if info.pop("_unsaved", False) and self.disk is not None:
-                self.disk.save(key, module, info)
-            logger.debug("evicted %s (%d bytes) from memory", key[:16], module.nbytes)
+
+def open_store(
+    *,
+    fingerprint: str,
+    cache_dir: Path | None,
+    memory_budget: int | None,
+    device: torch.device,
+    kv_dtype: torch.dtype,
+    pin: bool,
+) -> ModuleStore:
+    """The store an engine uses: memory, over ``cache_dir`` (durable) or, with a memory budget and
+    no cache_dir, over a private spill folder that evicted modules go to (removed at exit)."""
+    disk = None
+    if cache_dir is not None:
+        disk = DiskTier(Path(cache_dir) / "kv" / fingerprint, fingerprint)
+    elif memory_budget is not None:
+        spill = tempfile.mkdtemp(prefix="pc-rag-spill-")
+        atexit.register(shutil.rmtree, spill, True)
+        disk = DiskTier(Path(spill), fingerprint, durable=False)
+    return ModuleStore(device=device, kv_dtype=kv_dtype, memory_budget=memory_budget, disk=disk, pin=pin)

@@ -28,12 +28,10 @@ def tokenizer(model_dir):
 
 
 def tiny_config(arch: str, vocab: int, **overrides):
-    if arch == "llama":
-        return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **overrides)
-    if arch == "qwen2":
-        return Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **overrides)
+    if arch in ("llama", "qwen2"):
+        settings = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+        return (LlamaConfig if arch == "llama" else Qwen2Config)(**{**settings, **overrides})
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
                           bos_token_id=None, eos_token_id=None, **overrides)

@@ -39,3 +39,27 @@ def test_overlapping_occurrences_do_not_both_match_and_schema_filter_applies():
     assert [m.name for m in index.find(A + B, schemas=["other"])] == ["b"]
     index.remove_schema("docs")
     assert [m.name for m in index.find(A + B)] == ["b"]
+
+
+def test_adding_a_module_rebuilds_only_the_small_recent_level():
+    """Adding to an automaton means building it again: a large base level stays as it is while a
+    few modules are added (each add + search costs a small build, not one of the whole index)."""
+    index = ModuleTextIndex()
+    for i in range(600):
+        index.add("docs", f"d{i}", f"Paragraph number {i:04d} of the archive. " + "x" * 40)
+    base = index.snapshot().automata[0]
+    assert len(index.snapshot().automata) == 1  # past the merge threshold: everything in one base level
+    index.add("docs", "new", "A paragraph added while the index is served, with enough text.")
+    snapshot = index.snapshot()
+    assert snapshot.automata[0] is base and len(snapshot.automata) == 2
+    text = "before " + "Paragraph number 0007 of the archive. " + "x" * 40 + " and " + "A paragraph added while the index is served, with enough text."
+    assert [m.name for m in snapshot.find(text)] == ["d7", "new"]
+
+
+def test_a_snapshot_does_not_change_when_the_index_does():
+    index = ModuleTextIndex()
+    index.add("docs", "a", A)
+    before = index.snapshot()
+    index.add("docs", "b", B)
+    assert [m.name for m in before.find(A + B)] == ["a"]
+    assert [m.name for m in index.find(A + B)] == ["a", "b"]

@@ -10,6 +10,7 @@ between modules all reproduce the oracle's logits.
 import pytest
 import torch
 
+from pc_rag import PromptCacheError
 from pc_rag.kvcache import KVBuffer
 
 from .conftest import ARCHS
@@ -36,7 +37,12 @@ PROMPTS = [
     '<prompt schema="trip">Note:<plan><beach/></plan><user>Go?</user></prompt>',
     # skip a module: what follows it moves (or keeps a gap, for learned positions)
     '<prompt schema="trip"><budget/><user>Cost?</user></prompt>',
+    # two imports, a shorter union member, text only after the last module
+    '<prompt schema="trip"><plan days="two"><beach/></plan><budget/>How much?</prompt>',
 ]
+# learned positions: modules keep their schema positions, so text before a module would share
+# positions with it; such prompts are refused (tests/test_edges.py)
+REFUSED_ON_LEARNED = {PROMPTS[0], PROMPTS[1]}
 
 
 def oracle(engine, plan):
@@ -64,6 +70,10 @@ def inject_contiguous_kv(engine, schema, plan, buffer):
 def test_contiguous_modules_reproduce_full_prefill(make_engine, arch, prompt):
     engine = make_engine(arch, encoding="isolated")
     schema = engine.add_schema(SCHEMA, progress=False)
+    if arch == "gpt2" and prompt in REFUSED_ON_LEARNED:
+        with pytest.raises(PromptCacheError, match="positions must increase"):
+            engine.plan(prompt)
+        return
     plan = engine.plan(prompt)
     assert plan.cached_tokens > 0 and plan.computed_tokens > 0
     expected, buffer = oracle(engine, plan)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pc_rag.engine as engine_mod
+import pc_rag.assemble as assemble_mod
 from pc_rag import PromptCache, PromptCacheError, build_prompt
 from pc_rag.model import RopeRotator
 from pc_rag.shared_attention import SharedKV, SharedPart, SharedRun, share_prefixes, split_attention
@@ -98,14 +98,14 @@ def test_zero_copy_assembly_on_the_embedded_model(smollm):
 
 def _spy_runs(monkeypatch) -> list[list[SharedRun]]:
     seen: list[list[SharedRun]] = []
-    original = engine_mod.share_prefixes
+    original = assemble_mod.share_prefixes
 
     def spy(signatures):
         runs, private_from = original(signatures)
         seen.append(runs)
         return runs, private_from
 
-    monkeypatch.setattr(engine_mod, "share_prefixes", spy)
+    monkeypatch.setattr(assemble_mod, "share_prefixes", spy)
     return seen
 
 

@@ -1,0 +1,197 @@
+"""Assembly: plans + the store -> what attention reads (:class:`~pc_rag.generate.Rows`) and what
+each row computes (:class:`~pc_rag.generate.Inputs`).
+
+Three ways to hand a prompt's cached KV to attention:
+
+- ``copy``: each cached segment is copied into the request's own cache (rotated on the way
+  when it moved), then the computed tokens follow it;
+- ``in_place`` (one request, split attention): each cached segment is attended to where the
+  store keeps it, moved modules read unrotated (their queries rotate back instead);
+- shared (a batch, split attention): rows are sorted by their cached segments and
+  :func:`~pc_rag.shared_attention.share_prefixes` finds the runs two or more rows import at the
+  same positions (ChunkAttention's prefix tree); a run is held once (read in place when it is
+  one stored module, else assembled once for the batch), what a row shares with nobody is
+  copied into its own cache.
+
+Every cached segment's KV is read by the store key its plan pinned; a module the store lost is
+encoded again from the schema the plan pinned (``ModuleEncoder.fetch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .encoder import ModuleEncoder
+from .errors import PromptCacheError
+from .generate import Inputs, Rows
+from .kvcache import BufferPool, KVBuffer
+from .layout import Plan, Segment
+from .model import ModelSpec, rotate_with
+from .shared_attention import SharedKV, SharedPart, share_prefixes
+
+Assembly = Literal["copy", "in_place"]
+
+
+def choose_assembly(requested: Assembly | None, default: Assembly, spec: ModelSpec) -> Assembly:
+    """``in_place`` (zero-copy: modules are attended to where they are stored) needs split attention."""
+    if requested is None:
+        return default if spec.split else "copy"
+    if requested not in ("copy", "in_place"):
+        raise PromptCacheError(f"assembly must be 'copy' or 'in_place', got {requested!r}")
+    if requested == "in_place" and not spec.split:
+        raise PromptCacheError(
+            "assembly='in_place' needs a RoPE model on sdpa attention; this one has "
+            f"{spec.position_kind} positions and {spec.attn_implementation!r} attention"
+        )
+    return requested
+
+
+@dataclass
+class Assembled:
+    rows: Rows
+    inputs: Inputs
+    order: list[int]  # row -> index of its plan (shared batches sort their rows)
+
+
+class Assembler:
+    """Turns plans into :class:`Rows` and :class:`Inputs` (see module docstring)."""
+
+    def __init__(self, spec: ModelSpec, encoder: ModuleEncoder, buffers: BufferPool) -> None:
+        self.spec = spec
+        self.encoder = encoder
+        self.buffers = buffers
+
+    # -- reading the store -------------------------------------------------------------------
+    def segment_kv(self, plan: Plan, segment: Segment) -> tuple[torch.Tensor, int]:
+        """A cached segment's stored KV ``[layers, 2, heads, n, dim]`` (a view) and how far it moved."""
+        schema = plan.sources[segment.schema]  # type: ignore[index]
+        module = self.encoder.fetch(schema, segment.owner, segment.key)  # type: ignore[arg-type]
+        kv = module.kv[:, :, :, segment.offset : segment.offset + len(segment)]
+        delta = segment.position - segment.source_position
+        if delta and not self.spec.movable:
+            raise PromptCacheError(f"module {segment.owner!r} cannot move on a model with {self.spec.pinned_reason}")
+        # ALiBi keys carry no position: a moved module's KV is used as it is
+        return kv, delta if self.spec.rotator is not None else 0
+
+    def write(self, buffer: KVBuffer, at: int, plan: Plan, segments: Sequence[Segment], row: int = 0) -> int:
+        """Copy ``segments``' KV into ``buffer`` row ``row`` from entry ``at`` on, each rotated to
+        where the prompt puts it; returns the entry after the last. The rotations of all moved
+        segments come from one cos/sin computation."""
+        views = [self.segment_kv(plan, segment) for segment in segments]
+        deltas = sorted({delta for _, delta in views if delta})
+        table = {}
+        if deltas:
+            cos, sin = self.spec.rotator.cos_sin_many(torch.tensor(deltas), views[0][0])  # type: ignore[union-attr]
+            table = {delta: (cos[i], sin[i]) for i, delta in enumerate(deltas)}
+        for kv, delta in views:
+            rotate = None
+            if delta:
+                cos, sin = table[delta]
+                rotate = lambda out, keys, cos=cos, sin=sin: rotate_with(out, keys, cos, sin)  # noqa: E731
+            buffer.write(kv, at, row=row if buffer.batch > 1 else None, rotate=rotate)
+            at += kv.shape[3]
+        return at
+
+    def append(self, buffer: KVBuffer, plan: Plan, segment: Segment) -> None:
+        """One cached segment after what ``buffer`` holds (segment-by-segment prefill)."""
+        end = self.write(buffer, len(buffer), plan, [segment])
+        buffer.grow_to(end)
+
+    def _part(self, plan: Plan, segments: Sequence[Segment], rows: slice) -> SharedPart:
+        """KV that ``rows`` read in place: the stored tensor when it is one segment, else assembled once."""
+        spec = self.spec
+        if len(segments) == 1:
+            kv, shift = self.segment_kv(plan, segments[0])
+            return SharedPart(kv.to(spec.device, spec.dtype), _positions(segments, spec.device), rows, shift)
+        run = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, sum(len(s) for s in segments), dtype=spec.dtype, device=spec.device)
+        self.write(run, 0, plan, segments)
+        return SharedPart(run.slice(0, run.capacity), _positions(segments, spec.device), rows)
+
+    # -- building rows ---------------------------------------------------------------------------
+    def assemble(self, plans: Sequence[Plan], new_tokens: int, *, use_cache: bool, assembly: Assembly, share: bool) -> Assembled:
+        """The rows for ``plans`` (with room for ``new_tokens`` more each) and their computed inputs.
+
+        ``share``: a batch shares the runs of cached segments its rows import at the same
+        positions; ``assembly='in_place'``: one request reads its cached segments where they are
+        stored. Both need split attention (``spec.split``).
+        """
+        spec = self.spec
+        order = list(range(len(plans)))
+        parts: list[SharedPart] = []
+        cached = [[s for s in p.segments if s.cached] if use_cache else [] for p in plans]
+        if use_cache and len(plans) == 1 and assembly == "in_place":
+            parts = [self._part(plans[0], [s], slice(0, 1)) for s in cached[0]]
+            own: list[list[Segment]] = [[]]
+        elif use_cache and len(plans) > 1 and share:
+            signatures = [tuple((s.key, s.offset, len(s), s.position, s.source_position) for s in segments) for segments in cached]
+            order = sorted(order, key=lambda i: signatures[i])
+            runs, private_from = share_prefixes([signatures[i] for i in order])
+            for run in runs:
+                first = order[run.rows.start]
+                parts.append(self._part(plans[first], cached[first][run.first : run.stop], run.rows))
+            own = [cached[i][private_from[row] :] for row, i in enumerate(order)]
+        else:
+            own = cached
+        computed = [_computed(plans[i], use_cache) for i in order]
+        own_width = max(sum(len(s) for s in segments) for segments in own)
+        width = max(len(ids) for ids, _ in computed)
+        end = own_width + width
+        batch = len(plans)
+        capacity = end + new_tokens
+        if batch == 1:
+            buffer = self.buffers.acquire(capacity)
+        else:
+            buffer = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, capacity, dtype=spec.dtype, device=spec.device, batch=batch)
+            # masked entries still meet the values in a product (weight 0 x value): uninitialised
+            # memory can hold NaN, and 0 x NaN is NaN
+            buffer.storage.zero_()
+        key_positions = torch.zeros(batch, buffer.capacity, dtype=torch.long)
+        valid = torch.zeros(batch, buffer.capacity, dtype=torch.bool)
+        ids = torch.full((batch, width), spec.placeholder_id, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        real = torch.zeros(batch, width, dtype=torch.bool)
+        low, high = None, None
+        for row, segments in enumerate(own):
+            plan = plans[order[row]]
+            filled = self.write(buffer, 0, plan, segments, row=row)
+            if filled:
+                key_positions[row, :filled] = _positions(segments, torch.device("cpu"))
+                valid[row, :filled] = True
+            row_ids, row_positions = computed[row]
+            pad = width - len(row_ids)
+            ids[row, pad:] = torch.tensor(row_ids)
+            positions[row, pad:] = torch.tensor(row_positions)
+            positions[row, :pad] = row_positions[0]  # padding queries see what the row's first token sees: no NaN
+            real[row, pad:] = True
+            low = row_positions[0] if low is None else min(low, row_positions[0])
+            high = row_positions[-1] if high is None else max(high, row_positions[-1])
+        buffer.grow_to(own_width)
+        device = spec.device
+        shared = SharedKV(parts, heads_per_kv=spec.heads_per_kv, dtype=spec.dtype, rotator=spec.rotator) if parts else None
+        ordered = batch == 1 and own_width == 0 and shared is None
+        rows = Rows(buffer, key_positions.to(device), valid.to(device), shared, ordered)
+        inputs = Inputs(ids.to(device), positions.to(device), real.to(device), (int(low), int(high)))  # type: ignore[arg-type]
+        return Assembled(rows, inputs, order)
+
+    def empty_row(self, capacity: int) -> Rows:
+        """One row with an empty cache, for segment-by-segment prefill."""
+        buffer = self.buffers.acquire(capacity)
+        device = self.spec.device
+        return Rows(buffer, torch.zeros(1, buffer.capacity, dtype=torch.long, device=device),
+                    torch.zeros(1, buffer.capacity, dtype=torch.bool, device=device), None, ordered=True)
+
+
+def _positions(segments: Sequence[Segment], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(s.position, s.position + len(s)) for s in segments]).to(device)
+
+
+def _computed(plan: Plan, use_cache: bool) -> tuple[list[int], list[int]]:
+    """The token ids and positions a row computes: its uncached segments (all of them without the cache)."""
+    segments = plan.segments if not use_cache else [s for s in plan.segments if not s.cached]
+    ids = [t for s in segments for t in s.token_ids]
+    positions = [p for s in segments for p in range(s.position, s.position + len(s))]
+    return ids, positions

@@ -1,0 +1,224 @@
+"""Planning: a prompt and a registry snapshot -> a :class:`~pc_rag.layout.Plan`; recovery; admission.
+
+Pure functions of their arguments. A plan lists the prompt's tokens as segments at explicit
+positions; each cached segment carries the store key of the KV it reads and its schema, pinned
+here, so a request finishes on the KV it was planned with whatever is registered meanwhile.
+
+- :func:`plan`: PML prompts resolve against their schema's layout; plain text honours module
+  references and finds the verbatim text of known modules (drop-in).
+- :func:`recover`: which cached tokens are recomputed at serve time instead (fidelity).
+- :func:`admit`: refuse, before any work, what cannot be served (window, memory budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from .documents import split_references
+from .errors import PromptCacheError
+from .layout import ModuleSpan, Plan, Segment, close_names, plan_prompt, plan_text
+from .model import ModelSpec
+from .pml import is_pml_prompt, parse_prompt
+from .registry import Schema, Snapshot
+
+
+def plan(prompt: str, snapshot: Snapshot, spec: ModelSpec, *, encoding: str, drop_in: bool) -> Plan:
+    """Which tokens of ``prompt`` are cached (and where their KV is stored) and which computed, at which positions."""
+    if not isinstance(prompt, str):
+        raise PromptCacheError(f"prompt must be a str, got {type(prompt).__name__}")
+    if is_pml_prompt(prompt):
+        planned = _plan_pml(prompt, snapshot, spec, encoding)
+    else:
+        planned = _plan_plain(prompt, snapshot, spec, drop_in and spec.movable)
+    planned = _pin(planned, snapshot)
+    if not spec.movable:
+        _check_increasing(planned, spec)
+    return planned
+
+
+def _plan_pml(prompt: str, snapshot: Snapshot, spec: ModelSpec, encoding: str) -> Plan:
+    doc = parse_prompt(prompt)
+    schema = snapshot.schemas.get(doc.schema)
+    if schema is None:
+        known = ", ".join(sorted(snapshot.schemas)) or "none; call add_schema() first"
+        raise PromptCacheError(f"unknown schema {doc.schema!r} (schemas: {known})", line=doc.line, column=doc.column)
+    return plan_prompt(schema.layout, doc, spec.tokenize, spec.markers, compact=spec.movable, cache_anonymous=encoding == "isolated")
+
+
+def _plan_plain(prompt: str, snapshot: Snapshot, spec: ModelSpec, drop_in: bool) -> Plan:
+    """Plain text: honour module references, reuse the KV of known module text found verbatim."""
+    bos = [] if spec.bos_text and prompt.startswith(spec.bos_text) else list(spec.bos_ids)  # a chat template may render BOS itself
+    items: list[str | ModuleSpan] = []
+    for piece in split_references(prompt):
+        if isinstance(piece, ModuleSpan):
+            items.append(_referenced(piece, snapshot, spec))
+            continue
+        cursor = 0
+        if drop_in:
+            for match in snapshot.index.find(piece, snapshot.schemas):
+                info = snapshot.schemas[match.schema].layout.modules.get(match.name)
+                if info is None:  # indexed after this snapshot's schema was published
+                    continue
+                items.append(piece[cursor : match.start])
+                items.append(ModuleSpan(match.schema, match.name, info.text_tokens))
+                cursor = match.end
+        items.append(piece[cursor:])
+    return plan_text(items, {name: s.layout for name, s in snapshot.schemas.items()}, spec.tokenize, bos)
+
+
+def _referenced(ref: ModuleSpan, snapshot: Snapshot, spec: ModelSpec) -> ModuleSpan:
+    schema = snapshot.schemas.get(ref.schema)
+    if schema is None:
+        raise PromptCacheError(f"module reference to unknown schema {ref.schema!r} (schemas: {', '.join(sorted(snapshot.schemas)) or 'none'})")
+    info = schema.layout.modules.get(ref.name)
+    if info is None or info.anonymous:
+        raise PromptCacheError(
+            f"module reference to unknown module {ref.name!r} in schema {ref.schema!r}; {close_names(ref.name, schema.layout.named_modules())}"
+        )
+    if info.text is None:
+        raise PromptCacheError(f"module {ref.name!r} has parameters or nested modules: import it with a PML prompt")
+    if not spec.movable:
+        raise PromptCacheError(f"module {ref.name!r} cannot move on a model with {spec.pinned_reason}")
+    return ModuleSpan(ref.schema, ref.name, info.text_tokens)
+
+
+def _pin(planned: Plan, snapshot: Snapshot) -> Plan:
+    """Every cached segment gets its schema's name and its store key; the plan keeps the schemas."""
+    sources: dict[str, Schema] = {}
+    segments: list[Segment] = []
+    for segment in planned.segments:
+        if segment.cached:
+            name = segment.schema or planned.schema
+            schema = snapshot.schemas[name]  # type: ignore[index]
+            sources[name] = schema  # type: ignore[index]
+            segment = replace(segment, schema=name, key=schema.keys[segment.owner])  # type: ignore[index]
+        segments.append(segment)
+    return replace(planned, segments=segments, sources=sources)
+
+
+def _check_increasing(planned: Plan, spec: ModelSpec) -> None:
+    """Modules that cannot move keep their schema positions, so text placed before one may run
+    into them; two tokens at one position are not a prompt full prefill could read."""
+    last = -1
+    for index, segment in enumerate(planned.segments):
+        if segment.position <= last:
+            previous = planned.segments[index - 1]
+            what = f"module {segment.owner!r}" if segment.cached else "the text after it"
+            before = f"module {previous.owner!r}" if previous.cached else f"text ({len(previous)} tokens)"
+            raise PromptCacheError(
+                f"{before} ends at position {last}, but {what} starts at position {segment.position}: positions must "
+                f"increase, and modules keep their schema positions on a model with {spec.pinned_reason}. Put the text "
+                "where the schema leaves room (after the last module, or in place of a shorter union member), "
+                "or import the modules in schema order"
+            )
+        last = segment.position + len(segment) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Recovery
+# ---------------------------------------------------------------------------------------------
+def recovery_tokens(requested: int | None, what: str, default: int, spec: ModelSpec) -> int:
+    """How many head (tail) tokens of each moved module to recompute: ``default`` where the model
+    can take it (RoPE, one-pass prefill), else 0; an explicit request it cannot take is refused."""
+    supported = spec.one_pass
+    if requested is None:
+        return default if supported else 0
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+        raise PromptCacheError(f"{what} must be a number of tokens >= 0, got {requested!r}")
+    if requested and not supported:
+        raise PromptCacheError(
+            f"{what} needs a RoPE model on sdpa or eager attention; this one has {spec.position_kind} positions "
+            f"and {spec.attn_implementation!r} attention (use {what}=0)"
+        )
+    return requested
+
+
+def recover(planned: Plan, *, head: int, tail: int, encoding: str) -> Plan:
+    """Compute the first ``head`` and the last ``tail`` tokens of every moved module instead of reusing them.
+
+    A module encoded on its own never attended to the modules placed before it in this
+    prompt. Its first tokens carry much of that loss (they also soak up attention as the start
+    of a sequence): recomputing them behind everything that precedes them (EPIC,
+    arXiv:2410.15332) restores cross-module attention for a few tokens per module. Its last
+    token (for a document, the separator) has, in full prefill, read every module before it;
+    encoded alone it read one. Recomputed, it carries the whole context to the tokens after
+    it (on HotpotQA one tail token per document cut the first-token KL divergence from full
+    prefill by a third, see README). The tail is the end of the stored module: a document
+    quoted into plain text ends with its text, and the separator after it is computed anyway.
+
+    Exact already, and left alone: a segment at the position it was encoded at, behind exactly
+    the tokens it was encoded behind (:func:`encoded_behind`): the schema's prefix at the start
+    of a prompt, and under ``shared_prefix`` encoding the first module after it (the first
+    document of a ``build_prompt`` or chat prompt). The same prefix found anywhere else (a
+    system turn quoted mid-conversation) has moved and is recovered like any module.
+    """
+    if not head and not tail:
+        return planned
+    segments: list[Segment] = []
+    preceding: list[int] = []  # the prompt's tokens before the segment at hand
+    for segment in planned.segments:
+        before = len(preceding)
+        preceding.extend(segment.token_ids)
+        if not segment.cached:
+            segments.append(segment)
+            continue
+        schema: Schema = planned.sources[segment.schema]  # type: ignore[index]
+        module = schema.layout.modules[segment.owner]  # type: ignore[index]
+        if segment.position == segment.source_position:
+            context = encoded_behind(schema, segment.owner, encoding) + module.token_ids[: segment.offset]  # type: ignore[arg-type]
+            if len(context) == before and preceding[:before] == context:
+                segments.append(segment)
+                continue
+        module_end = segment.offset + len(segment) == len(module.token_ids)
+        first = 0 if segment.offset else min(head, len(segment))
+        last = min(tail, len(segment) - first) if module_end else 0
+        kept = len(segment) - first - last
+        if first:
+            segments.append(Segment(segment.token_ids[:first], segment.position))
+        if kept:
+            segments.append(
+                replace(segment, token_ids=segment.token_ids[first : first + kept], position=segment.position + first,
+                        offset=segment.offset + first, source_position=segment.source_position + first)
+            )
+        if last:
+            segments.append(Segment(segment.token_ids[first + kept :], segment.position + first + kept))
+    return replace(planned, segments=segments)
+
+
+def encoded_behind(schema: Schema, name: str, encoding: str) -> list[int]:
+    """The tokens module ``name`` of ``schema`` was encoded behind (see ``ModuleEncoder.context``)."""
+    layout = schema.layout
+    if encoding != "shared_prefix" or layout.prefix is None or name == layout.prefix:
+        return []
+    return list(layout.modules[layout.prefix].token_ids) + list(layout.lead)
+
+
+# ---------------------------------------------------------------------------------------------
+# Admission
+# ---------------------------------------------------------------------------------------------
+def admit(plans: Sequence[Plan], spec: ModelSpec, *, use_cache: bool, memory_budget: int | None, kv_bytes_per_token: int) -> None:
+    """Refuse, before any work, a request (or a whole batch) that cannot be served."""
+    several = len(plans) > 1
+    for index, planned in enumerate(plans):
+        what = f"prompt {index}" if several else "the prompt"
+        end = planned.end
+        if spec.context_window is not None and end > spec.context_window:
+            raise PromptCacheError(f"{what} needs {end} positions, more than the model's context window ({spec.context_window})")
+        if use_cache and spec.exact_window is not None and end > spec.exact_window and planned.cached_tokens:
+            raise PromptCacheError(
+                f"{what} needs {end} positions; this model has {spec.pinned_reason}, so cached KV is exact only within "
+                f"{spec.exact_window} positions (use use_cache=False for longer prompts)"
+            )
+    if not use_cache or memory_budget is None:
+        return
+    # the module KV the requests import, each stored entry counted once (a batch shares it)
+    distinct = {(s.key, s.offset, len(s)) for planned in plans for s in planned.segments if s.cached}
+    tokens = sum(length for _, _, length in distinct)
+    needed = tokens * kv_bytes_per_token
+    if needed > memory_budget:
+        who = f"the {len(plans)} prompts import" if several else "the prompt imports"
+        raise PromptCacheError(
+            f"{who} {tokens} cached tokens ({needed:,} bytes of KV), more than memory_budget "
+            f"({memory_budget:,} bytes); raise the budget or import fewer modules"
+        )
