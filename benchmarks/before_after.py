@@ -2,7 +2,7 @@
 
     python benchmarks/before_after.py --ref HEAD~3 --rounds 3 -- benchmarks/ttft.py --no-chains --lengths 1024 4096 --runs 3
 
-The earlier commit's ``pc_rag`` is exported to a temporary folder (``git archive``) and put first
+The earlier commit's ``pc_rag`` (and ``--after``'s, else the working tree's) is exported to a temporary folder (``git archive``) and put first
 on ``PYTHONPATH``; the benchmark script is the working tree's for both, so both sides do the same
 work. Rounds alternate before/after so that drift of the machine (thermal, other load) hits both
 sides alike. Each run writes its JSON (``--out``); this script prints every metric's median per
@@ -53,6 +53,7 @@ def metrics(result: dict) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ref", required=True, help="the earlier commit (before)")
+    parser.add_argument("--after", default=None, help="a commit for the after side (default: the working tree)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- script.py [its arguments]")
     args = parser.parse_args()
@@ -62,7 +63,8 @@ def main() -> None:
     name = Path(command[0]).stem
     with tempfile.TemporaryDirectory(prefix="pc-rag-before-") as tmp:
         before = export(args.ref, Path(tmp) / "before")
-        sides = {"before": str(before), "after": str(ROOT)}
+        after = export(args.after, Path(tmp) / "after") if args.after else ROOT
+        sides = {"before": str(before), "after": str(after)}
         runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
         for round_ in range(args.rounds):
             for side, path in sides.items():
@@ -71,7 +73,7 @@ def main() -> None:
                 print(f"round {round_ + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
                 subprocess.run([sys.executable, *command, "--out", str(out)], check=True, env=env, cwd=ROOT)
                 runs[side].append(metrics(json.loads(out.read_text())))
-    report = {"ref": args.ref, "rounds": args.rounds, "command": command, "metrics": {}}
+    report = {"ref": args.ref, "after": args.after or "working tree", "rounds": args.rounds, "command": command, "metrics": {}}
     print(f"{'metric':70} {'before':>10} {'after':>10} {'after/before':>12}")
     for key in runs["before"][0]:
         before_value = statistics.median(r[key] for r in runs["before"])

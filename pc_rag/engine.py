@@ -100,10 +100,13 @@ class PromptCache:
         self.forward = Forward(model)
         self.encoder = ModuleEncoder(self.forward, self.store, self.spec, encoding, self.fingerprint)
         # verbatim module texts, for drop-in reuse in plain prompts (only where modules can move)
-        self.drop_in = drop_in and self.spec.movable
+        # (aligned through character offsets: a fast tokenizer's)
+        self.drop_in = drop_in and self.spec.movable and bool(getattr(tokenizer, "is_fast", False))
         self.registry = Registry(self.spec, self.encoder, encoding=encoding, drop_in=self.drop_in)
         self.buffers = BufferPool(model)
         self.assembler = Assembler(self.spec, self.encoder, self.buffers)
+        # tokens that end an answer (EOS, end of turn); empty it for fixed-length generations
+        self.stop_token_ids: set[int] = set(self.spec.stop_token_ids)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
@@ -294,7 +297,7 @@ class PromptCache:
         decoded, and returns its Generation (a list of them for a batch)."""
         spec = self.spec
         requests = [
-            RequestState(params=params, tokenizer=self.tokenizer, device=spec.device, stop_token_ids=spec.stop_token_ids,
+            RequestState(params=params, tokenizer=self.tokenizer, device=spec.device, stop_token_ids=frozenset(self.stop_token_ids),
                          context_window=spec.context_window, modules=list(p.modules),
                          cached_tokens=p.cached_tokens if use_cache else 0,
                          computed_tokens=p.computed_tokens if use_cache else len(p.input_ids), next_position=p.end, started=started)

@@ -93,7 +93,7 @@ def prefill_in_order(
             rows.valid[0, first : first + len(ids)] = True
             logits = forward(rows.buffer, ids, positions, logits=index == last)
             ids, positions = [], []
-    assert logits is not None  # a plan's last segment is computed (layout._compute_last)
+    assert logits is not None  # a plan's last segment is computed (layout.compute_last)
     return logits[None]
 
 

@@ -530,10 +530,10 @@ def plan_prompt(
 
     if not segments:
         raise PromptCacheError("the prompt is empty: it imports nothing and has no text", line=doc.line, column=doc.column)
-    return Plan(_compute_last(segments), order, layout.name)
+    return Plan(compute_last(segments), order, layout.name)
 
 
-def _compute_last(segments: list[Segment]) -> list[Segment]:
+def compute_last(segments: list[Segment]) -> list[Segment]:
     """The first generated token needs the query of the last prompt token: make sure it is computed."""
     last = segments[-1]
     if last.cached:
@@ -555,49 +555,3 @@ class ModuleSpan:
     schema: str
     name: str
     tokens: int | None = None  # use the module's first ``tokens`` tokens (its text without separator); None: all
-
-
-def plan_text(
-    items: Sequence[str | ModuleSpan],
-    layouts: Mapping[str, SchemaLayout],
-    tokenize: Tokenize,
-    bos_ids: Sequence[int] = (),
-) -> Plan:
-    """Plan a plain-text prompt in which some spans are stored modules; positions are compact.
-
-    Text is tokenised piece by piece (a module's tokens are its stored ones, never re-tokenised);
-    a module may sit at any position, so this plan is only for models whose modules can move.
-    A prefix of a module's tokens is valid KV on its own (attention is causal), which is how a
-    document's text is reused without the separator it was stored with.
-    """
-    segments: list[Segment] = []
-    position = 0
-    pending: list[str] = []
-    order: list[str] = []
-
-    def flush() -> None:
-        nonlocal position
-        ids = tokenize("".join(pending))
-        pending.clear()
-        if ids:
-            segments.append(Segment(tuple(ids), position))
-            position += len(ids)
-
-    if bos_ids:
-        segments.append(Segment(tuple(bos_ids), 0))
-        position = len(bos_ids)
-    for item in items:
-        if isinstance(item, str):
-            pending.append(item)
-            continue
-        flush()
-        info = layouts[item.schema].modules[item.name]
-        n = len(info.token_ids) if item.tokens is None else item.tokens
-        segments.append(Segment(tuple(info.token_ids[:n]), position, item.name, 0, info.positions[0], item.schema))
-        position += n
-        if not item.name.startswith("#"):  # anonymous text (a system turn) is not an imported module
-            order.append(item.name)
-    flush()
-    if not segments:
-        raise PromptCacheError("the prompt is empty")
-    return Plan(_compute_last(segments), order)

@@ -366,8 +366,21 @@ class ModelSpec:
         """Some layers attend through a sliding window and others do not (masks per layer type)."""
         return self.sliding_window is not None and not all(self.window_layers)
 
+    # character offsets of module texts, for drop-in alignment (bounded; see offsets())
+    _offsets: dict[str, list[tuple[int, int]]] = field(default_factory=dict, repr=False, compare=False)
+
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        """The character span of each token of ``text`` tokenised alone (kept for the 4,096 texts last asked)."""
+        held = self._offsets.get(text)
+        if held is None:
+            held = [tuple(span) for span in self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+            if len(self._offsets) >= 4096:
+                self._offsets.clear()
+            self._offsets[text] = held  # type: ignore[assignment]
+        return held  # type: ignore[return-value]
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         size = torch.empty((), dtype=dtype or self.dtype).element_size()

@@ -4,20 +4,23 @@ Pure functions of their arguments. A plan lists the prompt's tokens as segments 
 positions; each cached segment carries the store key of the KV it reads and its schema, pinned
 here, so a request finishes on the KV it was planned with whatever is registered meanwhile.
 
-- :func:`plan`: PML prompts resolve against their schema's layout; plain text honours module
-  references and finds the verbatim text of known modules (drop-in).
+- :func:`plan`: PML prompts resolve against their schema's layout; plain text is tokenised once,
+  as the tokenizer would, honours module references, and reuses the KV of known module text
+  found verbatim where the prompt's tokens are the module's (drop-in).
 - :func:`recover`: which cached tokens are recomputed at serve time instead (fidelity).
 - :func:`admit`: refuse, before any work, what cannot be served (window, memory budget).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from .documents import split_references
 from .errors import PromptCacheError
-from .layout import ModuleSpan, Plan, Segment, close_names, plan_prompt, plan_text
+from .layout import ModuleSpan, Plan, Segment, close_names, compute_last, plan_prompt
 from .model import ModelSpec
 from .pml import is_pml_prompt, parse_prompt
 from .registry import Schema, Snapshot
@@ -47,27 +50,97 @@ def _plan_pml(prompt: str, snapshot: Snapshot, spec: ModelSpec, encoding: str) -
 
 
 def _plan_plain(prompt: str, snapshot: Snapshot, spec: ModelSpec, drop_in: bool) -> Plan:
-    """Plain text: honour module references, reuse the KV of known module text found verbatim."""
+    """Plain text, tokenised as the tokenizer would: honour module references, and reuse the KV of
+    known module text found verbatim wherever the prompt's tokens are the module's tokens.
+
+    A module reference (secret-carrying, see :mod:`pc_rag.documents`) stands for the module's
+    stored tokens; the text between references is tokenised once per run of text, as a whole.
+    """
     bos = [] if spec.bos_text and prompt.startswith(spec.bos_text) else list(spec.bos_ids)  # a chat template may render BOS itself
-    items: list[str | ModuleSpan] = []
+    segments: list[Segment] = [Segment(tuple(bos), 0)] if bos else []
+    order: list[str] = []
+    position = len(bos)
     for piece in split_references(prompt):
         if isinstance(piece, ModuleSpan):
-            items.append(_referenced(piece, snapshot, spec))
+            info = _referenced(piece, snapshot, spec)
+            n = info.text_tokens
+            segments.append(Segment(tuple(info.token_ids[:n]), position, piece.name, 0, info.positions[0], piece.schema))
+            position += n
+            order.append(piece.name)
             continue
-        cursor = 0
-        if drop_in:
-            for match in snapshot.index.find(piece, snapshot.schemas):
-                info = snapshot.schemas[match.schema].layout.modules.get(match.name)
-                if info is None:  # indexed after this snapshot's schema was published
-                    continue
-                items.append(piece[cursor : match.start])
-                items.append(ModuleSpan(match.schema, match.name, info.text_tokens))
-                cursor = match.end
-        items.append(piece[cursor:])
-    return plan_text(items, {name: s.layout for name, s in snapshot.schemas.items()}, spec.tokenize, bos)
+        position = _plan_text(piece, position, snapshot, spec, drop_in, segments, order)
+    if not segments:
+        raise PromptCacheError("the prompt is empty")
+    return Plan(compute_last(segments), order)
 
 
-def _referenced(ref: ModuleSpan, snapshot: Snapshot, spec: ModelSpec) -> ModuleSpan:
+def _plan_text(text: str, position: int, snapshot: Snapshot, spec: ModelSpec, drop_in: bool,
+               segments: list[Segment], order: list[str]) -> int:
+    """Append ``text``'s segments from ``position`` on; returns the position after them.
+
+    The text is tokenised once. Each module text found in it (drop-in) is aligned with it token
+    by token through character offsets: a prompt token is reused from the module where it covers
+    the same characters as a module token and is the same token. Where the boundary merges
+    differently (``"Context: " + doc`` gives ``' Super'`` where the document alone starts with
+    ``'Super'``) that token is computed and the rest of the module is reused from there on.
+    """
+    if not text:
+        return position
+    encoded = spec.tokenizer(text, add_special_tokens=False, return_offsets_mapping=drop_in)
+    ids: list[int] = encoded["input_ids"]
+    reused: list[tuple[int, int, str, str, int]] = []  # (first prompt token, end, schema, module, module offset)
+    if drop_in and ids:
+        offsets = encoded["offset_mapping"]
+        ends = [end for _, end in offsets]
+        for match in snapshot.index.find(text, snapshot.schemas):
+            info = snapshot.schemas[match.schema].layout.modules.get(match.name)
+            if info is None:  # indexed after this snapshot's schema was published
+                continue
+            reused.extend(_aligned_runs(match.start, match.end, ids, offsets, ends, info, spec, match.schema))
+    cursor = 0
+    for first, end, schema, name, offset in reused:
+        if first > cursor:
+            segments.append(Segment(tuple(ids[cursor:first]), position + cursor))
+        info = snapshot.schemas[schema].layout.modules[name]
+        segments.append(Segment(tuple(ids[first:end]), position + first, name, offset, info.positions[offset], schema))
+        if not name.startswith("#") and (not order or order[-1] != name):  # a quoted system turn is not an imported module
+            order.append(name)
+        cursor = end
+    if cursor < len(ids):
+        segments.append(Segment(tuple(ids[cursor:]), position + cursor))
+    return position + len(ids)
+
+
+def _aligned_runs(start: int, stop: int, ids: list[int], offsets: list[tuple[int, int]], ends: list[int],
+                  info: Any, spec: ModelSpec, schema: str) -> list[tuple[int, int, str, str, int]]:
+    """The runs of prompt tokens that are module ``info``'s own tokens, for its text found at
+    characters ``[start, stop)``: ``(first prompt token, end, schema, module, module offset)``."""
+    module_ids = info.token_ids[: info.text_tokens]
+    module_offsets = spec.offsets(info.text)
+    if len(module_offsets) != len(module_ids):  # a tokenizer that does not round-trip this text: compute it
+        return []
+    runs: list[tuple[int, int, str, str, int]] = []
+    j = bisect_right(ends, start)  # the first prompt token that ends inside the text
+    k = 0
+    while k < len(module_ids) and j < len(ids) and offsets[j][0] < stop:
+        prompt_span = offsets[j]
+        module_span = (start + module_offsets[k][0], start + module_offsets[k][1])
+        if prompt_span == module_span:
+            if ids[j] == module_ids[k]:
+                if runs and runs[-1][1] == j and runs[-1][4] + (j - runs[-1][0]) == k:
+                    runs[-1] = (runs[-1][0], j + 1, schema, info.name, runs[-1][4])
+                else:
+                    runs.append((j, j + 1, schema, info.name, k))
+            j += 1
+            k += 1
+        elif prompt_span < module_span:
+            j += 1
+        else:
+            k += 1
+    return runs
+
+
+def _referenced(ref: ModuleSpan, snapshot: Snapshot, spec: ModelSpec) -> Any:
     schema = snapshot.schemas.get(ref.schema)
     if schema is None:
         raise PromptCacheError(f"module reference to unknown schema {ref.schema!r} (schemas: {', '.join(sorted(snapshot.schemas)) or 'none'})")
@@ -80,7 +153,7 @@ def _referenced(ref: ModuleSpan, snapshot: Snapshot, spec: ModelSpec) -> ModuleS
         raise PromptCacheError(f"module {ref.name!r} has parameters or nested modules: import it with a PML prompt")
     if not spec.movable:
         raise PromptCacheError(f"module {ref.name!r} cannot move on a model with {spec.pinned_reason}")
-    return ModuleSpan(ref.schema, ref.name, info.text_tokens)
+    return info
 
 
 def _pin(planned: Plan, snapshot: Snapshot) -> Plan:
@@ -171,7 +244,9 @@ def recover(planned: Plan, *, head: int, tail: int, encoding: str) -> Plan:
                 segments.append(segment)
                 continue
         module_end = segment.offset + len(segment) == len(module.token_ids)
-        first = 0 if segment.offset else min(head, len(segment))
+        # the module's first `head` tokens (a drop-in document whose first token merged with the
+        # text before it starts at offset 1: its head is the rest of them)
+        first = min(max(head - segment.offset, 0), len(segment))
         last = min(tail, len(segment) - first) if module_end else 0
         kept = len(segment) - first - last
         if first:
