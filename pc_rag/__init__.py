@@ -10,13 +10,14 @@ from .documents import DocumentRecord, build_prompt, module_reference
 from .errors import PromptCacheError
 from .generation import CacheStats, Generation
 from .layout import Plan, Segment
-from .pml import escape, parse_prompt, parse_schema
+from .pml import PML, escape, parse_prompt, parse_schema
 
 __all__ = [
     "DEFAULT_ENCODING",
     "CacheStats",
     "DocumentRecord",
     "Generation",
+    "PML",
     "Plan",
     "PromptCache",
     "PromptCacheError",

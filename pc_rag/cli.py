@@ -12,6 +12,7 @@ from .engine import ENCODINGS, PromptCache
 from .errors import PromptCacheError
 from .generation import Generation
 from .model import cache_root
+from .pml import PML
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for schema in args.schema:
         engine.add_schema(_read_text(schema))
     prompt = _read_text(args.prompt)
+    if args.pml:  # markup only when asked for: plain text otherwise, whatever it looks like
+        prompt = PML(prompt)
     modes = [True, False] if args.compare else [not args.no_cache]
     results = {}
     for use_cache in modes:
@@ -148,9 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--max-new-tokens", type=int, default=96)
     common.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", parents=[common], help="answer one PML (or plain) prompt")
+    gen = sub.add_parser("generate", parents=[common], help="answer one prompt (plain text, or PML with --pml)")
     gen.add_argument("--schema", action="append", default=[], help="schema file or PML text (repeatable)")
-    gen.add_argument("--prompt", required=True, help="prompt file or text")
+    gen.add_argument("--prompt", required=True, help="prompt file or text (plain text unless --pml)")
+    gen.add_argument("--pml", action="store_true", help="read --prompt as a PML prompt (<prompt schema=...>)")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--no-cache", action="store_true", help="full prefill of the same tokens (the baseline)")
     mode.add_argument("--compare", action="store_true", help="run cached and full prefill and print the TTFT speedup")

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import PromptCacheError
 from .layout import ModuleSpan
-from .pml import ROLES, escape
+from .pml import PML, ROLES, escape
 
 DEFAULT_SCHEMA = "docs"
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer the user's question using the documents they provide."
@@ -101,7 +101,7 @@ def _valid(doc_id: Any) -> bool:
     return isinstance(doc_id, str) and _NAME.fullmatch(doc_id) is not None and doc_id not in _RESERVED
 
 
-def build_prompt(question: str, modules: Sequence[str], *, schema: str = DEFAULT_SCHEMA, system: str | None = None) -> str:
+def build_prompt(question: str, modules: Sequence[str], *, schema: str = DEFAULT_SCHEMA, system: str | None = None) -> PML:
     """The PML prompt that imports ``modules`` (in that order) and asks ``question``.
 
     The question is escaped: whatever it contains is read as text. ``system`` adds a system turn
@@ -112,7 +112,7 @@ def build_prompt(question: str, modules: Sequence[str], *, schema: str = DEFAULT
     check_name(schema, "schema name")
     refs = "".join(f"<{check_name(m, 'module name')}/>" for m in modules)
     system_turn = f"<system>{escape(system)}</system>" if system else ""
-    return f'<prompt schema="{schema}">{system_turn}<user>{refs}{escape(question)}</user></prompt>'
+    return PML(f'<prompt schema="{schema}">{system_turn}<user>{refs}{escape(question)}</user></prompt>')
 
 
 def module_reference(name: str, schema: str = DEFAULT_SCHEMA) -> str:

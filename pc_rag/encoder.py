@@ -202,7 +202,7 @@ class ModuleEncoder:
     def context(self, schema: Any) -> ModuleKV | None:
         """What the modules of ``schema`` are encoded behind (see class docstring)."""
         layout = schema.layout
-        if self.encoding != "shared_prefix" or layout.prefix is None:
+        if self.encoding == "isolated" or layout.prefix is None:
             return None
         prefix_info = layout.modules[layout.prefix]
         prefix = self.ensure(schema.keys[layout.prefix], prefix_info.token_ids, prefix_info.positions, None, _info(schema, layout.prefix))
@@ -228,9 +228,34 @@ class ModuleEncoder:
         module = self.store.get(key)
         if module is not None:
             return module
+        if name in schema.joint:
+            return self._encode_joint(schema, name, key)
         info = schema.layout.modules[name]
         context = self.context(schema) if name != schema.layout.prefix else None
         return self.ensure(key, info.token_ids, info.positions, context, _info(schema, name))
+
+    def _encode_joint(self, schema: Any, name: str, key: str) -> ModuleKV:
+        """Encode the path ``name`` lies on in one forward pass (``encoding="scaffold"``): every
+        module of the path is stored, each the slice of the path's KV at its own tokens."""
+        path = schema.joint[name].token_ids
+        with self._lock:
+            module = self.store.get(key)
+            if module is not None:
+                return module
+            joint = schema.joint[name]
+            whole = self.forward.encode(joint.token_ids, joint.positions)
+            found = None
+            for member, placement in schema.joint.items():
+                if placement.token_ids is not path:
+                    continue
+                info = schema.layout.modules[member]
+                index = torch.tensor(placement.index, dtype=torch.long, device=whole.kv.device)
+                stored = self.store.put(schema.keys[member], ModuleKV(whole.kv.index_select(3, index), torch.tensor(info.positions)),
+                                        _info(schema, member))
+                if member == name:
+                    found = stored
+            assert found is not None
+            return found
 
     def encode_documents(self, schema: Any, modules: Sequence[tuple[str, Any]], *, progress: bool, batch_tokens: int) -> None:
         """Encode the documents whose KV the store lacks, longest first, several per forward pass."""

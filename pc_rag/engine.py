@@ -36,10 +36,12 @@ from .store import open_store
 
 logger = logging.getLogger(__name__)
 
-Encoding = Literal["isolated", "shared_prefix"]
-ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix")
+Encoding = Literal["isolated", "shared_prefix", "scaffold"]
+ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix", "scaffold")
 # shared_prefix: every module sees the schema's system prompt, as it would in full prefill, so the
 # first module after it is exact and no module's first token becomes a spurious attention sink.
+# scaffold: a PML schema is encoded jointly along its paths (the reference implementation's
+# scaffolds): every module sees all the schema text before it; documents as with shared_prefix.
 DEFAULT_ENCODING: Encoding = "shared_prefix"
 # Recovery: tokens recomputed at the head (EPIC-style) and at the tail of every imported module
 # that was not encoded behind exactly what precedes it (benchmarks/quality.py measured the choice;

@@ -55,6 +55,7 @@ class ParamSlot:
     name: str
     offset: int  # index of the first placeholder in the owner's tokens
     length: int
+    scaffold_tokens: int = 0  # the slot opens with this many tokens of its scaffold text (its default)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class ModuleInfo:
     # document module ends with a separator after its text): what drop-in detection matches
     text: str | None = None
     text_tokens: int = 0
+    cache: bool = True  # cache="false": its own tokens are computed at serve time, never stored
 
     @property
     def anonymous(self) -> bool:
@@ -106,6 +108,8 @@ class SchemaLayout:
     # (movable modules; see document_layout)
     documents: bool = False
     lead: list[int] = field(default_factory=list)
+    # per union: the member that stands for it in joint ("scaffold") encoding
+    union_scaffold: dict[int, str] = field(default_factory=dict)
 
     @property
     def prefix(self) -> str | None:
@@ -144,6 +148,7 @@ def layout_schema(
     bos = list(bos_ids)  # goes in front of the schema's first anonymous run
     cursor = 0
     union_count = 0
+    union_scaffold: dict[int, str] = {}
 
     def flush(owner: str) -> None:
         nonlocal cursor, bos
@@ -194,9 +199,15 @@ def layout_schema(
                 if node.name in info.params:
                     raise PromptCacheError(f"duplicate parameter {node.name!r} in module {owner!r}", line=node.line, column=node.column)
                 flush(owner)
-                info.params[node.name] = ParamSlot(node.name, len(info.token_ids), node.length)
+                scaffold = tokenize(node.scaffold) if node.scaffold else []
+                if len(scaffold) > node.length:
+                    raise PromptCacheError(
+                        f"scaffold of parameter {node.name!r} is {len(scaffold)} tokens, longer than the parameter ({node.length})",
+                        line=node.line, column=node.column,
+                    )
+                info.params[node.name] = ParamSlot(node.name, len(info.token_ids), node.length, len(scaffold))
                 pieces.append(Piece(owner, len(info.token_ids), node.length, cursor, param=node.name))
-                info.token_ids.extend([placeholder_id] * node.length)
+                info.token_ids.extend(scaffold + [placeholder_id] * (node.length - len(scaffold)))
                 info.positions.extend(range(cursor, cursor + node.length))
                 cursor += node.length
             elif isinstance(node, ModuleNode):
@@ -204,6 +215,7 @@ def layout_schema(
             elif isinstance(node, UnionNode):
                 union_id = union_count
                 union_count += 1
+                union_scaffold[union_id] = node.scaffold or node.members[0].name
                 if owner is not None:
                     flush(owner)
                 else:
@@ -216,8 +228,11 @@ def layout_schema(
                 cursor = end
 
     def place_module(node: ModuleNode, parent: str | None, union_id: int | None) -> None:
-        if node.name in modules:
-            first = modules[node.name]
+        # names are scoped by their parent, as in the reference implementation: a nested module
+        # is known as "parent/name" (two unions may each hold a "default")
+        name = node.name if parent is None else f"{parent}/{node.name}"
+        if name in modules:
+            first = modules[name]
             raise PromptCacheError(
                 f"duplicate module name {node.name!r} (first defined at line {first.line}, column {first.column})",
                 line=node.line,
@@ -225,14 +240,14 @@ def layout_schema(
             )
         if parent is not None:
             flush(parent)
-            modules[parent].children.append(node.name)
+            modules[parent].children.append(name)
         else:
             close_anonymous()
-        info = ModuleInfo(node.name, parent, union_id, line=node.line, column=node.column)
-        modules[node.name] = info
+        info = ModuleInfo(name, parent, union_id, line=node.line, column=node.column, cache=node.cache)
+        modules[name] = info
         info.first_piece = len(pieces)
-        walk(node.children, node.name)
-        flush(node.name)
+        walk(node.children, name)
+        flush(name)
         info.last_piece = len(pieces) - 1
         if node.children and all(isinstance(child, TextNode) for child in node.children):
             info.text, info.text_tokens = "".join(child.text for child in node.children), len(info.token_ids)  # type: ignore[union-attr]
@@ -245,7 +260,7 @@ def layout_schema(
         if not info.anonymous and not info.token_ids and not info.children:
             raise PromptCacheError(f"module {info.name!r} is empty", line=info.line, column=info.column)
     anonymous = [i for i, piece in enumerate(pieces) if modules[piece.owner].anonymous]
-    return SchemaLayout(doc.name, modules, pieces, uses_roles, cursor, anonymous)
+    return SchemaLayout(doc.name, modules, pieces, uses_roles, cursor, anonymous, union_scaffold=union_scaffold)
 
 
 def document_layout(name: str, prefix_ids: Sequence[int], lead_ids: Sequence[int] = ()) -> SchemaLayout:
@@ -363,11 +378,16 @@ def close_names(name: str, candidates: list[str]) -> str:
     return f"{label}: {', '.join(shown) or '(none)'}{more}"
 
 
+def short_name(name: str) -> str:
+    """A module's own name, without the names of the modules it is nested in."""
+    return name.rsplit("/", 1)[-1]
+
+
 def _path(layout: SchemaLayout, name: str) -> str:
     chain = []
     current: str | None = name
     while current is not None:
-        chain.append(current)
+        chain.append(short_name(current))
         current = layout.modules[current].parent
     chain.reverse()
     return "".join(f"<{n}>" for n in chain[:-1]) + f"<{chain[-1]}/>" + "".join(f"</{n}>" for n in reversed(chain[:-1]))
@@ -393,21 +413,24 @@ def plan_prompt(
     by_union: dict[int, str] = {}
 
     def resolve(ref: ModuleRef, parent: str | None) -> None:
-        info = layout.modules.get(ref.name)
+        name = ref.name if parent is None else f"{parent}/{ref.name}"
+        info = layout.modules.get(name)
         if info is None or info.anonymous:
+            elsewhere = [n for n in layout.named_modules() if short_name(n) == ref.name]
+            if elsewhere:
+                where = "at the top level of the prompt" if parent is None else f"inside <{short_name(parent)}>"
+                raise PromptCacheError(
+                    f"module {ref.name!r} cannot be imported {where}; import it as {_path(layout, elsewhere[0])}",
+                    line=ref.line,
+                    column=ref.column,
+                )
+            known = sorted({short_name(n) for n in layout.named_modules()})
             raise PromptCacheError(
-                f"unknown module <{ref.name}/> in schema {layout.name!r}; {close_names(ref.name, layout.named_modules())}",
+                f"unknown module <{ref.name}/> in schema {layout.name!r}; {close_names(ref.name, known)}",
                 line=ref.line,
                 column=ref.column,
             )
-        if info.parent != parent:
-            where = "at the top level of the prompt" if parent is None else f"inside <{parent}>"
-            raise PromptCacheError(
-                f"module {ref.name!r} cannot be imported {where}; import it as {_path(layout, ref.name)}",
-                line=ref.line,
-                column=ref.column,
-            )
-        if ref.name in imported:
+        if name in imported:
             raise PromptCacheError(f"module {ref.name!r} is imported twice", line=ref.line, column=ref.column)
         if info.union is not None:
             other = by_union.get(info.union)
@@ -435,10 +458,10 @@ def plan_prompt(
                     line=ref.line,
                     column=ref.column,
                 )
-            args[f"{ref.name}\x00{key}"] = ids
-        imported.add(ref.name)
+            args[f"{name}\x00{key}"] = ids
+        imported.add(name)
         for child in ref.children:
-            resolve(child, ref.name)
+            resolve(child, name)
 
     # flatten the prompt into text and top-level references
     items: list[str | ModuleRef] = []
@@ -508,6 +531,7 @@ def plan_prompt(
                     emit_computed(info.token_ids[piece.offset : piece.offset + piece.length], piece.start)
 
     order: list[str] = []
+    listed: set[str] = set()
     for item in items:
         if isinstance(item, str):
             pending_text.append(item)
@@ -519,12 +543,25 @@ def plan_prompt(
             piece = layout.pieces[index]
             if piece.owner not in imported:
                 continue
-            if piece.owner not in order:
-                order.append(piece.owner)
+            if piece.owner not in listed:
+                listed.add(piece.owner)
+                order.append(short_name(piece.owner))
+            owner = layout.modules[piece.owner]
             if piece.param is None:
-                emit_cached(piece)
+                if owner.cache:
+                    emit_cached(piece)
+                else:  # cache="false": computed at serve time, where the schema puts it
+                    emit_computed(owner.token_ids[piece.offset : piece.offset + piece.length], piece.start)
+                continue
+            argument = args.get(f"{piece.owner}\x00{piece.param}")
+            scaffold = owner.params[piece.param].scaffold_tokens
+            if argument is None and scaffold:  # no argument: the slot's scaffold text, as the schema has it
+                if owner.cache:
+                    emit_cached(piece, 0, scaffold)
+                else:
+                    emit_computed(owner.token_ids[piece.offset : piece.offset + scaffold], piece.start)
             else:
-                emit_computed(args.get(f"{piece.owner}\x00{piece.param}", []), piece.start)
+                emit_computed(argument or [], piece.start)
     flush_anonymous(len(layout.pieces))
     flush_text()
 
@@ -555,3 +592,44 @@ class ModuleSpan:
     schema: str
     name: str
     tokens: int | None = None  # use the module's first ``tokens`` tokens (its text without separator); None: all
+
+
+# ---------------------------------------------------------------------------------------------
+# Joint ("scaffold") encoding: the paths through a schema's unions
+# ---------------------------------------------------------------------------------------------
+def _choice_of(layout: SchemaLayout, name: str) -> dict[int, str]:
+    """The union choices that put module ``name`` on a path: each union's scaffold member,
+    overridden by ``name`` and its ancestors where they are union members."""
+    chosen = dict(layout.union_scaffold)
+    current: str | None = name
+    while current is not None:
+        info = layout.modules[current]
+        if info.union is not None:
+            chosen[info.union] = current
+        current = info.parent
+    return chosen
+
+
+def _on_path(layout: SchemaLayout, name: str, chosen: dict[int, str]) -> bool:
+    current: str | None = name
+    while current is not None:
+        info = layout.modules[current]
+        if info.union is not None and chosen.get(info.union) != current:
+            return False
+        current = info.parent
+    return True
+
+
+def scaffold_paths(layout: SchemaLayout) -> list[tuple[list[Piece], list[str]]]:
+    """The token paths a schema is encoded along jointly (the reference implementation's
+    scaffolds): the default path takes each union's scaffold member; every other union member
+    gets a path of its own that takes it instead. Returns ``(pieces in schema order, the modules
+    whose KV comes from this path)`` per path; every module is encoded on exactly one path."""
+    groups: dict[tuple[tuple[int, str], ...], list[str]] = {}
+    for name in layout.modules:
+        groups.setdefault(tuple(sorted(_choice_of(layout, name).items())), []).append(name)
+    paths = []
+    for key, names in groups.items():
+        chosen = dict(key)
+        paths.append(([piece for piece in layout.pieces if _on_path(layout, piece.owner, chosen)], names))
+    return paths

@@ -22,15 +22,19 @@ from .documents import split_references
 from .errors import PromptCacheError
 from .layout import ModuleSpan, Plan, Segment, close_names, compute_last, plan_prompt
 from .model import ModelSpec
-from .pml import is_pml_prompt, parse_prompt
+from .pml import PML, parse_prompt
 from .registry import Schema, Snapshot
 
 
 def plan(prompt: str, snapshot: Snapshot, spec: ModelSpec, *, encoding: str, drop_in: bool) -> Plan:
-    """Which tokens of ``prompt`` are cached (and where their KV is stored) and which computed, at which positions."""
+    """Which tokens of ``prompt`` are cached (and where their KV is stored) and which computed, at which positions.
+
+    A :class:`~pc_rag.pml.PML` prompt is read as markup; any other ``str`` is plain text, even one
+    that looks like markup (untrusted text never becomes structure).
+    """
     if not isinstance(prompt, str):
-        raise PromptCacheError(f"prompt must be a str, got {type(prompt).__name__}")
-    if is_pml_prompt(prompt):
+        raise PromptCacheError(f"prompt must be a str (plain text) or a PML prompt, got {type(prompt).__name__}")
+    if isinstance(prompt, PML):  # markup only when the caller says so: a plain str is always text
         planned = _plan_pml(prompt, snapshot, spec, encoding)
     else:
         planned = _plan_plain(prompt, snapshot, spec, drop_in and spec.movable)
@@ -46,7 +50,8 @@ def _plan_pml(prompt: str, snapshot: Snapshot, spec: ModelSpec, encoding: str) -
     if schema is None:
         known = ", ".join(sorted(snapshot.schemas)) or "none; call add_schema() first"
         raise PromptCacheError(f"unknown schema {doc.schema!r} (schemas: {known})", line=doc.line, column=doc.column)
-    return plan_prompt(schema.layout, doc, spec.tokenize, spec.markers, compact=spec.movable, cache_anonymous=encoding == "isolated")
+    return plan_prompt(schema.layout, doc, spec.tokenize, spec.markers, compact=spec.movable,
+                       cache_anonymous=encoding in ("isolated", "scaffold"))
 
 
 def _plan_plain(prompt: str, snapshot: Snapshot, spec: ModelSpec, drop_in: bool) -> Plan:
@@ -239,7 +244,7 @@ def recover(planned: Plan, *, head: int, tail: int, encoding: str) -> Plan:
         schema: Schema = planned.sources[segment.schema]  # type: ignore[index]
         module = schema.layout.modules[segment.owner]  # type: ignore[index]
         if segment.position == segment.source_position:
-            context = encoded_behind(schema, segment.owner, encoding) + module.token_ids[: segment.offset]  # type: ignore[arg-type]
+            context = encoded_behind(schema, segment.owner, segment.offset, encoding)  # type: ignore[arg-type]
             if len(context) == before and preceding[:before] == context:
                 segments.append(segment)
                 continue
@@ -261,12 +266,19 @@ def recover(planned: Plan, *, head: int, tail: int, encoding: str) -> Plan:
     return replace(planned, segments=segments)
 
 
-def encoded_behind(schema: Schema, name: str, encoding: str) -> list[int]:
-    """The tokens module ``name`` of ``schema`` was encoded behind (see ``ModuleEncoder.context``)."""
+def encoded_behind(schema: Schema, name: str, offset: int, encoding: str) -> list[int]:
+    """The tokens that token ``offset`` of module ``name`` was encoded behind: the path before it
+    (``scaffold``), else what the schema's modules are encoded behind (nothing for ``isolated``;
+    the prefix and lead for ``shared_prefix``) and the module's own tokens before it."""
+    joint = schema.joint.get(name)
+    if joint is not None:
+        return list(joint.token_ids[: joint.index[offset]])
     layout = schema.layout
-    if encoding != "shared_prefix" or layout.prefix is None or name == layout.prefix:
-        return []
-    return list(layout.modules[layout.prefix].token_ids) + list(layout.lead)
+    module = layout.modules[name]
+    before: list[int] = []
+    if encoding != "isolated" and layout.prefix is not None and name != layout.prefix:
+        before = list(layout.modules[layout.prefix].token_ids) + list(layout.lead)
+    return before + list(module.token_ids[:offset])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -217,12 +217,14 @@ class TextNode:
 
 @dataclass
 class ParamNode:
-    """A named hole of ``length`` token positions inside a module."""
+    """A named hole of ``length`` token positions inside a module; ``scaffold`` is the text the
+    slot holds when a prompt gives no argument (the reference implementation's attribute)."""
 
     name: str
     length: int
     line: int
     column: int
+    scaffold: str | None = None
 
 
 @dataclass
@@ -241,15 +243,18 @@ class ModuleNode:
     children: list["SchemaNode"]
     line: int
     column: int
+    cache: bool = True  # cache="false": computed at serve time, never stored
 
 
 @dataclass
 class UnionNode:
-    """Mutually exclusive modules that share one start position."""
+    """Mutually exclusive modules that share one start position; ``scaffold`` names the member
+    that stands for the union when a schema is encoded jointly (default: the first)."""
 
     members: list[ModuleNode]
     line: int
     column: int
+    scaffold: str | None = None
 
 
 SchemaNode = Union[TextNode, ParamNode, RoleNode, ModuleNode, UnionNode]
@@ -327,13 +332,16 @@ def _schema_children(el: Element) -> list[SchemaNode]:
         if isinstance(child, Text):
             out.append(TextNode(child.text, child.line, child.column))
         elif child.tag == "module":
-            _no_extra_attrs(child, {"name"})
+            _no_extra_attrs(child, {"name", "cache"})
             name = _attr(child, "name")
             if not _NAME.fullmatch(name or ""):
                 raise PromptCacheError(f"invalid module name {name!r}: use letters, digits, '_', '-', '.'", line=child.line, column=child.column)
-            out.append(ModuleNode(name, _schema_children(child), child.line, child.column))
+            cache = (_attr(child, "cache", required=False) or "true").lower()
+            if cache not in ("true", "false"):
+                raise PromptCacheError(f'module {name!r}: cache must be "true" or "false", got {cache!r}', line=child.line, column=child.column)
+            out.append(ModuleNode(name, _schema_children(child), child.line, child.column, cache == "true"))
         elif child.tag == "union":
-            _no_extra_attrs(child, set())
+            _no_extra_attrs(child, {"scaffold"})
             members: list[ModuleNode] = []
             for member in _layout_ws(child.children, False):
                 if isinstance(member, Text):
@@ -344,16 +352,22 @@ def _schema_children(el: Element) -> list[SchemaNode]:
                 members.append(node)  # type: ignore[arg-type]
             if not members:
                 raise PromptCacheError("empty <union>", line=child.line, column=child.column)
-            out.append(UnionNode(members, child.line, child.column))
+            scaffold = _attr(child, "scaffold", required=False)
+            if scaffold is not None and scaffold not in [m.name for m in members]:
+                raise PromptCacheError(
+                    f"union scaffold {scaffold!r} is not one of its modules ({', '.join(m.name for m in members)})",
+                    line=child.line, column=child.column,
+                )
+            out.append(UnionNode(members, child.line, child.column, scaffold))
         elif child.tag in ("param", "parameter"):
-            _no_extra_attrs(child, {"name", "len", "length"})
+            _no_extra_attrs(child, {"name", "len", "length", "scaffold"})
             if child.children:
                 raise PromptCacheError(f"<{child.tag}> must be empty: write <{child.tag} name=\"...\" len=\"N\"/>", line=child.line, column=child.column)
             name = _attr(child, "name")
             raw_len = _attr(child, "len", "length")
             if not (raw_len or "").isdigit() or int(raw_len) < 1:
                 raise PromptCacheError(f"parameter {name!r} needs a positive integer length, got {raw_len!r}", line=child.line, column=child.column)
-            out.append(ParamNode(name, int(raw_len), child.line, child.column))  # type: ignore[arg-type]
+            out.append(ParamNode(name, int(raw_len), child.line, child.column, _attr(child, "scaffold", required=False)))  # type: ignore[arg-type]
         elif child.tag in ROLES:
             _no_extra_attrs(child, set())
             out.append(RoleNode(child.tag, _schema_children(child), child.line, child.column))
@@ -413,6 +427,22 @@ def parse_prompt(source: str) -> PromptDoc:
     _no_extra_attrs(root, {"schema"})
     schema = _attr(root, "schema")
     return PromptDoc(schema, _prompt_children(root), root.line, root.column)  # type: ignore[arg-type]
+
+
+class PML(str):
+    """A prompt to be read as PML (``<prompt schema="...">``), not as text.
+
+    PML is an explicit input: a plain ``str`` is always plain text, whatever it starts with, so
+    a question, a document or anything a chain passes in can never import a module by writing
+    markup. :func:`pc_rag.build_prompt` returns a ``PML``; wrap a prompt you wrote yourself:
+    ``engine.generate(PML('<prompt schema="kb"><a/> Why?</prompt>'))``. Any string operation on
+    it (concatenation, formatting, ``str()``) gives plain text again.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"PML({str.__repr__(self)})"
 
 
 def is_pml_prompt(text: str) -> bool:

@@ -9,6 +9,7 @@ the schemas it was planned against however the registry changes afterwards.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -23,11 +24,21 @@ from .documents import DEFAULT_SCHEMA, DocumentRecord
 from .dropin import IndexSnapshot, ModuleTextIndex
 from .encoder import ModuleEncoder
 from .errors import PromptCacheError
-from .layout import SchemaLayout, add_document, document_layout, document_module, layout_schema
+from .layout import SchemaLayout, add_document, document_layout, document_module, layout_schema, scaffold_paths
 from .model import ModelSpec
 from .pml import parse_schema
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JointPath:
+    """Where a jointly encoded module (``encoding="scaffold"``) comes from: the path through the
+    schema it was encoded on, and the index in that path of each of its tokens."""
+
+    token_ids: tuple[int, ...] = field(repr=False)
+    positions: tuple[int, ...] = field(repr=False)
+    index: tuple[int, ...] = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,8 @@ class Schema:
     # document collections (add_documents): the records by module name, and the system prompt
     documents: Mapping[str, DocumentRecord] = field(default_factory=dict, repr=False)
     system: str | None = None
+    # encoding="scaffold": each module's path (modules of one path share its tuples)
+    joint: Mapping[str, JointPath] = field(default_factory=dict, repr=False)
 
     @property
     def modules(self) -> list[str]:
@@ -50,6 +63,12 @@ class Schema:
     @property
     def parameters(self) -> dict[str, dict[str, int]]:
         return {n: {p.name: p.length for p in self.layout.modules[n].params.values()} for n in self.modules}
+
+
+@dataclass(frozen=True)
+class _Joint:
+    path: JointPath
+    context_key: str
 
 
 @dataclass(frozen=True)
@@ -106,21 +125,30 @@ class Registry:
             if prefix is not None:
                 info = layout.modules[prefix]
                 keys[prefix] = encoder.key(info.token_ids, info.positions, None)
-            # shared_prefix computes the always-included text after the prefix at serve time (see plan_prompt)
-            todo = [name for name, info in layout.modules.items() if name != prefix and not (shared and info.anonymous)]
+            # shared_prefix computes the always-included text after the prefix at serve time (see
+            # plan_prompt); cache="false" modules are always computed at serve time
+            todo = [name for name, info in layout.modules.items()
+                    if name != prefix and not (shared and info.anonymous) and info.cache and info.token_ids]
+            joint = self._joint_paths(layout) if self.encoding == "scaffold" else {}
             for name in todo:
                 info = layout.modules[name]
-                keys[name] = encoder.key(info.token_ids, info.positions, keys.get(prefix) if prefix else None)
-            schema = Schema(doc.name, pml, layout, MappingProxyType(keys))
-            context = encoder.context(schema)
+                context_key = joint[name].context_key if name in joint else keys.get(prefix) if prefix else None
+                keys[name] = encoder.key(info.token_ids, info.positions, context_key)
+            schema = Schema(doc.name, pml, layout, MappingProxyType(keys),
+                            joint=MappingProxyType({n: p.path for n, p in joint.items() if n in keys}))
             missing = [n for n in todo if keys[n] not in encoder.store]
-            for name in tqdm(todo, desc=f"encoding {doc.name}", unit="module", disable=not progress or not missing, leave=False):
-                info = layout.modules[name]
-                encoder.ensure(keys[name], info.token_ids, info.positions, context, {"schema": doc.name, "module": name, "tokens": len(info.token_ids)})
+            if joint:
+                for name in missing:
+                    encoder.fetch(schema, name, keys[name])  # one forward pass per path encodes all its modules
+            else:
+                context = encoder.context(schema)
+                for name in tqdm(todo, desc=f"encoding {doc.name}", unit="module", disable=not progress or not missing, leave=False):
+                    info = layout.modules[name]
+                    encoder.ensure(keys[name], info.token_ids, info.positions, context, {"schema": doc.name, "module": name, "tokens": len(info.token_ids)})
             self.index.remove_schema(doc.name)
             if self.drop_in:
                 for name, info in layout.modules.items():
-                    if info.text is not None and not info.anonymous:
+                    if info.text is not None and not info.anonymous and name in keys:
                         self.index.add(doc.name, name, info.text)
             self._publish(schema)
             logger.info("schema %r: %d modules, %d tokens, %d encoded", doc.name, len(schema.modules), layout.length, len(missing))
@@ -165,7 +193,7 @@ class Registry:
                     fresh[name] = (text, text_ids, meta)
                 names.append(name)
             context_key = None
-            if self.encoding == "shared_prefix" and layout.prefix:
+            if self.encoding != "isolated" and layout.prefix:  # scaffold: documents behind the prefix too
                 context_key = f"{target.keys[layout.prefix]}+{layout.lead}"
             built = {name: document_module(layout, name, text, text_ids, spec.separator_ids) for name, (text, text_ids, _) in fresh.items()}
             keys = {name: self.encoder.key(info.token_ids, info.positions, context_key) for name, info in built.items()}
@@ -188,6 +216,26 @@ class Registry:
                 self._publish(target)
             logger.info("documents %r: %d added (%d new), %d held", schema, len(names), len(fresh), len(target.documents))
             return names
+
+    @staticmethod
+    def _joint_paths(layout: SchemaLayout) -> dict[str, "_Joint"]:
+        """Each module's path for joint encoding (see :func:`pc_rag.layout.scaffold_paths`)."""
+        joint: dict[str, _Joint] = {}
+        for pieces, names in scaffold_paths(layout):
+            ids: list[int] = []
+            positions: list[int] = []
+            where: dict[str, list[int]] = {}
+            for piece in pieces:
+                info = layout.modules[piece.owner]
+                where.setdefault(piece.owner, []).extend(range(len(ids), len(ids) + piece.length))
+                ids.extend(info.token_ids[piece.offset : piece.offset + piece.length])
+                positions.extend(range(piece.start, piece.start + piece.length))
+            path_ids, path_positions = tuple(ids), tuple(positions)
+            context_key = "joint:" + hashlib.sha256(repr((path_ids, path_positions)).encode()).hexdigest()
+            for name in names:
+                if name in where:
+                    joint[name] = _Joint(JointPath(path_ids, path_positions, tuple(where[name])), context_key)
+        return joint
 
     def _document_schema(self, name: str, system: str | None) -> Schema:
         existing = self._schemas.get(name)

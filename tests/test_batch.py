@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pc_rag import PromptCacheError, build_prompt
+from pc_rag import PML, PromptCacheError, build_prompt
 
 DOCS = [
     "The lighthouse on the northern cape was automated in 1987 and still flashes every ten seconds.",
@@ -64,7 +64,7 @@ def test_bad_batches_fail_before_any_work(make_engine):
         engine.generate_batch("one prompt")
     passes = engine.forward.passes
     with pytest.raises(PromptCacheError, match="unknown schema"):
-        engine.generate_batch(["fine", '<prompt schema="nope"><user>x</user></prompt>'])
+        engine.generate_batch(["fine", PML('<prompt schema="nope"><user>x</user></prompt>')])
     assert engine.forward.passes == passes
     assert engine.generate_batch([]) == []
 
@@ -77,6 +77,6 @@ def test_langchain_llm_batch_uses_generate_batch(make_engine, monkeypatch):
     calls = []
     original = engine.generate_batch
     monkeypatch.setattr(engine, "generate_batch", lambda ps, **kw: calls.append(len(ps)) or original(ps, **kw))
-    llm = PromptCacheLLM(engine=engine, max_new_tokens=8)
+    llm = PromptCacheLLM(engine=engine, max_new_tokens=8, pml=True)  # the PML prompts are markup, the plain one text
     assert llm.batch(prompts) == [engine.generate(p, max_new_tokens=8).text for p in prompts]
     assert calls == [len(prompts)]

@@ -22,7 +22,7 @@ def tiny_folder(make_tiny, tokenizer, tmp_path_factory):
 @pytest.mark.parametrize(("schema", "prompt"), PAIRS)
 def test_examples_run_with_the_cli(tiny_folder, capsys, schema, prompt):
     code = main(["generate", "--model", str(tiny_folder), "--schema", str(EXAMPLES / schema),
-                 "--prompt", str(EXAMPLES / prompt), "--max-new-tokens", "4", "--compare"])
+                 "--prompt", str(EXAMPLES / prompt), "--pml", "--max-new-tokens", "4", "--compare"])
     out = capsys.readouterr().out
     assert code == 0
     assert "[cached] cached" in out and "[full prefill] cached 0 /" in out and "TTFT speedup" in out
@@ -30,7 +30,7 @@ def test_examples_run_with_the_cli(tiny_folder, capsys, schema, prompt):
 
 def test_cli_reports_bad_prompts(tiny_folder, capsys):
     code = main(["generate", "--model", str(tiny_folder), "--schema", str(EXAMPLES / "travel.xml"),
-                 "--prompt", '<prompt schema="travel"><trip-plan><tokio/></trip-plan></prompt>'])
+                 "--prompt", '<prompt schema="travel"><trip-plan><tokio/></trip-plan></prompt>', "--pml"])
     assert code == 2
     assert "unknown module <tokio/>" in capsys.readouterr().err
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
-from pc_rag import PromptCache, PromptCacheError, build_prompt
+from pc_rag import PML, PromptCache, PromptCacheError, build_prompt
 from pc_rag import model as model_mod
 from pc_rag.documents import DEFAULT_SYSTEM
 from pc_rag.model import RopeRotator, model_fingerprint
@@ -45,9 +45,9 @@ def test_length_dependent_rope_keeps_modules_in_place(make_tiny, tokenizer, rope
         engine.add_documents(DOCS[:1], progress=False)
     # a PML schema keeps its positions, and a prompt within the short window is served from the cache
     engine.add_schema('<schema name="s"><module name="m">Short module text.</module></schema>', progress=False)
-    plan = engine.plan('<prompt schema="s"><m/> ok</prompt>')
+    plan = engine.plan(PML('<prompt schema="s"><m/> ok</prompt>'))
     assert plan.cached_tokens and all(s.position == s.source_position for s in plan.segments if s.cached)
-    assert engine.generate('<prompt schema="s"><m/> ok</prompt>', max_new_tokens=3).stats.cached_tokens > 0
+    assert engine.generate(PML('<prompt schema="s"><m/> ok</prompt>'), max_new_tokens=3).stats.cached_tokens > 0
 
 
 @pytest.mark.parametrize("rope", [DYNAMIC, LONGROPE], ids=["dynamic", "longrope"])
@@ -108,7 +108,7 @@ KB = '<schema name="kb"><system>Answer briefly.</system><user><module name="fact
 def test_a_stream_finishes_on_the_kv_it_was_planned_with(make_tiny, tokenizer):
     engine = PromptCache(make_tiny("llama", seed=2), tokenizer, recompute=0)
     engine.add_schema(KB.format("The harbour opens at six in the morning and closes at ten at night."), progress=False)
-    prompt = '<prompt schema="kb"><fact/><user>When does the harbour open?</user></prompt>'
+    prompt = PML('<prompt schema="kb"><fact/><user>When does the harbour open?</user></prompt>')
     expected = engine.next_token_logits(prompt)
     stream = engine.stream(prompt, max_new_tokens=6)  # planned now, prefilled on the first next()
     # another thread registers a new schema of the same name, with other text for the same module
@@ -125,7 +125,7 @@ def test_a_stream_finishes_on_the_kv_it_was_planned_with(make_tiny, tokenizer):
 def test_a_plan_reads_the_keys_it_pinned(make_tiny, tokenizer):
     engine = PromptCache(make_tiny("llama"), tokenizer, recompute=0)
     engine.add_schema(KB.format("The harbour opens at six in the morning and closes at ten at night."), progress=False)
-    plan = engine.plan('<prompt schema="kb"><fact/><user>When?</user></prompt>')
+    plan = engine.plan(PML('<prompt schema="kb"><fact/><user>When?</user></prompt>'))
     keys = {s.owner: s.key for s in plan.segments if s.cached}
     engine.add_schema(KB.format("Something else entirely, with other words and another length too."), progress=False)
     assert {s.owner: s.key for s in plan.segments if s.cached} == keys
@@ -156,10 +156,10 @@ def test_learned_positions_strictly_increase_or_the_prompt_is_refused(make_engin
     engine = make_engine("gpt2", encoding="isolated")
     engine.add_schema(TRIP, progress=False)
     with pytest.raises(PromptCacheError, match="positions must increase"):
-        engine.plan('<prompt schema="trip"><plan/>and also some words in between<budget/><user>Cost?</user></prompt>')
+        engine.plan(PML('<prompt schema="trip"><plan/>and also some words in between<budget/><user>Cost?</user></prompt>'))
     with pytest.raises(PromptCacheError, match="schema order"):
-        engine.plan('<prompt schema="trip"><budget/><plan/></prompt>')
-    positions = engine.plan('<prompt schema="trip"><plan/><budget/><user>Cost?</user></prompt>').position_ids
+        engine.plan(PML('<prompt schema="trip"><budget/><plan/></prompt>'))
+    positions = engine.plan(PML('<prompt schema="trip"><plan/><budget/><user>Cost?</user></prompt>')).position_ids
     assert all(b > a for a, b in zip(positions, positions[1:]))
 
 

@@ -2,14 +2,14 @@
 
 import pytest
 
-from pc_rag import CacheStats, Generation, PromptCache, PromptCacheError
+from pc_rag import CacheStats, Generation, PML, PromptCache, PromptCacheError
 from pc_rag.generation import IncrementalDetokenizer, StopFilter
 
 SCHEMA = """<schema name="kb">
 <system>Answer briefly.</system>
 <user><module name="a">Alpha is the first letter.</module><module name="b">Beta is the second letter.</module></user>
 </schema>"""
-PROMPT = '<prompt schema="kb"><a/><b/><user>Which is second?</user></prompt>'
+PROMPT = PML('<prompt schema="kb"><a/><b/><user>Which is second?</user></prompt>')
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_bad_generation_arguments(engine, kwargs, message):
 
 def test_unknown_schema_lists_the_known_ones(engine):
     with pytest.raises(PromptCacheError, match=r"unknown schema 'kbb' \(schemas: kb\)"):
-        engine.generate('<prompt schema="kbb"><a/></prompt>')
+        engine.generate(PML('<prompt schema="kbb"><a/></prompt>'))
 
 
 def test_prompt_longer_than_the_context_window_is_refused(engine):
@@ -116,7 +116,7 @@ def test_end_to_end_on_the_embedded_model():
         </schema>""",
         progress=False,
     )
-    prompt = '<prompt schema="facts"><paris/><user>What is the capital of France?</user></prompt>'
+    prompt = PML('<prompt schema="facts"><paris/><user>What is the capital of France?</user></prompt>')
     cached = engine.generate(prompt, max_new_tokens=16)
     full = engine.generate(prompt, max_new_tokens=16, use_cache=False)
     assert cached.text.strip() and cached.text == full.text

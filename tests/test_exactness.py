@@ -10,7 +10,7 @@ between modules all reproduce the oracle's logits.
 import pytest
 import torch
 
-from pc_rag import PromptCacheError
+from pc_rag import PML, PromptCacheError
 from pc_rag.kvcache import KVBuffer
 
 from .conftest import ARCHS
@@ -32,13 +32,13 @@ SCHEMA = """<schema name="trip">
 
 PROMPTS = [
     # parameter argument shorter than its slot, second union member, nested module, text between modules
-    '<prompt schema="trip"><plan days="three"><city><food/></city></plan>and also<budget/><user>Which city first?</user></prompt>',
+    PML('<prompt schema="trip"><plan days="three"><city><food/></city></plan>and also<budget/><user>Which city first?</user></prompt>'),
     # first union member, no argument, text before the first import
-    '<prompt schema="trip">Note:<plan><beach/></plan><user>Go?</user></prompt>',
+    PML('<prompt schema="trip">Note:<plan><beach/></plan><user>Go?</user></prompt>'),
     # skip a module: what follows it moves (or keeps a gap, for learned positions)
-    '<prompt schema="trip"><budget/><user>Cost?</user></prompt>',
+    PML('<prompt schema="trip"><budget/><user>Cost?</user></prompt>'),
     # two imports, a shorter union member, text only after the last module
-    '<prompt schema="trip"><plan days="two"><beach/></plan><budget/>How much?</prompt>',
+    PML('<prompt schema="trip"><plan days="two"><beach/></plan><budget/>How much?</prompt>'),
 ]
 # learned positions: modules keep their schema positions, so text before a module would share
 # positions with it; such prompts are refused (tests/test_edges.py)
@@ -124,7 +124,7 @@ def test_shared_prefix_single_module_is_exact(make_engine, arch):
         '<schema name="doc"><system>Answer from the document.</system><user><module name="d">The sky is blue because of Rayleigh scattering.</module></user></schema>',
         progress=False,
     )
-    prompt = '<prompt schema="doc"><d/><user>Why is the sky blue?</user></prompt>'
+    prompt = PML('<prompt schema="doc"><d/><user>Why is the sky blue?</user></prompt>')
     cached = engine.next_token_logits(prompt)
     full = engine.next_token_logits(prompt, use_cache=False)
     assert (cached - full).abs().max().item() <= 1e-4
@@ -138,6 +138,6 @@ def test_isolated_encoding_differs_from_full_prefill_when_modules_see_no_prefix(
     """Sanity check of the test above: without the shared prefix the approximation is visible."""
     engine = make_engine("llama", encoding="isolated")
     engine.add_schema('<schema name="doc">Context first. <module name="d">The sky is blue.</module></schema>', progress=False)
-    prompt = '<prompt schema="doc"><d/> Why?</prompt>'
+    prompt = PML('<prompt schema="doc"><d/> Why?</prompt>')
     diff = (engine.next_token_logits(prompt) - engine.next_token_logits(prompt, use_cache=False)).abs().max().item()
     assert diff > 1e-4

@@ -39,11 +39,12 @@ def test_schema_positions_follow_the_paper():
     assert m["plan"].positions == list(range(10, 22))
     assert m["plan"].params["days"].offset == 3 and m["plan"].token_ids[3:7] == [0, 0, 0, 0]
     # union members share a start; the union is as long as its longest member (far + tokyo = 8)
-    assert m["near"].positions[0] == m["far"].positions[0] == 22
-    assert m["tokyo"].positions == [28, 29]
+    # (nested modules are known by their path: names are scoped by their parent)
+    assert m["plan/near"].positions[0] == m["plan/far"].positions[0] == 22
+    assert m["plan/far/tokyo"].positions == [28, 29]
     assert m["tail"].positions == [30, 31]
     assert lay.length == 32 and lay.prefix == "#0"
-    assert m["tokyo"].parent == "far" and m["near"].union == m["far"].union is not None
+    assert m["plan/far/tokyo"].parent == "plan/far" and m["plan/near"].union == m["plan/far"].union is not None
 
 
 def test_bos_opens_the_first_anonymous_run():
@@ -70,7 +71,7 @@ def test_plan_compact_positions_are_contiguous_and_record_the_source():
     assert "".join(map(chr, p.input_ids)) == "[S]sys[/S]go 3 daysabcdefTKzzQ?"
     moved = {s.owner: (s.position, s.source_position) for s in p.segments if s.cached}
     assert moved["#0"] == (0, 0)
-    assert moved["far"] == (19, 22)  # 3 unused slots closed up
+    assert moved["plan/far"] == (19, 22)  # 3 unused slots closed up (a segment's owner is the module's path)
     assert moved["tail"] == (27, 30)
     assert p.cached_tokens == len(p.input_ids) - 3 and p.computed_tokens == 3
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pc_rag import PromptCache, PromptCacheError, build_prompt
+from pc_rag import PML, PromptCache, PromptCacheError, build_prompt
 from pc_rag.engine import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL
 
 DOCS = [
@@ -40,7 +40,7 @@ def test_recomputing_everything_is_full_prefill(make_tiny, tokenizer, arch, enco
     engine.add_schema(SCHEMA, progress=False)
     prompts = [
         build_prompt(QUESTION, names),
-        '<prompt schema="kb"><a/><b/><user>Which is second?</user></prompt>',  # text between modules
+        PML('<prompt schema="kb"><a/><b/><user>Which is second?</user></prompt>'),  # text between modules
     ]
     if head:  # a drop-in document ends with its text, not its module's end: only its head is recomputed
         prompts.append("\n\n".join(DOCS) + "\n\n" + QUESTION)
@@ -94,7 +94,7 @@ def test_tail_tokens_are_computed_where_they_stand(make_tiny, tokenizer):
 def test_first_module_right_after_the_prefix_is_left_alone(make_tiny, tokenizer):
     engine = PromptCache(make_tiny("llama"), tokenizer, recompute=4)
     engine.add_schema(SCHEMA.replace("<user>", "").replace("</user>", ""), progress=False)
-    plan = engine.plan('<prompt schema="kb"><a/><b/>Which?</prompt>')
+    plan = engine.plan(PML('<prompt schema="kb"><a/><b/>Which?</prompt>'))
     heads = [s for s in plan.segments if s.cached and s.owner == "a"]
     assert heads and heads[0].offset == 0  # module a is where it was encoded, right behind the prefix: exact
     assert [s.offset for s in plan.segments if s.cached and s.owner == "b"] == [4]

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from pc_rag import PromptCache, PromptCacheError
+from pc_rag import PML, PromptCache, PromptCacheError
 
 SCHEMA = """<schema name="kb">
 <system>Answer briefly.</system>
@@ -19,7 +19,7 @@ SCHEMA = """<schema name="kb">
 <module name="c">Gamma is the third letter, written as a small hook.</module>
 </user>
 </schema>"""
-PROMPT = '<prompt schema="kb"><a/><c/><user>Which letter is third?</user></prompt>'
+PROMPT = PML('<prompt schema="kb"><a/><c/><user>Which letter is third?</user></prompt>')
 
 
 def entry_files(cache_dir):
@@ -34,7 +34,7 @@ def test_a_new_process_loads_modules_instead_of_encoding(saved_model, tmp_path):
     expected = first.generate(PROMPT, max_new_tokens=6).token_ids
     code = textwrap.dedent(f"""
         import json
-        from pc_rag import PromptCache
+        from pc_rag import PML, PromptCache
         engine = PromptCache.from_pretrained({str(saved_model)!r}, cache_dir={str(cache_dir)!r})
         engine.add_schema({SCHEMA!r}, progress=False)
         passes = engine.forward.passes
@@ -102,7 +102,7 @@ def test_memory_budget_evicts_to_disk_and_serving_still_matches(make_tiny, token
     engine = PromptCache(make_tiny("llama"), tokenizer, memory_budget=budget)
     engine.add_schema(SCHEMA, progress=False)
     assert engine.store.memory_bytes <= budget
-    for prompt in (PROMPT, '<prompt schema="kb"><b/><user>Second?</user></prompt>', PROMPT):
+    for prompt in (PROMPT, PML('<prompt schema="kb"><b/><user>Second?</user></prompt>'), PROMPT):
         assert engine.generate(prompt, max_new_tokens=5).token_ids == reference.generate(prompt, max_new_tokens=5).token_ids
         assert engine.store.memory_bytes <= budget
     assert engine.store.disk_loads > 0

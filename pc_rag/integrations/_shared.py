@@ -9,6 +9,7 @@ from typing import Any
 from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import Generation
+from ..pml import PML, is_pml_prompt
 
 _engines: dict[str | None, PromptCache] = {}
 _lock = threading.Lock()
@@ -60,3 +61,10 @@ def engine_kwargs(adapter: Any, kwargs: dict[str, Any], stop: list[str] | None, 
     if "seed" in kwargs:
         params["seed"] = kwargs["seed"]
     return params
+
+
+def as_prompt(text: str, pml: bool) -> str:
+    """What an adapter hands the engine: plain text, unless the adapter was built with ``pml=True``
+    and the text is a PML prompt (a chain that sends markup says so; nothing it passes becomes
+    markup otherwise)."""
+    return PML(text) if pml and is_pml_prompt(text) else str(text)

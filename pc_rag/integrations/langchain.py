@@ -1,7 +1,7 @@
 """LangChain adapters: an LLM, a chat model and a retriever over a :class:`~pc_rag.PromptCache`.
 
-Thin by design: prompts go to the engine as they are (a PML prompt, or plain text in which module
-references and verbatim document text are reused), and the engine's reuse statistics come back
+Thin by design: prompts go to the engine as plain text (in which module references and verbatim
+document text are reused; PML only with ``pml=True``), and the engine's reuse statistics come back
 in ``generation_info`` / ``response_metadata``.
 
 Two ways to feed documents to a chain:
@@ -33,7 +33,7 @@ from ..errors import PromptCacheError
 from ..generation import Generation as EngineGeneration
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
-from ._shared import engine_kwargs, generation_info, model_name, shared_engine
+from ._shared import as_prompt, engine_kwargs, generation_info, model_name, shared_engine
 
 __all__ = ["ChatPromptCache", "PromptCacheLLM", "PromptCacheRetriever", "format_modules"]
 
@@ -56,6 +56,10 @@ class _EngineParams(BaseModel):
     """False runs full prefill of the same tokens (the baseline)."""
     streaming: bool = False
     """When True, ``invoke`` decodes through the streaming path (callbacks see every token)."""
+    pml: bool = False
+    """Read prompts that are PML (``<prompt schema=...>``) as markup (:class:`PromptCacheLLM`). Off
+    (the default), a prompt is plain text whatever it contains, so nothing a chain passes in can
+    import a module by writing markup. :class:`ChatPromptCache` renders messages: always text."""
 
     def model_post_init(self, context: Any) -> None:
         if self.engine is None:
@@ -103,7 +107,8 @@ class PromptCacheLLM(_EngineParams, BaseLLM):
                 generations.append([Generation(text=text, generation_info=chunks[-1].generation_info)])
         else:
             # several prompts (LLM.batch / generate) decode together: one forward pass per step for all
-            results = self.engine.generate_batch(prompts, **self._engine_kwargs(stop, kwargs))
+            texts = [as_prompt(p, self.pml) for p in prompts]
+            results = self.engine.generate_batch(texts, **self._engine_kwargs(stop, kwargs))
             generations = [[Generation(text=r.text, generation_info=generation_info(r, self.engine))] for r in results]
         return LLMResult(generations=generations, llm_output={"model_name": self.model_name})
 
@@ -114,7 +119,7 @@ class PromptCacheLLM(_EngineParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        stream: StreamingGeneration = self.engine.stream(prompt, **self._engine_kwargs(stop, kwargs))
+        stream: StreamingGeneration = self.engine.stream(as_prompt(prompt, self.pml), **self._engine_kwargs(stop, kwargs))
         for text in stream:
             chunk = GenerationChunk(text=text)
             if run_manager is not None:

@@ -30,7 +30,7 @@ from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
-from ._shared import engine_kwargs, generation_info, model_name, shared_engine
+from ._shared import as_prompt, engine_kwargs, generation_info, model_name, shared_engine
 
 __all__ = ["PromptCacheLLM", "PromptCacheRetriever"]
 
@@ -52,6 +52,7 @@ class PromptCacheLLM(CustomLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = None
     use_cache: bool = Field(default=True, description="False runs full prefill of the same tokens (the baseline)")
+    pml: bool = Field(default=False, description="read completion prompts that are PML (<prompt schema=...>) as markup; off, a prompt is plain text whatever it contains")
 
     def __init__(self, engine: PromptCache | None = None, model: str | None = None, **kwargs: Any) -> None:
         if engine is None:
@@ -78,16 +79,15 @@ class PromptCacheLLM(CustomLLM):
         return engine_kwargs(self, kwargs, kwargs.pop("stop", None))
 
     def _prepare(self, prompt: str, formatted: bool) -> str:
-        return prompt if formatted or self.completion_to_prompt is None else self.completion_to_prompt(prompt)
+        text = prompt if formatted or self.completion_to_prompt is None else self.completion_to_prompt(prompt)
+        return as_prompt(text, self.pml)
 
-    @llm_completion_callback()
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        result = self.engine.generate(self._prepare(prompt, formatted), **self._engine_kwargs(kwargs))
+    def _complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
+        result = self.engine.generate(prompt, **self._engine_kwargs(kwargs))
         return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine))
 
-    @llm_completion_callback()
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        stream: StreamingGeneration = self.engine.stream(self._prepare(prompt, formatted), **self._engine_kwargs(kwargs))
+    def _stream_complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseGen:
+        stream: StreamingGeneration = self.engine.stream(prompt, **self._engine_kwargs(kwargs))
 
         def responses() -> CompletionResponseGen:
             text = ""
@@ -99,12 +99,21 @@ class PromptCacheLLM(CustomLLM):
 
         return responses()
 
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._complete(self._prepare(prompt, formatted), kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._stream_complete(self._prepare(prompt, formatted), kwargs)
+
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        """The messages through the chat template: plain text, never PML."""
         return self.engine.render_chat([{"role": str(m.role.value), "content": m.content or ""} for m in messages])
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        response = self.complete(self._chat_prompt(messages), formatted=True, **kwargs)
+        response = self._complete(self._chat_prompt(messages), kwargs)
         return ChatResponse(
             message=ChatMessage(role="assistant", content=response.text),
             additional_kwargs=response.additional_kwargs,
@@ -112,7 +121,7 @@ class PromptCacheLLM(CustomLLM):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        completions = self.stream_complete(self._chat_prompt(messages), formatted=True, **kwargs)
+        completions = self._stream_complete(self._chat_prompt(messages), kwargs)
 
         def responses() -> ChatResponseGen:
             for response in completions:
