@@ -35,6 +35,11 @@ def export(ref: str, into: Path) -> Path:
     return into
 
 
+def resolve(ref: str) -> str:
+    """The commit ``ref`` names now (a relative ref like HEAD~1 means nothing later)."""
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref], check=True, capture_output=True, text=True).stdout.strip()
+
+
 def metrics(result: dict) -> dict[str, float]:
     """The numbers to compare, by a readable name (lower is better for ms, higher for tok/s)."""
     out: dict[str, float] = {}
@@ -73,7 +78,8 @@ def main() -> None:
                 print(f"round {round_ + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
                 subprocess.run([sys.executable, *command, "--out", str(out)], check=True, env=env, cwd=ROOT)
                 runs[side].append(metrics(json.loads(out.read_text())))
-    report = {"ref": args.ref, "after": args.after or "working tree", "rounds": args.rounds, "command": command, "metrics": {}}
+    report = {"ref": resolve(args.ref), "after": resolve(args.after) if args.after else "working tree", "rounds": args.rounds,
+              "command": command, "metrics": {}}
     print(f"{'metric':70} {'before':>10} {'after':>10} {'after/before':>12}")
     for key in runs["before"][0]:
         before_value = statistics.median(r[key] for r in runs["before"])
