@@ -187,13 +187,15 @@ class ModuleEncoder:
     def key(self, token_ids: Sequence[int], positions: Sequence[int], context_key: str | None) -> str:
         return entry_key(self.fingerprint, self.encoding, token_ids, positions, context_key)
 
-    def ensure(self, key: str, token_ids: Sequence[int], positions: Sequence[int], context: ModuleKV | None, info: dict[str, Any]) -> ModuleKV:
-        """The stored KV under ``key``, encoded now if the store does not hold it."""
-        module = self.store.get(key)
+    def ensure(self, key: str, token_ids: Sequence[int], positions: Sequence[int], context: ModuleKV | None, info: dict[str, Any],
+               *, count: bool = True) -> ModuleKV:
+        """The stored KV under ``key``, encoded now if the store does not hold it (``count``: this
+        lookup counts in the store's statistics; False when the caller has looked already)."""
+        module = self.store.get(key, count=count)
         if module is not None:
             return module
         with self._lock:
-            module = self.store.get(key)  # another thread may have encoded it meanwhile
+            module = self.store.get(key, count=False)  # another thread may have encoded it meanwhile
             if module is None:
                 module = self.forward.encode(token_ids, positions, context)
                 module = self.store.put(key, module, info)
@@ -232,14 +234,14 @@ class ModuleEncoder:
             return self._encode_joint(schema, name, key)
         info = schema.layout.modules[name]
         context = self.context(schema) if name != schema.layout.prefix else None
-        return self.ensure(key, info.token_ids, info.positions, context, _info(schema, name))
+        return self.ensure(key, info.token_ids, info.positions, context, _info(schema, name), count=False)
 
     def _encode_joint(self, schema: Any, name: str, key: str) -> ModuleKV:
         """Encode the path ``name`` lies on in one forward pass (``encoding="scaffold"``): every
         module of the path is stored, each the slice of the path's KV at its own tokens."""
         path = schema.joint[name].token_ids
         with self._lock:
-            module = self.store.get(key)
+            module = self.store.get(key, count=False)
             if module is not None:
                 return module
             joint = schema.joint[name]

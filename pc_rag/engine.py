@@ -168,6 +168,12 @@ class PromptCache:
     def tokenize(self, text: str) -> list[int]:
         return self.spec.tokenize(text)
 
+    def store_stats(self) -> dict[str, int]:
+        """Where module KV came from since this engine started: ``encoded`` (modules encoded by
+        this process), ``hits_memory``, ``hits_disk``, ``hits_remote`` (0: no remote tier yet),
+        ``misses`` (lookups no tier could answer), ``evictions``, ``bytes_memory``, ``bytes_disk``."""
+        return {"encoded": self.forward.encoded, **self.store.stats()}
+
     # -- registration ---------------------------------------------------------------------------
     def add_schema(self, pml: str, *, progress: bool = True) -> Schema:
         """Parse a schema and encode all its modules (loaded from ``cache_dir`` when present)."""
@@ -317,6 +323,8 @@ class PromptCache:
         finally:  # also when a stream is closed or collected half-way: the buffer goes back to the pool
             if rows.batch == 1:
                 self.buffers.release(rows.buffer)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("store after request: %s", {"encoded": self.forward.encoded, **self.store.stats(scan_disk=False)})
         results: list[Generation] = [None] * len(requests)  # type: ignore[list-item]
         for request, index in zip(requests, order):
             tail, results[index] = request.close()

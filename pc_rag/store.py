@@ -123,6 +123,16 @@ class DiskTier:
         for path in self._paths(key):
             path.unlink(missing_ok=True)
 
+    def size_bytes(self) -> int:
+        """Bytes of the KV files under this tier's folder (a scan: for statistics, not hot paths)."""
+        total = 0
+        for path in self.root.glob("*/*.safetensors"):
+            try:
+                total += path.stat().st_size
+            except FileNotFoundError:  # removed meanwhile
+                pass
+        return total
+
 
 class ModuleStore:
     """Module KV by key: memory tier (LRU, ``memory_budget`` bytes) over an optional disk tier.
@@ -158,6 +168,9 @@ class ModuleStore:
         self._bytes = 0
         self._lock = threading.Lock()
         self.disk_loads = 0
+        self.hits_memory = 0
+        self.misses = 0
+        self.evictions = 0
 
     @property
     def memory_bytes(self) -> int:
@@ -172,19 +185,23 @@ class ModuleStore:
     def in_memory(self, key: str) -> bool:
         return key in self._memory
 
-    def get(self, key: str) -> ModuleKV | None:
+    def get(self, key: str, *, count: bool = True) -> ModuleKV | None:
+        """The module under ``key`` from memory, else disk (kept in memory then), else None;
+        ``count=False`` leaves the hit/miss statistics alone (a second look by the same caller)."""
         with self._lock:
             module = self._memory.get(key)
-            if module is not None:
+            if module is None:
+                module = self._writing.get(key)
+            else:
                 self._memory.move_to_end(key)
-                return module
-            module = self._writing.get(key)
             if module is not None:
+                self.hits_memory += count
                 return module
-        if self.disk is None:
-            return None
-        module = self.disk.load(key, self.device if not self.pin else "cpu")
+        module = self.disk.load(key, self.device if not self.pin else "cpu") if self.disk is not None else None
         if module is None:
+            if count:
+                with self._lock:
+                    self.misses += 1
             return None
         with self._lock:
             self.disk_loads += 1
@@ -223,6 +240,7 @@ class ModuleStore:
         while self._bytes > self.memory_budget and len(self._memory) > 1:
             key, module = self._memory.popitem(last=False)
             self._bytes -= module.nbytes
+            self.evictions += 1
             logger.debug("evicted %s (%d bytes) from memory", key[:16], module.nbytes)
             if key in self._unsaved and self.disk is not None:
                 self._unsaved.discard(key)
@@ -256,6 +274,15 @@ class ModuleStore:
             self._bytes = 0
         self._write_out(victims)
         return freed
+
+
+    def stats(self, *, scan_disk: bool = True) -> dict[str, int]:
+        """Hits per tier, misses, evictions and bytes held (see ``PromptCache.store_stats``)."""
+        with self._lock:
+            counts = {"hits_memory": self.hits_memory, "hits_disk": self.disk_loads, "hits_remote": 0, "misses": self.misses,
+                      "evictions": self.evictions, "bytes_memory": self._bytes}
+        counts["bytes_disk"] = self.disk.size_bytes() if self.disk is not None and scan_disk else 0
+        return counts
 
 
 def open_store(

@@ -68,3 +68,11 @@ def as_prompt(text: str, pml: bool) -> str:
     and the text is a PML prompt (a chain that sends markup says so; nothing it passes becomes
     markup otherwise)."""
     return PML(text) if pml and is_pml_prompt(text) else str(text)
+
+
+def usage(result: Generation) -> dict[str, int]:
+    """Token counts in the OpenAI shape that LlamaIndex's ``TokenCountingHandler`` reads from ``raw["usage"]``."""
+    prompt = result.stats.cached_tokens + result.stats.computed_tokens
+    completion = len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "cached_tokens": result.stats.cached_tokens}

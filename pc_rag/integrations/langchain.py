@@ -73,7 +73,23 @@ class _EngineParams(BaseModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+        """Everything that changes an answer: LangChain's response cache keys on it (``llm_string``),
+        so a full-prefill answer is never served for a cached one, nor one recovery for another."""
+        engine = self.engine
+        return {
+            "model_name": self.model_name,
+            "engine_fingerprint": engine.fingerprint,
+            "encoding": engine.encoding,
+            "recompute": engine.recompute,
+            "recompute_tail": engine.recompute_tail,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": self.stop,
+            "use_cache": self.use_cache,
+            "pml": self.pml,
+        }
 
     @property
     def model_name(self) -> str:
@@ -110,7 +126,8 @@ class PromptCacheLLM(_EngineParams, BaseLLM):
             texts = [as_prompt(p, self.pml) for p in prompts]
             results = self.engine.generate_batch(texts, **self._engine_kwargs(stop, kwargs))
             generations = [[Generation(text=r.text, generation_info=generation_info(r, self.engine))] for r in results]
-        return LLMResult(generations=generations, llm_output={"model_name": self.model_name})
+        usage = _token_usage([g[0].generation_info or {} for g in generations])
+        return LLMResult(generations=generations, llm_output={"model_name": self.model_name, "token_usage": usage})
 
     def _stream(
         self,
@@ -135,9 +152,21 @@ def _role(message: BaseMessage) -> str:
     return {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}.get(message.type, "user")
 
 
-def _usage(result: EngineGeneration, prompt_tokens: int) -> UsageMetadata:
+def _usage(result: EngineGeneration) -> UsageMetadata:
+    """LangChain's standard token counts; ``input_token_details.cache_read`` is the prompt tokens
+    whose KV came from the cache (the standard field for exactly this)."""
+    prompt = result.stats.cached_tokens + result.stats.computed_tokens
     output = len(result.token_ids)
-    return UsageMetadata(input_tokens=prompt_tokens, output_tokens=output, total_tokens=prompt_tokens + output)
+    return UsageMetadata(input_tokens=prompt, output_tokens=output, total_tokens=prompt + output,
+                         input_token_details={"cache_read": result.stats.cached_tokens})
+
+
+def _token_usage(infos: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """``llm_output["token_usage"]`` of an LLM call, summed over its prompts' ``generation_info``."""
+    prompt = sum(i["cached_tokens"] + i["computed_tokens"] for i in infos)
+    completion = sum(i["generated_tokens"] for i in infos)
+    cached = sum(i["cached_tokens"] for i in infos)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "cached_tokens": cached}
 
 
 class ChatPromptCache(_EngineParams, BaseChatModel):
@@ -189,7 +218,7 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
             return ChatResult(generations=[ChatGeneration(message=final, generation_info=dict(message.response_metadata))])
         result = self.engine.generate(self._prompt(messages), **self._engine_kwargs(stop, kwargs))
         info = generation_info(result, self.engine)
-        message = AIMessage(content=result.text, response_metadata=info, usage_metadata=_usage(result, info["cached_tokens"] + info["computed_tokens"]))
+        message = AIMessage(content=result.text, response_metadata=info, usage_metadata=_usage(result))
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
     def _stream(
@@ -207,7 +236,7 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
             yield chunk
         assert stream.result is not None
         info = generation_info(stream.result, self.engine)
-        usage = _usage(stream.result, info["cached_tokens"] + info["computed_tokens"])
+        usage = _usage(stream.result)
         yield ChatGenerationChunk(message=AIMessageChunk(content="", response_metadata=info, usage_metadata=usage, chunk_position="last"))
 
 

@@ -30,7 +30,7 @@ from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
-from ._shared import as_prompt, engine_kwargs, generation_info, model_name, shared_engine
+from ._shared import as_prompt, engine_kwargs, generation_info, model_name, shared_engine, usage
 
 __all__ = ["PromptCacheLLM", "PromptCacheRetriever"]
 
@@ -84,7 +84,7 @@ class PromptCacheLLM(CustomLLM):
 
     def _complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
         result = self.engine.generate(prompt, **self._engine_kwargs(kwargs))
-        return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine))
+        return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine), raw={"usage": usage(result)})
 
     def _stream_complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseGen:
         stream: StreamingGeneration = self.engine.stream(prompt, **self._engine_kwargs(kwargs))
@@ -95,7 +95,8 @@ class PromptCacheLLM(CustomLLM):
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
             assert stream.result is not None
-            yield CompletionResponse(text=text, delta="", additional_kwargs=generation_info(stream.result, self.engine))
+            yield CompletionResponse(text=text, delta="", additional_kwargs=generation_info(stream.result, self.engine),
+                                     raw={"usage": usage(stream.result)})
 
         return responses()
 
@@ -117,6 +118,7 @@ class PromptCacheLLM(CustomLLM):
         return ChatResponse(
             message=ChatMessage(role="assistant", content=response.text),
             additional_kwargs=response.additional_kwargs,
+            raw=response.raw,
         )
 
     @llm_chat_callback()
@@ -129,6 +131,7 @@ class PromptCacheLLM(CustomLLM):
                     message=ChatMessage(role="assistant", content=response.text),
                     delta=response.delta,
                     additional_kwargs=response.additional_kwargs,
+                    raw=response.raw,
                 )
 
         return responses()

@@ -1,0 +1,99 @@
+"""What LangChain, LlamaIndex and transformers users read off every call: token usage with the
+cached part, a response-cache key that tells apart settings that change answers, and the store's
+hit statistics."""
+
+from __future__ import annotations
+
+import pytest
+
+from pc_rag import PromptCache, build_prompt
+
+DOCS = [
+    "The lighthouse on the northern cape was automated in 1987 and still flashes every ten seconds.",
+    "Ferries to the island leave twice a day in summer and once a day in winter, weather permitting.",
+]
+
+
+@pytest.fixture
+def engine(make_engine):
+    engine = make_engine("llama")
+    engine.add_documents(DOCS, progress=False)
+    return engine
+
+
+def _dropin(engine) -> str:
+    return engine.render_chat([{"role": "user", "content": DOCS[0] + "\n\nWhen was it automated?"}])
+
+
+def test_langchain_usage_reports_cache_reads(engine):
+    from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheLLM
+
+    chat = ChatPromptCache(engine=engine, max_new_tokens=4)
+    message = chat.invoke(DOCS[0] + "\n\nWhen was it automated?")
+    info = message.response_metadata
+    usage = message.usage_metadata
+    assert usage["input_token_details"]["cache_read"] == info["cached_tokens"] > 0
+    assert usage["input_tokens"] == info["cached_tokens"] + info["computed_tokens"]
+    chunks = list(chat.stream(DOCS[0] + "\n\nWhen was it automated?"))
+    last = [c for c in chunks if c.usage_metadata]
+    assert len(last) == 1 and last[0].usage_metadata["input_token_details"]["cache_read"] == info["cached_tokens"]
+    result = PromptCacheLLM(engine=engine, max_new_tokens=4).generate([_dropin(engine), _dropin(engine)])
+    token_usage = result.llm_output["token_usage"]
+    infos = [g[0].generation_info for g in result.generations]
+    assert token_usage["cached_tokens"] == sum(i["cached_tokens"] for i in infos) > 0
+    assert token_usage["prompt_tokens"] == sum(i["cached_tokens"] + i["computed_tokens"] for i in infos)
+    assert token_usage["total_tokens"] == token_usage["prompt_tokens"] + token_usage["completion_tokens"]
+
+
+def test_langchain_response_cache_never_serves_one_setting_for_another(engine):
+    from langchain_core.caches import InMemoryCache
+
+    from pc_rag.integrations.langchain import PromptCacheLLM
+
+    cached, full = PromptCacheLLM(engine=engine, max_new_tokens=4), PromptCacheLLM(engine=engine, max_new_tokens=4, use_cache=False)
+    # what LangChain keys its response cache on (llm_string is built from these)
+    assert cached._identifying_params != full._identifying_params
+    for other in (PromptCacheLLM(engine=engine, max_new_tokens=4, top_k=5), PromptCacheLLM(engine=engine, max_new_tokens=4, pml=True),
+                  PromptCacheLLM(engine=PromptCache(engine.model, engine.tokenizer, recompute=2), max_new_tokens=4)):
+        assert other._identifying_params != cached._identifying_params
+    assert PromptCacheLLM(engine=engine, max_new_tokens=4)._identifying_params == cached._identifying_params
+    response_cache = InMemoryCache()
+    cached.cache = full.cache = response_cache
+    first = cached.generate([_dropin(engine)]).generations[0][0].generation_info
+    second = full.generate([_dropin(engine)]).generations[0][0].generation_info
+    assert first["cached_tokens"] > 0 and second["cached_tokens"] == 0  # the full-prefill call really ran
+
+
+def test_llama_index_token_counting_handler_counts_real_tokens(engine):
+    from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+    from llama_index.core.llms import ChatMessage
+
+    from pc_rag.integrations.llama_index import PromptCacheLLM
+
+    counter = TokenCountingHandler()
+    llm = PromptCacheLLM(engine=engine, max_new_tokens=4, callback_manager=CallbackManager([counter]))
+    response = llm.complete(_dropin(engine))
+    usage = response.raw["usage"]
+    assert usage["cached_tokens"] == response.additional_kwargs["cached_tokens"] > 0
+    assert counter.prompt_llm_token_count == usage["prompt_tokens"] and counter.completion_llm_token_count == usage["completion_tokens"]
+    chat = llm.chat([ChatMessage(role="user", content=DOCS[1] + "\n\nHow often?")])
+    assert chat.raw["usage"]["prompt_tokens"] == chat.additional_kwargs["cached_tokens"] + chat.additional_kwargs["computed_tokens"]
+
+
+def test_store_stats_count_every_tier(make_tiny, tokenizer, tmp_path):
+    engine = PromptCache(make_tiny("llama"), tokenizer, cache_dir=tmp_path, recompute=0)
+    names = engine.add_documents(DOCS, progress=False)
+    stats = engine.store_stats()
+    assert set(stats) == {"encoded", "hits_memory", "hits_disk", "hits_remote", "misses", "evictions", "bytes_memory", "bytes_disk"}
+    assert stats["encoded"] == 3 and stats["bytes_memory"] > 0 and stats["bytes_disk"] > 0  # two documents and the system turn
+    prompt = build_prompt("Lighthouse?", names)
+    engine.generate(prompt, max_new_tokens=2)
+    after = engine.store_stats()
+    assert after["hits_memory"] >= stats["hits_memory"] + 3 and after["encoded"] == 3 and after["hits_remote"] == 0
+    engine.store.clear_memory()
+    engine.generate(prompt, max_new_tokens=2)
+    loaded = engine.store_stats()
+    assert loaded["hits_disk"] == 3 and loaded["encoded"] == 3
+    tight = PromptCache(engine.model, tokenizer, memory_budget=1, recompute=0)
+    tight.add_documents(DOCS, progress=False)
+    assert tight.store_stats()["evictions"] >= 2
