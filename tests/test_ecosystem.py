@@ -97,3 +97,46 @@ def test_store_stats_count_every_tier(make_tiny, tokenizer, tmp_path):
     tight = PromptCache(engine.model, tokenizer, memory_budget=1, recompute=0)
     tight.add_documents(DOCS, progress=False)
     assert tight.store_stats()["evictions"] >= 2
+
+
+@pytest.mark.parametrize("call", ["acomplete", "astream_complete", "achat", "astream_chat"])
+def test_llama_index_async_never_blocks_the_event_loop(engine, monkeypatch, call):
+    """The model's prefill waits until the event loop has run another coroutine: an async method
+    that decoded on the loop would wait on itself (here: 30 s, then fail)."""
+    import asyncio
+    import threading
+
+    from llama_index.core.llms import ChatMessage
+
+    from pc_rag.integrations.llama_index import PromptCacheLLM
+
+    llm = PromptCacheLLM(engine=engine, max_new_tokens=4)
+    loop_ran = threading.Event()
+    prefill = engine.forward.prefill_batch
+
+    def gated(*args, **kwargs):
+        assert loop_ran.wait(30), "the event loop was blocked while the model ran"
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(engine.forward, "prefill_batch", gated)
+    messages = [ChatMessage(role="user", content="Hello there")]
+
+    async def consume(stream):
+        return [response async for response in stream][-1]
+
+    async def run():
+        if call == "acomplete":
+            work = llm.acomplete("Hello there")
+        elif call == "achat":
+            work = llm.achat(messages)
+        elif call == "astream_complete":
+            work = consume(await llm.astream_complete("Hello there"))
+        else:
+            work = consume(await llm.astream_chat(messages))
+        task = asyncio.ensure_future(work)
+        await asyncio.sleep(0)  # the call starts; the model must now be running off the loop
+        loop_ran.set()
+        return (await asyncio.wait_for(task, 60)).additional_kwargs
+
+    info = asyncio.run(run())
+    assert info["generated_tokens"] >= 1 and info["cached_tokens"] == 0

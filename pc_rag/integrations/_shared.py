@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, TypeVar
 
 from ..engine import PromptCache
 from ..errors import PromptCacheError
@@ -76,3 +78,44 @@ def usage(result: Generation) -> dict[str, int]:
     completion = len(result.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "cached_tokens": result.stats.cached_tokens}
+
+
+T = TypeVar("T")
+_DONE = object()
+
+
+async def iterate_in_thread(items: Iterator[T]) -> AsyncIterator[T]:
+    """Iterate a blocking iterator (a stream being decoded) on a worker thread, handing each item
+    to the event loop as it comes: the loop never waits on a forward pass. Stopping early (the
+    consumer breaks or is cancelled) stops the worker after its current item and closes the
+    iterator there, so the request's buffer goes back to the pool."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            for item in items:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+                if stop.is_set():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+            loop.call_soon_threadsafe(queue.put_nowait, _DONE)
+
+    worker = threading.Thread(target=work, name="pc-rag-stream", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = await queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -8,6 +8,7 @@ still benefit: their verbatim text is found by the engine's drop-in index.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,8 +16,10 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
+    ChatResponseAsyncGen,
     ChatResponseGen,
     CompletionResponse,
+    CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
 )
@@ -30,7 +33,7 @@ from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
-from ._shared import as_prompt, engine_kwargs, generation_info, model_name, shared_engine, usage
+from ._shared import as_prompt, engine_kwargs, generation_info, iterate_in_thread, model_name, shared_engine, usage
 
 __all__ = ["PromptCacheLLM", "PromptCacheRetriever"]
 
@@ -114,27 +117,44 @@ class PromptCacheLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        response = self._complete(self._chat_prompt(messages), kwargs)
-        return ChatResponse(
-            message=ChatMessage(role="assistant", content=response.text),
-            additional_kwargs=response.additional_kwargs,
-            raw=response.raw,
-        )
+        return _as_chat(self._complete(self._chat_prompt(messages), kwargs))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         completions = self._stream_complete(self._chat_prompt(messages), kwargs)
+        return (_as_chat(response) for response in completions)
 
-        def responses() -> ChatResponseGen:
-            for response in completions:
-                yield ChatResponse(
-                    message=ChatMessage(role="assistant", content=response.text),
-                    delta=response.delta,
-                    additional_kwargs=response.additional_kwargs,
-                    raw=response.raw,
-                )
+    # async: decoding runs on a worker thread, the event loop never waits on a forward pass
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await asyncio.to_thread(self._complete, self._prepare(prompt, formatted), kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return iterate_in_thread(self._stream_complete(self._prepare(prompt, formatted), kwargs))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return _as_chat(await asyncio.to_thread(self._complete, self._chat_prompt(messages), kwargs))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        completions = iterate_in_thread(self._stream_complete(self._chat_prompt(messages), kwargs))
+
+        async def responses() -> ChatResponseAsyncGen:
+            async for response in completions:
+                yield _as_chat(response)
 
         return responses()
+
+
+def _as_chat(response: CompletionResponse) -> ChatResponse:
+    return ChatResponse(
+        message=ChatMessage(role="assistant", content=response.text),
+        delta=response.delta,
+        additional_kwargs=response.additional_kwargs,
+        raw=response.raw,
+    )
 
 
 class PromptCacheRetriever(BaseRetriever):
