@@ -220,10 +220,14 @@ class PromptCache:
 
     def generate(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int | None = None, stop: str | Sequence[str] | None = None, use_cache: bool = True,
-                 seed: int | None = None) -> Generation:
-        """Generate a completion; ``use_cache=False`` runs full prefill of the same token sequence."""
+                 seed: int | None = None, **generation: Any) -> Generation:
+        """Generate a completion; ``use_cache=False`` runs full prefill of the same token sequence.
+
+        ``generation`` takes transformers' names, with its meaning: ``do_sample``,
+        ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``.
+        """
         stream = self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             stop=stop, use_cache=use_cache, seed=seed)
+                             stop=stop, use_cache=use_cache, seed=seed, **generation)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -231,20 +235,20 @@ class PromptCache:
 
     def stream(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int | None = None, stop: str | Sequence[str] | None = None, use_cache: bool = True,
-               seed: int | None = None) -> StreamingGeneration:
+               seed: int | None = None, **generation: Any) -> StreamingGeneration:
         """Like :meth:`generate`, yielding text as it is decoded; ``.result`` holds the Generation.
 
         The prompt is planned (and refused, if it cannot be served) now; it is prefilled on the
         first ``next()``, on the KV it was planned with.
         """
         started = time.perf_counter()
-        params = SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed)
+        params = _sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, generation)
         plans = self._prepare([prompt], use_cache)
         return StreamingGeneration(self._run(plans, params, use_cache, started, share=False))
 
     def generate_batch(self, prompts: Sequence[str], *, max_new_tokens: int = 256, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int | None = None, stop: str | Sequence[str] | None = None,
-                       use_cache: bool = True, seed: int | None = None, share_modules: bool = True) -> list[Generation]:
+                       use_cache: bool = True, seed: int | None = None, share_modules: bool = True, **generation: Any) -> list[Generation]:
         """Generate completions for several prompts together: one forward pass per step for all.
 
         Every prompt is planned first, so every error surfaces before any work. With
@@ -259,10 +263,10 @@ class PromptCache:
             raise PromptCacheError("generate_batch takes a sequence of prompts; use generate() for one")
         prompts = list(prompts)
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
+        params = _sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, generation)  # bad arguments fail first
         if len(prompts) <= 1 or not self.spec.one_pass:
-            return [self.generate(p, use_cache=use_cache, **kwargs) for p in prompts]  # type: ignore[arg-type]
+            return [self.generate(p, use_cache=use_cache, **kwargs, **generation) for p in prompts]  # type: ignore[arg-type]
         started = time.perf_counter()
-        params = SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed)
         plans = self._prepare(prompts, use_cache)
         run = self._run(plans, params, use_cache, started, share=share_modules and self.spec.split)
         try:
@@ -308,7 +312,8 @@ class PromptCache:
             RequestState(params=params, tokenizer=self.tokenizer, device=spec.device, stop_token_ids=frozenset(self.stop_token_ids),
                          context_window=spec.context_window, modules=list(p.modules),
                          cached_tokens=p.cached_tokens if use_cache else 0,
-                         computed_tokens=p.computed_tokens if use_cache else len(p.input_ids), next_position=p.end, started=started)
+                         computed_tokens=p.computed_tokens if use_cache else len(p.input_ids), next_position=p.end, started=started,
+                         prompt_ids=p.input_ids if params.reads_history else ())
             for p in plans
         ]
         rows, logits, order, assembled_at = self._prefill(plans, max(r.budget for r in requests), use_cache, share=share)
@@ -331,3 +336,15 @@ class PromptCache:
             if single and tail:
                 yield tail
         return results[0] if single else results
+
+
+GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings")
+
+
+def _sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int | None, stop: Any, seed: int | None,
+              generation: dict[str, Any]) -> SamplingParams:
+    unknown = sorted(set(generation) - set(GENERATION_ARGUMENTS))
+    if unknown:
+        raise PromptCacheError(f"unknown generation arguments: {', '.join(unknown)} (known besides the named ones: "
+                               f"{', '.join(GENERATION_ARGUMENTS)})")
+    return SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed, **generation)

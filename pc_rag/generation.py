@@ -59,6 +59,10 @@ class SamplingParams:
     top_k: int | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    # transformers' logits processors, applied as its generate() applies them
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_new_tokens: int = 0
 
     @classmethod
     def build(
@@ -69,7 +73,16 @@ class SamplingParams:
         top_k: int | None = None,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
+        *,
+        do_sample: bool | None = None,
+        repetition_penalty: float = 1.0,
+        no_repeat_ngram_size: int = 0,
+        min_new_tokens: int = 0,
+        stop_strings: str | Sequence[str] | None = None,
     ) -> "SamplingParams":
+        """Validated parameters. ``do_sample`` as in transformers: False is greedy whatever the
+        temperature, True samples (at temperature 1.0 when none is given); ``stop_strings`` is
+        transformers' name for ``stop``."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise PromptCacheError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if temperature < 0:
@@ -78,10 +91,46 @@ class SamplingParams:
             raise PromptCacheError(f"top_p must be in (0, 1], got {top_p!r}")
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise PromptCacheError(f"top_k must be a positive integer or None, got {top_k!r}")
+        if stop is not None and stop_strings is not None:
+            raise PromptCacheError("give stop or stop_strings (the same thing), not both")
+        if do_sample is not None:
+            temperature = (temperature or 1.0) if do_sample else 0.0
+        if not repetition_penalty > 0:
+            raise PromptCacheError(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
+        for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size), ("min_new_tokens", min_new_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PromptCacheError(f"{name} must be an integer >= 0, got {value!r}")
+        stop = stop if stop is not None else stop_strings
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}")
-        return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed)
+        return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed,
+                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens)
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a processor reads the prompt's and the generated tokens."""
+        return self.repetition_penalty != 1.0 or bool(self.no_repeat_ngram_size) or bool(self.min_new_tokens)
+
+    def processors(self, prompt_tokens: int, stop_token_ids: frozenset[int]) -> Any:
+        """transformers' logits processors for these parameters, in its generate()'s order (None: none)."""
+        from transformers import (
+            LogitsProcessorList,
+            MinNewTokensLengthLogitsProcessor,
+            NoRepeatNGramLogitsProcessor,
+            RepetitionPenaltyLogitsProcessor,
+        )
+
+        if not self.reads_history:
+            return None
+        processors = LogitsProcessorList()
+        if self.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if self.no_repeat_ngram_size:
+            processors.append(NoRepeatNGramLogitsProcessor(self.no_repeat_ngram_size))
+        if self.min_new_tokens and stop_token_ids:
+            processors.append(MinNewTokensLengthLogitsProcessor(prompt_tokens, self.min_new_tokens, sorted(stop_token_ids)))
+        return processors or None
 
 
 class Sampler:
@@ -226,6 +275,7 @@ class RequestState:
         computed_tokens: int,
         next_position: int,
         started: float,
+        prompt_ids: Sequence[int] = (),
     ) -> None:
         self.stop_token_ids = stop_token_ids
         self.started = started
@@ -236,6 +286,9 @@ class RequestState:
         self.stats = CacheStats(modules=list(modules), cached_tokens=cached_tokens, computed_tokens=computed_tokens)
         self.greedy = params.temperature == 0
         self.sampler = Sampler(params, device)
+        # processors read the prompt and what was generated (input ids, as in transformers)
+        self.processors = params.processors(len(prompt_ids), stop_token_ids)
+        self.history = list(prompt_ids) if self.processors is not None else []
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopFilter(params.stop)
         self.pieces: list[str] = []
@@ -247,7 +300,12 @@ class RequestState:
     def take(self, logits: torch.Tensor, greedy_token: int | None = None) -> tuple[int | None, str]:
         """Choose the next token from ``logits`` (``greedy_token``: its argmax, read once for the
         whole batch); return the token to feed next (None once done) and the new text."""
-        token = greedy_token if self.greedy and greedy_token is not None else self.sampler(logits)
+        if self.processors is not None:
+            scores = self.processors(torch.tensor([self.history], device=logits.device), logits[None].float())[0]
+            token = int(torch.argmax(scores)) if self.greedy else self.sampler(scores)
+            self.history.append(token)
+        else:
+            token = greedy_token if self.greedy and greedy_token is not None else self.sampler(logits)
         if self.steps == 0:
             now = time.perf_counter()
             self.stats.ttft_s = now - self.started

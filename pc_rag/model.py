@@ -96,9 +96,20 @@ def load_model(
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    trust_remote_code: bool = False,
+    device_map: Any = None,
+    tokenizer: Any = None,
     **model_kwargs: Any,
 ) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)``: a hub id, a local folder, or (``None``) the embedded default."""
+    """Load ``(model, tokenizer)``: a hub id, a local folder, or (``None``) the embedded default.
+
+    ``revision``, ``token`` and ``trust_remote_code`` go to the model and the tokenizer alike (the
+    tokenizer comes from the same revision); ``tokenizer`` is your own tokenizer object, or a hub
+    id / folder to load one from; ``device_map`` (e.g. ``"auto"``) lets accelerate place the
+    weights instead of ``device``. Other keywords go to the model's ``from_pretrained``.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device(device) if device is not None else default_device()
@@ -107,9 +118,16 @@ def load_model(
     elif isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     source = default_model_dir() if model is None else model
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **model_kwargs)
-    lm.to(device)
+    hub: dict[str, Any] = {"revision": revision, "token": token}
+    hub = {key: value for key, value in hub.items() if value is not None}
+    if trust_remote_code:
+        hub["trust_remote_code"] = True
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(source if tokenizer is None else tokenizer, **hub)
+    placement = {"device_map": device_map} if device_map is not None else {}
+    lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **placement, **hub, **model_kwargs)
+    if device_map is None:
+        lm.to(device)
     lm.eval()
     return lm, tokenizer
 

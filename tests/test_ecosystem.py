@@ -140,3 +140,72 @@ def test_llama_index_async_never_blocks_the_event_loop(engine, monkeypatch, call
 
     info = asyncio.run(run())
     assert info["generated_tokens"] >= 1 and info["cached_tokens"] == 0
+
+
+GENERATION = [
+    {"repetition_penalty": 1.5},
+    {"no_repeat_ngram_size": 2},
+    {"min_new_tokens": 12},
+    {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3, "min_new_tokens": 4},
+]
+
+
+@pytest.mark.parametrize("arguments", GENERATION, ids=lambda a: "+".join(a))
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_transformers_generation_arguments_match_transformers_generate(make_tiny, tokenizer, arguments, use_cache):
+    """Greedy with transformers' logits processors: the same tokens as the model's own generate()."""
+    import torch
+
+    model = make_tiny("llama", seed=7)
+    engine = PromptCache(model, tokenizer, recompute=0)
+    prompt = "the the the cat sat on the mat and the cat sat on the"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    if "min_new_tokens" in arguments:  # a random model rarely ends: make its first greedy token the end
+        engine.stop_token_ids = {engine.generate(prompt, max_new_tokens=1).token_ids[0]}
+    eos = sorted(engine.stop_token_ids)
+    with torch.no_grad():
+        reference = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **arguments)[0, ids.shape[1]:]
+    reference = reference.tolist()
+    if any(t in eos for t in reference):
+        reference = reference[: min(reference.index(t) for t in eos if t in reference)]
+    ours = engine.generate(prompt, max_new_tokens=16, use_cache=use_cache, **arguments)
+    assert ours.token_ids == reference
+    plain = engine.generate(prompt, max_new_tokens=16, use_cache=use_cache)
+    assert plain.token_ids != ours.token_ids  # the argument really changed the answer
+    batch = engine.generate_batch([prompt, "another prompt, a different one"], max_new_tokens=16, use_cache=use_cache, **arguments)
+    assert batch[0].token_ids == reference
+
+
+def test_generation_argument_aliases_and_errors(make_engine):
+    from pc_rag import PromptCacheError
+
+    engine = make_engine("llama")
+    greedy = engine.generate("Once upon a time", max_new_tokens=8)
+    assert engine.generate("Once upon a time", max_new_tokens=8, temperature=0.9, do_sample=False).token_ids == greedy.token_ids
+    assert engine.generate("Once upon a time", max_new_tokens=8, stop_strings=["e"]).text == engine.generate(
+        "Once upon a time", max_new_tokens=8, stop=["e"]).text
+    for bad, message in (({"num_beams": 4}, "unknown generation arguments: num_beams"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                         ({"stop": "x", "stop_strings": "y"}, "not both"), ({"min_new_tokens": -1}, "min_new_tokens")):
+        with pytest.raises(PromptCacheError, match=message):
+            engine.generate("Once upon a time", max_new_tokens=4, **bad)
+
+
+def test_from_pretrained_takes_transformers_loading_arguments(saved_model, tokenizer, monkeypatch):
+    import transformers
+
+    seen = {}
+    for cls in (transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        original = cls.from_pretrained.__func__
+
+        def spy(klass, source, *args, _original=original, _name=cls.__name__, **kwargs):
+            seen[_name] = kwargs
+            return _original(klass, source, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
+    engine = PromptCache.from_pretrained(saved_model, revision="main", trust_remote_code=True, device_map="cpu")
+    for name in ("AutoTokenizer", "AutoModelForCausalLM"):  # the tokenizer comes from the same revision
+        assert seen[name]["revision"] == "main" and seen[name]["trust_remote_code"] is True
+    assert seen["AutoModelForCausalLM"]["device_map"] == "cpu" and engine.generate("Hi", max_new_tokens=2).stats.generated_tokens >= 1
+    seen.clear()
+    own = PromptCache.from_pretrained(saved_model, tokenizer=tokenizer)  # your own tokenizer object
+    assert own.tokenizer is tokenizer and "AutoTokenizer" not in seen

@@ -43,7 +43,8 @@ def generation_info(result: Generation, engine: PromptCache) -> dict[str, Any]:
     return info
 
 
-SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache", "seed")
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache", "seed",
+                 "do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens")
 _DEFAULTED = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache")  # fields every adapter has
 
 
@@ -60,8 +61,9 @@ def engine_kwargs(adapter: Any, kwargs: dict[str, Any], stop: list[str] | None, 
         raise PromptCacheError(f"unknown generation arguments: {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING_KEYS)})")
     params = {key: kwargs.get(key, getattr(adapter, key)) for key in _DEFAULTED}
     params["stop"] = stop
-    if "seed" in kwargs:
-        params["seed"] = kwargs["seed"]
+    for key in set(SAMPLING_KEYS) - set(_DEFAULTED):  # passed on only when given
+        if key in kwargs:
+            params[key] = kwargs[key]
     return params
 
 
