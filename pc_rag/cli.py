@@ -25,6 +25,10 @@ DEMO_QUESTIONS = (
 )
 DEMO_SYSTEM = "You are a concise Python expert. Answer the question from the documentation passages."
 CHAT_TEMPLATE = (("system", DEMO_SYSTEM), ("human", "Documentation:\n\n{context}\n\nQuestion: {question}"))
+# decoding settings for the small embedded model (both the cached and the full-prefill run use them)
+DEMO_REPETITION_PENALTY = 1.1
+DEMO_NO_REPEAT_NGRAM = 0
+DEMO_STOP = ["\n\n"]  # the end of the answer's first paragraph
 
 
 def _read_text(value: str) -> str:
@@ -111,7 +115,9 @@ class DemoRAG:
         from .integrations.langchain import ChatPromptCache, PromptCacheRetriever, format_modules
 
         retriever = PromptCacheRetriever(retriever=self.retriever, k=self.k)
-        llm = ChatPromptCache(engine=self.engine, max_new_tokens=self.max_new_tokens, use_cache=use_cache)
+        # a 135M instruct model loops without a repetition penalty; cached and full prefill use the same settings
+        llm = ChatPromptCache(engine=self.engine, max_new_tokens=self.max_new_tokens, use_cache=use_cache,
+                              repetition_penalty=DEMO_REPETITION_PENALTY, no_repeat_ngram_size=DEMO_NO_REPEAT_NGRAM, stop=DEMO_STOP)
         prompt = ChatPromptTemplate.from_messages(list(CHAT_TEMPLATE))
         return {"context": retriever | format_modules, "question": RunnablePassthrough()} | prompt | llm
 

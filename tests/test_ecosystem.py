@@ -209,3 +209,12 @@ def test_from_pretrained_takes_transformers_loading_arguments(saved_model, token
     seen.clear()
     own = PromptCache.from_pretrained(saved_model, tokenizer=tokenizer)  # your own tokenizer object
     assert own.tokenizer is tokenizer and "AutoTokenizer" not in seen
+
+
+def test_langchain_repetition_penalty_is_a_field_and_per_call(engine):
+    from pc_rag.integrations.langchain import ChatPromptCache
+
+    prompt = "the the the cat sat on the mat and the cat sat on the"
+    expected = engine.generate(engine.render_chat([{"role": "user", "content": prompt}]), max_new_tokens=12, repetition_penalty=1.5).text
+    assert ChatPromptCache(engine=engine, max_new_tokens=12, repetition_penalty=1.5).invoke(prompt).content == expected
+    assert ChatPromptCache(engine=engine, max_new_tokens=12).invoke(prompt, repetition_penalty=1.5).content == expected

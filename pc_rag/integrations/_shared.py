@@ -61,9 +61,10 @@ def engine_kwargs(adapter: Any, kwargs: dict[str, Any], stop: list[str] | None, 
         raise PromptCacheError(f"unknown generation arguments: {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING_KEYS)})")
     params = {key: kwargs.get(key, getattr(adapter, key)) for key in _DEFAULTED}
     params["stop"] = stop
-    for key in set(SAMPLING_KEYS) - set(_DEFAULTED):  # passed on only when given
-        if key in kwargs:
-            params[key] = kwargs[key]
+    for key in set(SAMPLING_KEYS) - set(_DEFAULTED):  # per call, else the adapter's field when it has one
+        value = kwargs[key] if key in kwargs else getattr(adapter, key, None)
+        if value is not None:
+            params[key] = value
     return params
 
 

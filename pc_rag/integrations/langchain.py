@@ -52,6 +52,10 @@ class _EngineParams(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = None
     stop: list[str] | None = None
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    """transformers' repetition penalty (>1 discourages repeating tokens; small instruct models loop without it)."""
+    no_repeat_ngram_size: int = Field(default=0, ge=0)
+    """Never repeat an n-gram of this size (0: off), as in transformers."""
     use_cache: bool = True
     """False runs full prefill of the same tokens (the baseline)."""
     streaming: bool = False
@@ -87,6 +91,8 @@ class _EngineParams(BaseModel):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "stop": self.stop,
+            "repetition_penalty": self.repetition_penalty,
+            "no_repeat_ngram_size": self.no_repeat_ngram_size,
             "use_cache": self.use_cache,
             "pml": self.pml,
         }
