@@ -76,13 +76,13 @@ class Forward:
         return None
 
     def decode_batch(
-        self, buffer: KVBuffer, token_ids: Sequence[int], positions: Sequence[int], mask: Any, shared: SharedKV | None = None
+        self, buffer: KVBuffer, token_ids: Sequence[int], positions: torch.Tensor, bounds: tuple[int, int], mask: Any,
+        shared: SharedKV | None = None,
     ) -> torch.Tensor:
-        """One decoding step for every row of a batched ``buffer``: logits ``[rows, vocab]``."""
-        positions = list(positions)
+        """One decoding step for every row of a batched ``buffer`` at ``positions [rows, 1]`` (their
+        smallest and largest in ``bounds``): logits ``[rows, vocab]``."""
         ids = torch.tensor(list(token_ids), dtype=torch.long)[:, None]
-        pos = torch.tensor(positions, dtype=torch.long)[:, None]
-        return self._step(buffer, ids, pos, mask, shared, (min(positions), max(positions)))
+        return self._step(buffer, ids, positions, mask, shared, bounds)
 
     def prefill_batch(
         self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: Any, shared: SharedKV | None = None,

@@ -100,14 +100,15 @@ def prefill_in_order(
 def decode_one_token(forward: Forward, rows: Rows, tokens: Sequence[int], positions: Sequence[int], spec: ModelSpec) -> torch.Tensor:
     """Feed one token per row at ``positions``; the next logits, ``[rows, vocab]``."""
     column = len(rows.buffer)
+    # one tensor of positions: the new keys' positions and the queries' are the same
     rows.key_positions[:, column] = torch.tensor(list(positions), device=rows.key_positions.device)
     rows.valid[:, column] = True  # finished rows feed a placeholder nobody reads
+    query = rows.key_positions[:, column : column + 1]
     mask = None
     # one row's new token comes after every key, so only padding or a window needs a mask
     if rows.batch > 1 or (spec.sliding_window is not None and not rows.ordered):
-        query = rows.key_positions[:, column : column + 1]
         mask = attention_mask(query, rows.key_positions[:, : column + 1], rows.valid[:, : column + 1], spec)
-    return forward.decode_batch(rows.buffer, tokens, positions, mask, rows.shared)
+    return forward.decode_batch(rows.buffer, tokens, query, (min(positions), max(positions)), mask, rows.shared)
 
 
 def decode(

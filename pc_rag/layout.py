@@ -587,11 +587,10 @@ def compute_last(segments: list[Segment]) -> list[Segment]:
 
 @dataclass(frozen=True)
 class ModuleSpan:
-    """A stored module inside a plain-text prompt: a reference to it, or its verbatim text."""
+    """A stored module referenced inside a plain-text prompt (its text's tokens are imported)."""
 
     schema: str
     name: str
-    tokens: int | None = None  # use the module's first ``tokens`` tokens (its text without separator); None: all
 
 
 # ---------------------------------------------------------------------------------------------
