@@ -1,33 +1,49 @@
-"""Answer quality of cached inference against full prefill, on real QA data, in one run.
+"""Answer fidelity of cached inference against full prefill, on real multi-document QA, in one run.
 
-HotpotQA (distractor): each record's 10 paragraphs are 10 document modules, imported in the
-dataset's order; the question is the uncached text. Every variant (encoding mode x recovery) is
-compared with full prefill of the very same tokens: EM and F1 against the gold answer (SQuAD
-normalisation), first-token agreement and whole-answer agreement with full prefill (greedy),
-the first token's KL divergence from full prefill (a continuous measure: agreement flips on near
-ties), mean TTFT and the speedup over full prefill's mean TTFT.
+Every question becomes ``build_prompt(question + instruction, its passages)``: each passage a
+document module, imported in the dataset's order; the question is the uncached text. Every
+variant (a recovery strategy and budget) is compared with full prefill of the very same tokens,
+on the same model object, record by record (full prefill and every variant of a record run
+back to back, so machine noise hits them alike):
 
-SQuAD v1.1 "Super_Bowl_50": the 54 paragraphs are the corpus; each question retrieves its top-k
-paragraphs with ``FaissModuleRetriever`` and imports them; recall@k, EM/F1 cached vs full prefill.
+- first-token agreement with full prefill (all questions, and the *decisive* ones, where full
+  prefill's first token leads the runner-up by >= 0.1 probability), the first token's KL
+  divergence KL(full || cached) in nats;
+- whole-answer agreement (greedy, up to 16 tokens, stop at a newline) and the token-F1 between
+  the cached and the full answer; EM/F1 against the gold answers (SQuAD normalisation);
+- mean time to first token and the speedup over full prefill's.
 
-    python benchmarks/quality.py                       # everything, embedded SmolLM2-135M, CPU
-    python benchmarks/quality.py --records 10 --squad-questions 20 --recovery 0:0 16:1
+Sets (``../shared/data``; see its README): ``hotpotqa53`` (10 paragraphs), ``hotpotqa_more``
+(190 more records), ``nq`` (NaturalQuestions-Open, 10 retrieved passages, Lost in the Middle),
+``musique`` (20 paragraphs), ``squad10`` and ``squad3`` (SQuAD "Super_Bowl_50": each question
+retrieves its top 10 / top 3 of the article's 54 paragraphs with ``FaissModuleRetriever``).
 
-A recovery variant ``H:T`` recomputes the first H and the last T tokens of every moved document.
+A variant is ``head_tail:H:T`` (recompute the first H and last T tokens of every moved module),
+``query:B[:H:T][@L]`` or ``deviation:B[:H:T]`` (recompute the fraction B of the moved tokens that
+the strategy scores highest, plus H head and T tail tokens per module; ``@L``: the question's
+attention is read from the first L layers); any of them ``~T,S`` adds APE's attention temperature
+T and scale S; ``default`` is the engine's.
 
-Writes ``benchmarks/results/quality.json`` and ``quality.md`` (the Markdown tables).
+    python benchmarks/quality.py --sets hotpotqa_more --first 40 --variants head_tail:0:0 query:0.05 ...   # the sweep
+    python benchmarks/quality.py                                                                            # the report
+
+Writes ``benchmarks/results/quality.json`` and ``quality.md`` (and with ``--plot``, the
+frontier plot ``quality_frontier.png``).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import platform
 import re
 import statistics
 import string
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +51,12 @@ import torch
 from tqdm.auto import tqdm
 
 from pc_rag import PromptCache, build_prompt
-from pc_rag.engine import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL
-from pc_rag.retrievers import FaissModuleRetriever
+from pc_rag.recovery import Recovery
 
 INSTRUCTION = "\nAnswer with only the answer, in a few words."
 DECISIVE = 0.1  # full prefill's first token leads the runner-up by this much probability
 ROOT = Path(__file__).resolve().parents[1]
+SETS = ("hotpotqa53", "hotpotqa_more", "nq", "musique", "squad10", "squad3")
 
 
 # --- SQuAD metrics ---------------------------------------------------------------------------
@@ -53,6 +69,8 @@ def normalize_answer(text: str) -> str:
 
 def f1_score(prediction: str, gold: str) -> float:
     pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if not pred and not ref:
+        return 1.0
     common = sum((collections.Counter(pred) & collections.Counter(ref)).values())
     if common == 0:
         return 0.0
@@ -68,12 +86,91 @@ def exact(prediction: str, gold: str) -> bool:
     return normalize_answer(prediction) == normalize_answer(gold)
 
 
+# --- data --------------------------------------------------------------------------------------
+@dataclass
+class Record:
+    question: str
+    passages: list[str]
+    answers: list[str]
+
+
+def load(name: str, data: Path, first: int | None, skip: int) -> Iterator[Record] | list[Record]:
+    if name == "hotpotqa53":
+        rows = [json.loads(line) for line in (data / "hotpotqa_dev_distractor_53.jsonl").read_text().splitlines()]
+        records = [Record(r["question"], [f"{t}: {''.join(s).strip()}" for t, s in r["context"]], [r["answer"]]) for r in rows]
+    elif name in ("hotpotqa_more", "nq", "musique"):
+        file = {"hotpotqa_more": "hotpotqa_dev_distractor_more.jsonl", "nq": "nq_open_10docs_dev.jsonl",
+                "musique": "musique_ans_dev_20docs.jsonl"}[name]
+        rows = [json.loads(line) for line in (data / file).read_text().splitlines()]
+        records = [Record(r["question"], [f"{p['title']}: {p['text']}".strip() for p in r["passages"]], list(r["answers"])) for r in rows]
+    else:
+        raise ValueError(name)
+    return records[skip:][:first] if first else records[skip:]
+
+
+def squad_records(engine: PromptCache, data: Path, k: int, first: int | None, skip: int, spread: int) -> tuple[list[Record], float]:
+    """SQuAD questions spread over the article, each with its top-``k`` paragraphs; and recall@k."""
+    from pc_rag.retrievers import FaissModuleRetriever
+
+    article = json.loads((data / "squad_v1.1_dev_super_bowl_50.json").read_text())["data"]
+    paragraphs = [p for a in article for p in a["paragraphs"]]
+    pairs = [(i, qa) for i, p in enumerate(paragraphs) for qa in p["qas"]]
+    pairs = pairs[:: max(1, len(pairs) // spread)][:spread]  # deterministic, over the whole article
+    pairs = pairs[skip:][:first] if first else pairs[skip:]
+    retriever = FaissModuleRetriever(engine=engine)
+    retriever.add([p["context"] for p in paragraphs], progress=False)
+    records, hits = [], 0
+    for index, qa in pairs:
+        texts = [h.text for h in retriever.search(qa["question"], k=k)]
+        hits += paragraphs[index]["context"] in texts
+        records.append(Record(qa["question"], texts, [a["text"] for a in qa["answers"]]))
+    return records, 100 * hits / max(1, len(pairs))
+
+
+# --- variants ----------------------------------------------------------------------------------
+def variant(spec: str, engine: PromptCache) -> tuple[str, Recovery]:
+    """``head_tail:H:T``, ``query:B[:H:T]``, ``deviation:B[:H:T]`` or ``default``."""
+    if spec == "default":
+        r = engine.recovery
+        return f"default ({describe(r)})", r
+    spec, _, ape = spec.partition("~")  # ~T,S: APE's attention temperature and scale on top
+    spec, _, layers = spec.partition("@")  # query:B@L reads the question's attention in the first L layers
+    parts = spec.split(":")
+    try:
+        if parts[0] == "head_tail" and len(parts) == 3:
+            r = Recovery("head_tail", 0, int(parts[1]), int(parts[2]))
+        elif parts[0] in ("query", "deviation") and len(parts) in (2, 4):
+            head, tail = (int(parts[2]), int(parts[3])) if len(parts) == 4 else (0, 0)
+            r = Recovery(parts[0], float(parts[1]), head, tail, query_layers=int(layers) if layers else None)  # type: ignore[arg-type]
+        else:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad variant {spec!r}: head_tail:H:T, query:B[:H:T], deviation:B[:H:T] or default") from None
+    if ape:
+        temperature, scale = (float(x) for x in ape.split(","))
+        r = dataclasses.replace(r, temperature=temperature, scale=scale)
+    return describe(r), r
+
+
+def describe(r: Recovery) -> str:
+    if r.strategy == "head_tail":
+        return ("paper (no recovery)" if not (r.head or r.tail) else f"head_tail {r.head}+{r.tail}") + _ape(r)
+    extra = f" +{r.head}/{r.tail}" if r.head or r.tail else ""
+    layers = f" @{r.query_layers} layers" if r.strategy == "query" and r.query_layers else ""
+    return f"{r.strategy} {100 * float(r.budget):g}%{extra}{layers}{_ape(r)}"
+
+
+def _ape(r: Recovery) -> str:
+    return f", APE T={r.temperature:g} S={r.scale:g}" if r.adjusts_attention else ""
+
+
 # --- runs --------------------------------------------------------------------------------------
 def answer(engine: PromptCache, prompt: str, *, use_cache: bool, max_new_tokens: int) -> dict[str, Any]:
-    result = engine.generate(prompt, max_new_tokens=max_new_tokens, use_cache=use_cache, stop=["\n"])
-    # the first token's distribution, for the KL to full prefill (one more prefill, not timed)
-    logprobs = engine.next_token_logits(prompt, use_cache=use_cache).float().log_softmax(-1)
-    return {"text": result.text.strip(), "tokens": result.token_ids, "ttft_s": result.stats.ttft_s, "logprobs": logprobs}
+    result = engine.generate(prompt, max_new_tokens=max_new_tokens, use_cache=use_cache, stop=["\n"], output_logits=True)
+    assert result.logits
+    return {"text": result.text.strip(), "tokens": result.token_ids, "ttft_s": result.stats.ttft_s,
+            "logprobs": result.logits[0].log_softmax(-1), "computed": result.stats.computed_tokens,
+            "prompt": result.stats.cached_tokens + result.stats.computed_tokens}
 
 
 def margin(logprobs: torch.Tensor) -> float:
@@ -82,109 +179,129 @@ def margin(logprobs: torch.Tensor) -> float:
     return float(first - second)
 
 
-def summarize(rows: list[dict[str, Any]], full: list[dict[str, Any]], golds: list[list[str]]) -> dict[str, Any]:
-    n = len(rows)
-    full_ttft = statistics.mean(r["ttft_s"] for r in full)
-    ttft = statistics.mean(r["ttft_s"] for r in rows)
-    kl = [float((f["logprobs"].exp() * (f["logprobs"] - r["logprobs"])).sum()) for r, f in zip(rows, full)]
-    decisive = [i for i, f in enumerate(full) if margin(f["logprobs"]) >= DECISIVE]
-    agree = [r["tokens"][:1] == f["tokens"][:1] for r, f in zip(rows, full)]
+def compare(got: dict[str, Any], full: dict[str, Any], golds: list[str]) -> dict[str, Any]:
+    f = full["logprobs"]
     return {
-        "em": 100 * sum(best(exact, r["text"], g) for r, g in zip(rows, golds)) / n,
-        "f1": 100 * sum(best(f1_score, r["text"], g) for r, g in zip(rows, golds)) / n,
-        "first_token_agreement": 100 * sum(agree) / n,
+        "agree": got["tokens"][:1] == full["tokens"][:1],
+        "decisive": margin(f) >= DECISIVE,
+        "kl": float((f.exp() * (f - got["logprobs"])).sum()),
+        "answer_agree": got["tokens"] == full["tokens"],
+        "answer_f1": f1_score(got["text"], full["text"]),
+        "em": best(exact, got["text"], golds),
+        "f1": best(f1_score, got["text"], golds),
+        "ttft_s": got["ttft_s"],
+        "computed": got["computed"],
+        "prompt": got["prompt"],
+        "text": got["text"],
+    }
+
+
+def summarize(rows: list[dict[str, Any]], full_ttft: float) -> dict[str, Any]:
+    n = len(rows)
+    decisive = [r for r in rows if r["decisive"]]
+    ttft = statistics.mean(r["ttft_s"] for r in rows)
+    return {
+        "questions": n,
+        "first_token_agreement": 100 * sum(r["agree"] for r in rows) / n,
         "decisive_questions": len(decisive),
-        "decisive_agreement": 100 * sum(agree[i] for i in decisive) / max(1, len(decisive)),
-        "first_token_kl": statistics.mean(kl),
-        "answer_agreement": 100 * sum(r["tokens"] == f["tokens"] for r, f in zip(rows, full)) / n,
+        "decisive_agreement": 100 * sum(r["agree"] for r in decisive) / max(1, len(decisive)),
+        "first_token_kl": statistics.mean(r["kl"] for r in rows),
+        "answer_agreement": 100 * sum(r["answer_agree"] for r in rows) / n,
+        "answer_f1_vs_full": 100 * statistics.mean(r["answer_f1"] for r in rows),
+        "em": 100 * statistics.mean(r["em"] for r in rows),
+        "f1": 100 * statistics.mean(r["f1"] for r in rows),
+        "computed_fraction": 100 * statistics.mean(r["computed"] / r["prompt"] for r in rows),
         "mean_ttft_ms": 1000 * ttft,
         "speedup": full_ttft / ttft,
     }
 
 
-def hotpotqa(model: Any, tokenizer: Any, data: Path, records: int, recovery: list[tuple[int, int]], encodings: list[str], max_new: int) -> dict:
-    rows = [json.loads(line) for line in (data / "hotpotqa_dev_distractor_53.jsonl").read_text().splitlines()[:records]]
-    golds = [[r["answer"]] for r in rows]
-    engines = {encoding: PromptCache(model, tokenizer, encoding=encoding) for encoding in encodings}
-    prompts: dict[str, list[str]] = {encoding: [] for encoding in encodings}
-    for encoding, engine in engines.items():
-        for record in tqdm(rows, desc=f"encoding HotpotQA ({encoding})", unit="record"):
-            texts = [f"{title}: {''.join(sentences).strip()}" for title, sentences in record["context"]]
-            names = engine.add_documents(texts, progress=False)
-            prompts[encoding].append(build_prompt(record["question"] + INSTRUCTION, names))
-    first = engines[encodings[0]]
-    full = [answer(first, p, use_cache=False, max_new_tokens=max_new) for p in tqdm(prompts[encodings[0]], desc="full prefill")]
-    lengths = [len(first.plan(p).input_ids) for p in prompts[encodings[0]]]
-    variants: dict[str, Any] = {"full prefill": summarize(full, full, golds)}
-    outputs: dict[str, list[str]] = {"full prefill": [r["text"] for r in full]}
-    for encoding, engine in engines.items():
-        for head, tail in recovery:
-            engine.recompute, engine.recompute_tail = head, tail
-            name = f"{encoding}, recompute={head}, tail={tail}"
-            got = [answer(engine, p, use_cache=True, max_new_tokens=max_new) for p in tqdm(prompts[encoding], desc=name)]
-            variants[name] = summarize(got, full, golds)
-            outputs[name] = [r["text"] for r in got]
-    return {"records": len(rows), "mean_prompt_tokens": statistics.mean(lengths), "variants": variants, "outputs": outputs,
-            "gold": [g[0] for g in golds]}
+def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str, Recovery]], max_new: int, desc: str,
+            *, drop: bool) -> dict[str, Any]:
+    """Each record: its passages registered, full prefill, every variant; then (``drop``) its KV
+    dropped, to bound memory (a corpus shared by the records, SQuAD's, stays)."""
+    per_variant: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
+    full_rows: list[dict[str, Any]] = []
+    lengths = []
+    for record in tqdm(records, desc=desc, unit="question"):
+        names = engine.add_documents(record.passages, progress=False)
+        prompt = build_prompt(record.question + INSTRUCTION, names)
+        full = answer(engine, prompt, use_cache=False, max_new_tokens=max_new)
+        full_rows.append(compare(full, full, record.answers))
+        lengths.append(full["prompt"])
+        for name, recovery in variants:
+            engine.recovery = recovery
+            per_variant[name].append(compare(answer(engine, prompt, use_cache=True, max_new_tokens=max_new), full, record.answers))
+        if drop:
+            engine.store.clear_memory()  # this record's passages are not read again
+    full_ttft = statistics.mean(r["ttft_s"] for r in full_rows)
+    result = {"questions": len(records), "mean_prompt_tokens": statistics.mean(lengths),
+              "variants": {"full prefill": summarize(full_rows, full_ttft)}}
+    for name, rows in per_variant.items():
+        result["variants"][name] = summarize(rows, full_ttft)
+    result["outputs"] = {"full prefill": [r["text"] for r in full_rows], **{n: [r["text"] for r in rows] for n, rows in per_variant.items()}}
+    result["gold"] = [r.answers for r in records]
+    return result
 
 
-def squad(model: Any, tokenizer: Any, data: Path, questions: int, k: int, max_new: int) -> dict:
-    article = json.loads((data / "squad_v1.1_dev_super_bowl_50.json").read_text())["data"]
-    paragraphs = [p for a in article for p in a["paragraphs"]]
-    pairs = [(i, qa) for i, p in enumerate(paragraphs) for qa in p["qas"]]
-    step = max(1, len(pairs) // questions)
-    pairs = pairs[::step][:questions]  # spread over the article, deterministic
-    engine = PromptCache(model, tokenizer)
-    retriever = FaissModuleRetriever(engine=engine)
-    names = retriever.add([p["context"] for p in paragraphs])
-    hits_at_k, full, cached, golds = 0, [], [], []
-    for index, qa in tqdm(pairs, desc=f"SQuAD top-{k}"):
-        hits = retriever.search(qa["question"], k=k)
-        hits_at_k += names[index] in [h.module for h in hits]
-        prompt = build_prompt(qa["question"] + INSTRUCTION, [h.module for h in hits])
-        full.append(answer(engine, prompt, use_cache=False, max_new_tokens=max_new))
-        cached.append(answer(engine, prompt, use_cache=True, max_new_tokens=max_new))
-        golds.append([a["text"] for a in qa["answers"]])
-    return {
-        "questions": len(pairs),
-        "k": k,
-        f"recall@{k}": 100 * hits_at_k / len(pairs),
-        "variants": {"full prefill": summarize(full, full, golds), f"cached, recompute={engine.recompute}, tail={engine.recompute_tail}": summarize(cached, full, golds)},
-    }
-
-
+# --- report ------------------------------------------------------------------------------------
 def markdown(report: dict[str, Any]) -> str:
     lines = []
-    for title, part in (("HotpotQA", report.get("hotpotqa")), ("SQuAD", report.get("squad"))):
-        if not part:
-            continue
-        if "k" in part:
-            recall = part[f"recall@{part['k']}"]
-            extra = f", top-{part['k']} retrieval, recall@{part['k']} = {recall:.1f}%"
-        else:
-            extra = f", 10 paragraphs, {part['mean_prompt_tokens']:.0f} prompt tokens on average"
-        count = part.get("records", part.get("questions"))
-        lines += [f"**{title}** ({count} questions{extra})", "",
-                  "| variant | EM | F1 | first token = full | (decisive) | first-token KL | answer = full | mean TTFT | speedup |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for name, v in part["variants"].items():
-            lines.append(f"| {name} | {v['em']:.1f} | {v['f1']:.1f} | {v['first_token_agreement']:.1f}% | "
-                         f"{v['decisive_agreement']:.1f}% | {v['first_token_kl']:.3f} | "
-                         f"{v['answer_agreement']:.1f}% | {v['mean_ttft_ms']:.0f} ms | {v['speedup']:.1f}x |")
-        decisive = next(iter(part["variants"].values()))["decisive_questions"]
-        lines += ["", f"(decisive): agreement on the {decisive} questions where full prefill's first token leads "
-                      f"the runner-up by >= {DECISIVE} probability; first-token KL: mean KL(full || cached) in nats."]
+    for name, part in report["sets"].items():
+        extra = f", recall@k {part['recall']:.0f}%" if "recall" in part else ""
+        lines += [f"**{name}** ({part['questions']} questions, {part['mean_prompt_tokens']:.0f} prompt tokens on average{extra})", "",
+                  "| variant | first token = full | decisive | first-token KL | answer = full | answer F1 vs full | EM | F1 | computed | mean TTFT | speedup |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for variant_name, v in part["variants"].items():
+            lines.append(f"| {variant_name} | {v['first_token_agreement']:.1f}% | {v['decisive_agreement']:.1f}% "
+                         f"({v['decisive_questions']}) | {v['first_token_kl']:.3f} | {v['answer_agreement']:.1f}% | "
+                         f"{v['answer_f1_vs_full']:.1f} | {v['em']:.1f} | {v['f1']:.1f} | {v['computed_fraction']:.1f}% | "
+                         f"{v['mean_ttft_ms']:.0f} ms | {v['speedup']:.1f}x |")
         lines.append("")
+    lines.append(f"decisive: agreement on the questions (count in brackets) where full prefill's first token leads the runner-up "
+                 f"by >= {DECISIVE} probability; KL: mean KL(full || cached) of the first token, nats; computed: share of the "
+                 f"prompt's tokens computed (question, recovery).")
     return "\n".join(lines)
 
 
-def recovery_spec(text: str) -> tuple[int, int]:
-    """``H:T`` (recompute H head and T tail tokens per moved document), or ``H`` for ``H:0``."""
-    head, _, tail = text.partition(":")
-    try:
-        return int(head), int(tail or 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected HEAD:TAIL token counts such as 4:1, got {text!r}") from None
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Per set: decisive agreement and KL against speedup, one line per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(report["sets"].items())
+    fig, axes = plt.subplots(2, len(sets), figsize=(5 * len(sets), 7), squeeze=False)
+    for column, (name, part) in enumerate(sets):
+        families: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
+        for variant_name, v in part["variants"].items():
+            if variant_name == "full prefill":
+                continue
+            family = variant_name.split(" ")[0]
+            family = {"paper": "head_tail"}.get(family, family)
+            if "/" in variant_name and family in ("query", "deviation"):
+                family += " +head/tail"
+            if "APE" in variant_name:
+                family += " +APE"
+            families[family].append((v["speedup"], v["decisive_agreement"], v["first_token_kl"]))
+            if family == "head_tail" and variant_name == "paper (no recovery)":
+                for other in ("query", "deviation"):  # budget 0 of every strategy is the paper's scheme
+                    families[other].append((v["speedup"], v["decisive_agreement"], v["first_token_kl"]))
+        for family, points in sorted(families.items()):
+            points.sort()
+            xs = [p[0] for p in points]
+            axes[0][column].plot(xs, [p[1] for p in points], marker="o", label=family)
+            axes[1][column].plot(xs, [p[2] for p in points], marker="o", label=family)
+        axes[0][column].set_title(f"{name} ({part['questions']} q.)")
+        axes[0][column].set_ylabel("decisive first-token agreement (%)")
+        axes[1][column].set_ylabel("first-token KL (nats)")
+        for row in (0, 1):
+            axes[row][column].set_xlabel("TTFT speedup over full prefill (x)")
+            axes[row][column].axvline(10, color="grey", linestyle=":", linewidth=1)
+            axes[row][column].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -192,35 +309,49 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--model", default=None, help="hub id or folder (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--records", type=int, default=53)
-    parser.add_argument("--recovery", type=recovery_spec, nargs="+", metavar="HEAD:TAIL",
-                        default=[(0, 0), (4, 0), (0, 1), (2, 1), (DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL), (8, 8)])
-    parser.add_argument("--encodings", nargs="+", default=["shared_prefix", "isolated"])
-    parser.add_argument("--squad-questions", type=int, default=100)
-    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
+    parser.add_argument("--first", type=int, default=None, help="questions per set (default: all)")
+    parser.add_argument("--skip", type=int, default=0, help="questions skipped at the start of each set")
+    parser.add_argument("--squad-questions", type=int, default=100, help="SQuAD questions spread over the article")
+    parser.add_argument("--variants", nargs="+", default=["head_tail:0:0", "head_tail:4:1", "default"])
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--plot", action="store_true", help="also draw the frontier plot")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality.json")
     args = parser.parse_args()
 
-    probe = PromptCache.from_pretrained(args.model, device=args.device, recompute=0)
-    model, tokenizer = probe.model, probe.tokenizer
+    engine = PromptCache.from_pretrained(args.model, device=args.device)
+    variants = list(dict(variant(v, engine) for v in args.variants).items())
     started = time.time()
     report: dict[str, Any] = {
-        "model": str(getattr(model.config, "_name_or_path", "")),
-        "device": str(model.device),
-        "dtype": str(model.dtype),
+        "model": str(getattr(engine.model.config, "_name_or_path", "")),
+        "device": str(engine.model.device),
+        "dtype": str(engine.model.dtype),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "greedy_max_new_tokens": args.max_new_tokens,
+        "first": args.first,
+        "skip": args.skip,
+        "variants": args.variants,
+        "sets": {},
     }
-    if args.records:
-        report["hotpotqa"] = hotpotqa(model, tokenizer, args.data, args.records, list(dict.fromkeys(args.recovery)), args.encodings, args.max_new_tokens)
-    if args.squad_questions:
-        report["squad"] = squad(model, tokenizer, args.data, args.squad_questions, args.k, args.max_new_tokens)
-    report["wall_s"] = time.time() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    warm = build_prompt("Warm-up?", engine.add_documents(["A warm-up passage.", "Another one."], progress=False))
+    engine.generate(warm, max_new_tokens=2)
+    for name in args.sets:
+        recall = None
+        if name.startswith("squad"):
+            records, recall = squad_records(engine, args.data, int(name[len("squad"):]), args.first, args.skip, args.squad_questions)
+        else:
+            records = load(name, args.data, args.first, args.skip)
+        part = run_set(engine, list(records), variants, args.max_new_tokens, name, drop=recall is None)
+        if recall is not None:
+            part["recall"] = recall
+        report["sets"][name] = part
+        report["wall_s"] = time.time() - started
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))  # after every set: a long run keeps what it measured
     table = markdown(report)
     args.out.with_suffix(".md").write_text(table)
+    if args.plot:
+        plot(report, args.out.with_name(args.out.stem + "_frontier.png"))
     print(table)
 
 

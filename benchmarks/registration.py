@@ -1,6 +1,6 @@
 """Registration cost: ``add_documents`` of many short texts, with and without a memory budget.
 
-With ``memory_budget`` and no ``cache_dir`` the engine keeps a private spill folder for modules
+With ``memory_budget`` and no ``kv_dir`` the engine keeps a private spill folder for modules
 evicted from memory. Writing (and fsyncing) every module there when it is encoded made
 registration several times slower than encoding itself; modules go there on eviction only.
 The model is a tiny randomly initialised Llama (2 layers, the embedded tokenizer), so that the
@@ -38,7 +38,7 @@ def main() -> None:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     texts = [f"Note {i}: the tide table for harbour {i % 17} lists high water at {i % 12}:{i % 60:02d}." for i in range(args.documents)]
-    settings = {"no budget": {}, "memory_budget, no cache_dir (spill folder)": {"memory_budget": 1 << 30}}
+    settings = {"no budget": {}, "memory_budget, no kv_dir (spill folder)": {"memory_budget": 1 << 30}}
     timings: dict[str, list[float]] = {name: [] for name in settings}
     for _ in range(args.runs):
         for name, kwargs in settings.items():

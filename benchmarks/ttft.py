@@ -8,7 +8,7 @@ runs after a warm-up:
 
 - ``full prefill``: ``engine.generate(prompt, use_cache=False)``
 - ``cached (memory)``: module KV in memory (``kv_location``: device, or pinned CPU memory with ``--kv-location cpu``)
-- ``cached (disk)``: the memory tier emptied before every run, so each run loads the modules from ``cache_dir``
+- ``cached (disk)``: the memory tier emptied before every run, so each run loads the modules from ``kv_dir``
 - ``HuggingFacePipeline`` and ``PromptCacheLLM``: the same LCEL chain ``PromptTemplate | llm``
   with either LLM (``max_new_tokens=1``: the invoke time is the time to first token)
 
@@ -135,8 +135,8 @@ def main() -> None:
         from pc_rag.model import load_model
 
         model, tokenizer = load_model(args.model, device=args.device)
-    cache_dir = Path(tempfile.mkdtemp(prefix="pc-rag-ttft-"))
-    engines = {where: PromptCache(model, tokenizer, kv_location=where, cache_dir=cache_dir / where) for where in args.kv_location}
+    kv_dir = Path(tempfile.mkdtemp(prefix="pc-rag-ttft-"))
+    engines = {where: PromptCache(model, tokenizer, kv_location=where, kv_dir=kv_dir / where) for where in args.kv_location}
     engine = engines[args.kv_location[0]]
     texts, budget = [], max(args.lengths) + 64
     for text in paragraphs(args.data):  # as many paragraphs as the longest context needs

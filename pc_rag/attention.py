@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from . import shared_attention
 from .errors import PromptCacheError
+from .recovery import PROBE_KWARG
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ def _pc_rag_sdpa(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     shared = kwargs.pop(shared_attention.KWARG, None)
+    probe = kwargs.pop(PROBE_KWARG, None)
+    if probe is not None:  # recovery reads this layer's attention (and may stop the pass here)
+        probe.observe(module, query, key, attention_mask, scaling)
     special = any(kwargs.get(k) is not None for k in _SPECIAL)
     if shared is not None:
         if special:
@@ -111,7 +115,8 @@ def accepts_custom_mask(model: Any) -> bool:
 
 
 def attention_mask(
-    query_positions: torch.Tensor, key_positions: torch.Tensor, valid: torch.Tensor | None, spec: Any
+    query_positions: torch.Tensor, key_positions: torch.Tensor, valid: torch.Tensor | None, spec: Any,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The mask for queries at ``query_positions [rows, q]`` over keys at ``key_positions [rows, k]``.
 
@@ -120,7 +125,9 @@ def attention_mask(
     :func:`pc_rag.generate.prefill`). ``valid [rows, k]`` marks real entries (not padding).
     Sliding-window models see only keys within the window (``query - window < key``), as
     transformers' own masks do; a model whose layers differ gets one mask per layer type.
-    Boolean (True = attend) for SDPA, additive for eager, as ``spec.attn_implementation`` takes.
+    Boolean (True = attend) for SDPA, additive for eager, as ``spec.attn_implementation`` takes;
+    additive for both when ``bias [rows, k]`` (added to the attention logits of every query,
+    APE's scale) is given.
     """
     allowed = key_positions[:, None, :] <= query_positions[:, :, None]
     if valid is not None:
@@ -128,15 +135,18 @@ def attention_mask(
     allowed = allowed[:, None]  # [rows, 1, q, k]
     window = spec.sliding_window
     if window is None:
-        return _as_mask(allowed, spec)
+        return _as_mask(allowed, spec, bias)
     windowed = allowed & (key_positions[:, None, None, :] > query_positions[:, None, :, None] - window)
     if not spec.mixed_window:
-        return _as_mask(windowed, spec)
-    return {"full_attention": _as_mask(allowed, spec), "sliding_attention": _as_mask(windowed, spec)}
+        return _as_mask(windowed, spec, bias)
+    return {"full_attention": _as_mask(allowed, spec, bias), "sliding_attention": _as_mask(windowed, spec, bias)}
 
 
-def _as_mask(allowed: torch.Tensor, spec: Any) -> torch.Tensor:
-    if spec.attn_implementation in BOOLEAN_MASK:
+def _as_mask(allowed: torch.Tensor, spec: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if spec.attn_implementation in BOOLEAN_MASK and bias is None:
         return allowed
-    mask = torch.zeros(allowed.shape, dtype=spec.dtype, device=allowed.device)
+    if bias is None:
+        mask = torch.zeros(allowed.shape, dtype=spec.dtype, device=allowed.device)
+    else:
+        mask = bias[:, None, None, : allowed.shape[-1]].to(spec.dtype).expand(allowed.shape).clone()
     return mask.masked_fill_(~allowed, torch.finfo(spec.dtype).min)

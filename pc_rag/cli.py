@@ -44,7 +44,7 @@ def _read_text(value: str) -> str:
 
 def _engine(args: argparse.Namespace) -> PromptCache:
     return PromptCache.from_pretrained(
-        args.model, device=args.device, encoding=args.encoding, cache_dir=args.cache_dir
+        args.model, device=args.device, encoding=args.encoding, kv_dir=args.kv_dir
     )
 
 
@@ -85,8 +85,8 @@ class DemoRAG:
         from .corpus import stdlib_corpus
         from .retrievers import FaissModuleRetriever
 
-        if args.cache_dir is None:
-            args.cache_dir = str(cache_root())
+        if args.kv_dir is None:
+            args.kv_dir = str(cache_root())
         started = time.perf_counter()
         self.engine = _engine(args)
         corpus = stdlib_corpus()
@@ -104,7 +104,7 @@ class DemoRAG:
             self.retriever.save()
         tokens = sum(len(self.engine.schemas["docs"].layout.modules[n].token_ids) for n in names)
         print(f"corpus: {len(names)} passages of standard-library documentation, {tokens} tokens, "
-              f"ready in {time.perf_counter() - started:.1f} s (cache: {args.cache_dir})\n")
+              f"ready in {time.perf_counter() - started:.1f} s (cache: {args.kv_dir})\n")
         self.k = args.k
         self.max_new_tokens = args.max_new_tokens
 
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M-Instruct)")
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     common.add_argument("--encoding", choices=ENCODINGS, default=None, help="module encoding mode")
-    common.add_argument("--cache-dir", default=None, help="persist module KV here")
+    common.add_argument("--kv-dir", "--cache-dir", dest="kv_dir", default=None, help="persist module KV here (--cache-dir: its old name)")
     common.add_argument("--max-new-tokens", type=int, default=96)
     common.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)

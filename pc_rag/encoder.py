@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .kvcache import KVBuffer, ModuleKV
+from .recovery import PROBE_KWARG, Probe, ProbeDone
 from .shared_attention import KWARG, SharedKV
 
 
@@ -107,6 +108,21 @@ class Forward:
             use_cache=True, logits_to_keep=1, **_shared_kwargs(shared, pos, bounds),
         )
         return out.logits[:, -1]
+
+    @torch.inference_mode()
+    def probe(self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: Any, probe: Probe) -> None:
+        """Run ``ids [rows, n]`` at ``positions`` through the probe's layers only (see
+        :class:`pc_rag.recovery.Probe`); those layers' KV is left in ``buffer``, which still
+        counts the entries it held before."""
+        self._count(1)
+        before = len(buffer)
+        device = self.model.device
+        try:
+            self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
+                                  past_key_values=buffer.cache, use_cache=True, **{PROBE_KWARG: probe})
+        except ProbeDone:
+            pass
+        buffer.grow_to(before)
 
     def encode(self, token_ids: Sequence[int], positions: Sequence[int], prefix: ModuleKV | None = None) -> ModuleKV:
         """The KV of ``token_ids`` at ``positions``, attending to ``prefix`` (if any) and to themselves."""

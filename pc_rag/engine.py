@@ -10,12 +10,14 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
 import time
+import warnings
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,11 +28,12 @@ from .assemble import Assembler, Assembly, choose_assembly
 from .documents import DEFAULT_SCHEMA, SEPARATOR
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
-from .generate import Rows, decode, prefill, prefill_in_order
+from .generate import Rows, adjust_attention, decode, prefill, prefill_in_order, prefill_recovered
 from .generation import Generation, RequestState, SamplingParams, StreamingGeneration
 from .kvcache import BufferPool
 from .layout import Plan
 from .model import ModelSpec, RopeRotator, inspect_model, load_model, render_chat
+from .recovery import SCORED, Recovery, Strategy, check_ape, check_recovery, entries
 from .registry import Registry, Schema
 from .store import open_store
 
@@ -48,6 +51,11 @@ DEFAULT_ENCODING: Encoding = "shared_prefix"
 # see README)
 DEFAULT_RECOMPUTE = 4
 DEFAULT_RECOMPUTE_TAIL = 1
+DEFAULT_RECOVERY: Strategy = "head_tail"
+# (head, tail) tokens per moved module when recompute=/recompute_tail= are not given, per strategy
+DEFAULT_HEAD_TAIL: dict[str, tuple[int, int]] = {"head_tail": (DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL),
+                                                 "deviation": (0, 0), "query": (0, 0)}
+DEFAULT_BUDGET: dict[str, float] = {"deviation": 0.05, "query": 0.05}
 DEFAULT_ASSEMBLY: Assembly = "copy"
 
 __all__ = ["DEFAULT_ENCODING", "DEFAULT_RECOMPUTE", "DEFAULT_RECOMPUTE_TAIL", "PromptCache", "Schema"]
@@ -67,7 +75,7 @@ class PromptCache:
         tokenizer: Any,
         *,
         encoding: Encoding | None = None,
-        cache_dir: str | os.PathLike | None = None,
+        kv_dir: str | os.PathLike | None = None,
         memory_budget: int | None = None,
         store_dtype: torch.dtype | None = None,
         kv_location: Literal["device", "cpu"] = "device",
@@ -75,6 +83,11 @@ class PromptCache:
         recompute: int | None = None,
         recompute_tail: int | None = None,
         assembly: Assembly | None = None,
+        recovery: Strategy | None = None,
+        recovery_budget: float | int | None = None,  # noqa: PYI041 - a float is a fraction, an int a count
+        attention_temperature: float = 1.0,
+        attention_scale: float = 1.0,
+        cache_dir: str | os.PathLike | None = None,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
         if encoding not in ENCODINGS:
@@ -87,16 +100,30 @@ class PromptCache:
         self.tokenizer = tokenizer
         self.encoding: Encoding = encoding
         self.spec: ModelSpec = inspect_model(model, tokenizer, separator=SEPARATOR)
-        self.recompute = planner.recovery_tokens(recompute, "recompute", DEFAULT_RECOMPUTE, self.spec)
-        self.recompute_tail = planner.recovery_tokens(recompute_tail, "recompute_tail", DEFAULT_RECOMPUTE_TAIL, self.spec)
+        strategy = recovery or DEFAULT_RECOVERY
+        if recovery is None and strategy in SCORED and not self.spec.split:
+            strategy = "head_tail"  # scored recovery reads attention through pc_rag_sdpa; the default falls back
+        check_recovery(strategy, recovery_budget, self.spec)
+        check_ape(attention_temperature, attention_scale, self.spec)
+        head_default, tail_default = DEFAULT_HEAD_TAIL[strategy]
+        budget = recovery_budget if recovery_budget is not None else DEFAULT_BUDGET.get(strategy, 0)
+        self.recovery = Recovery(
+            strategy,  # type: ignore[arg-type]
+            budget,
+            planner.recovery_tokens(recompute, "recompute", head_default, self.spec),
+            planner.recovery_tokens(recompute_tail, "recompute_tail", tail_default, self.spec),
+            temperature=float(attention_temperature),
+            scale=float(attention_scale),
+        )
         self.assembly: Assembly = choose_assembly(assembly, DEFAULT_ASSEMBLY, self.spec)
         self.fingerprint = hashlib.sha256(f"{self.spec.fingerprint}|{encoding}".encode()).hexdigest()[:32]
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        kv_dir = _kv_dir(kv_dir, cache_dir)
+        self.kv_dir = Path(kv_dir) if kv_dir is not None else None
         store_device = self.spec.device if kv_location == "device" else torch.device("cpu")
         kv_dtype = store_dtype or self.spec.dtype
         self._kv_bytes_per_token = self.spec.kv_bytes_per_token(kv_dtype)
         self.store = open_store(
-            fingerprint=self.fingerprint, cache_dir=self.cache_dir, memory_budget=memory_budget, device=store_device,
+            fingerprint=self.fingerprint, kv_dir=self.kv_dir, memory_budget=memory_budget, device=store_device,
             kv_dtype=kv_dtype, pin=store_device.type == "cpu" and self.spec.device.type == "cuda",
         )
         self.forward = Forward(model)
@@ -109,18 +136,57 @@ class PromptCache:
         self.assembler = Assembler(self.spec, self.encoder, self.buffers)
         # tokens that end an answer (EOS, end of turn); empty it for fixed-length generations
         self.stop_token_ids: set[int] = set(self.spec.stop_token_ids)
+        # the model's generation defaults (do_sample, temperature, top_p, top_k, repetition_penalty,
+        # ...), used where a call leaves a setting unset; replace or edit it like transformers'
+        config = getattr(model, "generation_config", None)
+        self.generation_config: Any = copy.deepcopy(config) if config is not None else None
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None, encoding: Encoding | None = None,
-                        cache_dir: str | os.PathLike | None = None, memory_budget: int | None = None,
+                        kv_dir: str | os.PathLike | None = None, memory_budget: int | None = None,
                         store_dtype: torch.dtype | None = None, kv_location: Literal["device", "cpu"] = "device",
                         drop_in: bool = True, recompute: int | None = None, recompute_tail: int | None = None,
-                        assembly: Assembly | None = None, **model_kwargs: Any) -> "PromptCache":
-        """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct)."""
+                        assembly: Assembly | None = None, recovery: Strategy | None = None,
+                        recovery_budget: float | int | None = None, attention_temperature: float = 1.0,  # noqa: PYI041
+                        attention_scale: float = 1.0, cache_dir: str | os.PathLike | None = None,
+                        **model_kwargs: Any) -> PromptCache:
+        """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct).
+
+        ``kv_dir`` persists module KV (``cache_dir`` is its deprecated old name: in transformers
+        that name means the download cache, which ``from_pretrained`` here does not take).
+        """
+        kv_dir = _kv_dir(kv_dir, cache_dir)
         lm, tokenizer = load_model(model, device=device, dtype=dtype, **model_kwargs)
-        return cls(lm, tokenizer, encoding=encoding, cache_dir=cache_dir, memory_budget=memory_budget, store_dtype=store_dtype,
-                   kv_location=kv_location, drop_in=drop_in, recompute=recompute, recompute_tail=recompute_tail, assembly=assembly)
+        return cls(lm, tokenizer, encoding=encoding, kv_dir=kv_dir, memory_budget=memory_budget, store_dtype=store_dtype,
+                   kv_location=kv_location, drop_in=drop_in, recompute=recompute, recompute_tail=recompute_tail, assembly=assembly,
+                   recovery=recovery, recovery_budget=recovery_budget, attention_temperature=attention_temperature,
+                   attention_scale=attention_scale)
+
+    @property
+    def cache_dir(self) -> Path | None:
+        """Deprecated name of :attr:`kv_dir`."""
+        warnings.warn("PromptCache.cache_dir is now kv_dir", DeprecationWarning, stacklevel=2)
+        return self.kv_dir
+
+    # -- recovery (see pc_rag.recovery) -----------------------------------------------------------
+    @property
+    def recompute(self) -> int:
+        """Head tokens recomputed per moved module."""
+        return self.recovery.head
+
+    @recompute.setter
+    def recompute(self, tokens: int) -> None:
+        self.recovery = replace(self.recovery, head=planner.recovery_tokens(tokens, "recompute", 0, self.spec))
+
+    @property
+    def recompute_tail(self) -> int:
+        """Tail tokens recomputed per moved module."""
+        return self.recovery.tail
+
+    @recompute_tail.setter
+    def recompute_tail(self, tokens: int) -> None:
+        self.recovery = replace(self.recovery, tail=planner.recovery_tokens(tokens, "recompute_tail", 0, self.spec))
 
     # -- facts about the model (see ModelSpec) ----------------------------------------------------
     @property
@@ -176,7 +242,7 @@ class PromptCache:
 
     # -- registration ---------------------------------------------------------------------------
     def add_schema(self, pml: str, *, progress: bool = True) -> Schema:
-        """Parse a schema and encode all its modules (loaded from ``cache_dir`` when present)."""
+        """Parse a schema and encode all its modules (loaded from ``kv_dir`` when present)."""
         return self.registry.add_schema(pml, progress=progress)
 
     def add_documents(self, texts: Sequence[Any], *, ids: Sequence[str] | None = None,
@@ -190,7 +256,7 @@ class PromptCache:
         encoded behind the schema's system prompt (``system``; fixed when the schema is created),
         several per forward pass (up to ``batch_tokens`` padded tokens; by default 512 on CPU,
         where a 2-core machine is compute-bound at batch 1 and padding only adds work, and 8192
-        on accelerators), and persisted through ``cache_dir``. A prompt places the documents it
+        on accelerators), and persisted through ``kv_dir``. A prompt places the documents it
         imports one after another, right after the system turn and the user marker, at the
         positions full prefill would give them.
         """
@@ -201,7 +267,7 @@ class PromptCache:
     def plan(self, prompt: str) -> Plan:
         """Which tokens of ``prompt`` are cached and which computed, at which positions."""
         planned = planner.plan(prompt, self.registry.snapshot(), self.spec, encoding=self.encoding, drop_in=self.drop_in)
-        return planner.recover(planned, head=self.recompute, tail=self.recompute_tail, encoding=self.encoding)
+        return planner.recover(planned, head=self.recovery.head, tail=self.recovery.tail, encoding=self.encoding)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """``[{"role", "content"}]`` as the model's chat template renders them, ending with the generation prompt.
@@ -214,17 +280,22 @@ class PromptCache:
     def next_token_logits(self, prompt: str, *, use_cache: bool = True) -> torch.Tensor:
         """Logits of the first generated token: the quantity cached inference must reproduce."""
         plans = self._prepare([prompt], use_cache)
-        rows, logits, _, _ = self._prefill(plans, 0, use_cache, share=False)
-        self.buffers.release(rows.buffer)
-        return logits[0]
+        prefilled = self._prefill(plans, 0, use_cache, share=False)
+        self.buffers.release(prefilled.rows.buffer)
+        return prefilled.logits[0]
 
-    def generate(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int | None = None, stop: str | Sequence[str] | None = None, use_cache: bool = True,
-                 seed: int | None = None, **generation: Any) -> Generation:
+    def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+                 use_cache: bool = True, seed: int | None = None, **generation: Any) -> Generation:
         """Generate a completion; ``use_cache=False`` runs full prefill of the same token sequence.
 
         ``generation`` takes transformers' names, with its meaning: ``do_sample``,
-        ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``.
+        ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``,
+        ``output_logits``, ``generation_config`` (a ``transformers.GenerationConfig`` or a dict).
+        What a call leaves unset comes from ``generation_config``, then from the engine's
+        :attr:`generation_config` (the model's own: its sampling defaults apply when it sets
+        ``do_sample=True``), then from pc-rag's defaults (greedy, 256 new tokens). A ``temperature``
+        given without ``do_sample`` decides alone: 0 is greedy, more samples.
         """
         stream = self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              stop=stop, use_cache=use_cache, seed=seed, **generation)
@@ -233,21 +304,22 @@ class PromptCache:
         assert stream.result is not None
         return stream.result
 
-    def stream(self, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int | None = None, stop: str | Sequence[str] | None = None, use_cache: bool = True,
-               seed: int | None = None, **generation: Any) -> StreamingGeneration:
+    def stream(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+               use_cache: bool = True, seed: int | None = None, **generation: Any) -> StreamingGeneration:
         """Like :meth:`generate`, yielding text as it is decoded; ``.result`` holds the Generation.
 
         The prompt is planned (and refused, if it cannot be served) now; it is prefilled on the
         first ``next()``, on the KV it was planned with.
         """
         started = time.perf_counter()
-        params = _sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, generation)
+        params = self._sampling(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                     stop=stop, seed=seed, **generation))
         plans = self._prepare([prompt], use_cache)
         return StreamingGeneration(self._run(plans, params, use_cache, started, share=False))
 
-    def generate_batch(self, prompts: Sequence[str], *, max_new_tokens: int = 256, temperature: float = 0.0,
-                       top_p: float = 1.0, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+    def generate_batch(self, prompts: Sequence[str], *, max_new_tokens: int | None = None, temperature: float | None = None,
+                       top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
                        use_cache: bool = True, seed: int | None = None, share_modules: bool = True, **generation: Any) -> list[Generation]:
         """Generate completions for several prompts together: one forward pass per step for all.
 
@@ -263,7 +335,7 @@ class PromptCache:
             raise PromptCacheError("generate_batch takes a sequence of prompts; use generate() for one")
         prompts = list(prompts)
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
-        params = _sampling(max_new_tokens, temperature, top_p, top_k, stop, seed, generation)  # bad arguments fail first
+        params = self._sampling({**kwargs, **generation})  # bad arguments fail first
         if len(prompts) <= 1 or not self.spec.one_pass:
             return [self.generate(p, use_cache=use_cache, **kwargs, **generation) for p in prompts]  # type: ignore[arg-type]
         started = time.perf_counter()
@@ -276,6 +348,22 @@ class PromptCache:
             return done.value
 
     # -- the chain -----------------------------------------------------------------------------
+    def _sampling(self, call: dict[str, Any]) -> SamplingParams:
+        """The call's settings over its ``generation_config`` over the engine's, over pc-rag's defaults."""
+        unknown = sorted(set(call) - set(GENERATION_ARGUMENTS) - {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed"})
+        if unknown:
+            raise PromptCacheError(f"unknown generation arguments: {', '.join(unknown)} (known besides the named ones: "
+                                   f"{', '.join(GENERATION_ARGUMENTS)})")
+        given = {name: value for name, value in call.items() if value is not None and name != "generation_config"}
+        settings = {**_from_generation_config(self.generation_config), **_from_generation_config(call.get("generation_config"))}
+        if "temperature" in given and "do_sample" not in given:
+            settings.pop("do_sample", None)  # an explicit temperature decides alone: 0 is greedy
+        if "stop" in given:
+            settings.pop("stop_strings", None)
+        settings.update(given)
+        settings.setdefault("max_new_tokens", 256)
+        return SamplingParams.build(**settings)
+
     def _prepare(self, prompts: Sequence[str], use_cache: bool) -> list[Plan]:
         """Plan every prompt and refuse, before any work, what cannot be served."""
         plans = []
@@ -290,18 +378,35 @@ class PromptCache:
                       kv_bytes_per_token=self._kv_bytes_per_token)
         return plans
 
-    def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, *, share: bool) -> tuple[Rows, torch.Tensor, list[int], float]:
-        """Assemble and prefill ``plans``: the rows (room for ``new_tokens`` more), the first
-        logits, the row order and when assembly ended."""
+    def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, *, share: bool) -> _Prefilled:
+        """Assemble and prefill ``plans`` (room for ``new_tokens`` more per row)."""
         if not self.spec.one_pass:  # attention that reads cache order: one row, segment by segment
             (plan,) = plans
             rows = self.assembler.empty_row(len(plan.input_ids) + new_tokens)
             if not use_cache:
                 plan = Plan([replace(s, owner=None) for s in plan.segments], plan.modules)
-            return rows, prefill_in_order(self.forward, rows, plan, self.assembler.append), [0], time.perf_counter()
-        assembled = self.assembler.assemble(plans, new_tokens, use_cache=use_cache, assembly=self.assembly, share=share)
+            return _Prefilled(rows, prefill_in_order(self.forward, rows, plan, self.assembler.append), [0], time.perf_counter())
+        recovery = self.recovery
+        if not (use_cache and (recovery.scored or recovery.adjusts_attention) and any(p.cached_tokens for p in plans)):
+            assembled = self.assembler.assemble(plans, new_tokens, use_cache=use_cache, assembly=self.assembly, share=share)
+            assembled_at = time.perf_counter()
+            return _Prefilled(assembled.rows, prefill(self.forward, assembled.rows, assembled.inputs, self.spec),
+                              assembled.order, assembled_at)
+        # scored recovery (and APE): every row holds its own copy of its cached KV, so its entries can be
+        # masked out one by one; room for the recomputed tokens, appended after the cache
+        moved = [planner.moved(p, self.encoding) for p in plans]
+        room = max(recovery.count(sum(len(s) for s, m in zip(p.segments, f) if m)) for p, f in zip(plans, moved))
+        assembled = self.assembler.assemble(plans, new_tokens + room, use_cache=True, assembly="copy", share=False)
         assembled_at = time.perf_counter()
-        return assembled.rows, prefill(self.forward, assembled.rows, assembled.inputs, self.spec), assembled.order, assembled_at
+        ordered = [plans[i] for i in assembled.order]
+        found = entries(plans, moved, assembled.order)
+        if not recovery.scored:  # APE alone
+            adjust_attention(assembled.rows, found, recovery.temperature, recovery.scale)
+            return _Prefilled(assembled.rows, prefill(self.forward, assembled.rows, assembled.inputs, self.spec),
+                              assembled.order, assembled_at)
+        logits, recomputed = prefill_recovered(self.forward, assembled.rows, assembled.inputs, ordered, found, recovery,
+                                               self.spec, self.buffers)
+        return _Prefilled(assembled.rows, logits, assembled.order, assembled_at, recomputed)
 
     def _run(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool
              ) -> Generator[str, None, Any]:
@@ -316,10 +421,13 @@ class PromptCache:
                          prompt_ids=p.input_ids if params.reads_history else ())
             for p in plans
         ]
-        rows, logits, order, assembled_at = self._prefill(plans, max(r.budget for r in requests), use_cache, share=share)
+        prefilled = self._prefill(plans, max(r.budget for r in requests), use_cache, share=share)
+        rows, logits, order = prefilled.rows, prefilled.logits, prefilled.order
         requests = [requests[i] for i in order]
-        for request in requests:
-            request.stats.assemble_s = assembled_at - started
+        for request, recomputed in zip(requests, prefilled.recomputed or [0] * len(requests)):
+            request.stats.assemble_s = prefilled.assembled_at - started
+            request.stats.cached_tokens -= recomputed
+            request.stats.computed_tokens += recomputed
         single = len(requests) == 1
         try:
             for deltas in decode(self.forward, rows, requests, logits, spec):
@@ -338,13 +446,50 @@ class PromptCache:
         return results[0] if single else results
 
 
-GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings")
+def _kv_dir(kv_dir: Any, cache_dir: Any) -> Any:
+    """``kv_dir``, or the deprecated ``cache_dir`` (the same folder under its old name)."""
+    if cache_dir is None:
+        return kv_dir
+    if kv_dir is not None:
+        raise PromptCacheError("give kv_dir (the module KV folder), not both kv_dir and its deprecated name cache_dir")
+    warnings.warn("cache_dir= is deprecated: the module KV folder is now kv_dir= (transformers' cache_dir means the "
+                  "download cache)", DeprecationWarning, stacklevel=3)
+    return cache_dir
 
 
-def _sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int | None, stop: Any, seed: int | None,
-              generation: dict[str, Any]) -> SamplingParams:
-    unknown = sorted(set(generation) - set(GENERATION_ARGUMENTS))
-    if unknown:
-        raise PromptCacheError(f"unknown generation arguments: {', '.join(unknown)} (known besides the named ones: "
-                               f"{', '.join(GENERATION_ARGUMENTS)})")
-    return SamplingParams.build(max_new_tokens, temperature, top_p, top_k, stop, seed, **generation)
+@dataclass
+class _Prefilled:
+    rows: Rows
+    logits: torch.Tensor  # [rows, vocab]: every row's first-token logits
+    order: list[int]  # row -> index of its plan
+    assembled_at: float
+    recomputed: list[int] | None = None  # cached entries each row recomputed (scored recovery)
+
+
+GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
+                        "output_logits", "generation_config")
+# what a GenerationConfig contributes besides its sampling settings (taken when it sets do_sample=True)
+_CONFIG_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "max_new_tokens", "stop_strings")
+
+
+def _from_generation_config(config: Any) -> dict[str, Any]:
+    """The settings a ``GenerationConfig`` (or a dict of its fields) sets away from transformers' defaults."""
+    from transformers import GenerationConfig
+
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        config = GenerationConfig(**config)
+    if not isinstance(config, GenerationConfig):
+        raise PromptCacheError(f"generation_config must be a transformers.GenerationConfig or a dict, got {type(config).__name__}")
+    # fields a config leaves unset (None) take transformers' defaults, as its generate() does
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                "min_new_tokens": 0, "max_new_tokens": None, "stop_strings": None}
+    settings = {name: getattr(config, name) for name in _CONFIG_SETTINGS
+                if getattr(config, name, None) is not None and getattr(config, name) != defaults[name]}
+    if config.do_sample:
+        settings["do_sample"] = True
+        for name in ("temperature", "top_p", "top_k"):
+            value = getattr(config, name, None)
+            settings[name] = value if value is not None else defaults[name]
+    return settings

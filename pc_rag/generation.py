@@ -49,6 +49,7 @@ class Generation:
     stats: CacheStats
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"  # "stop" (end of turn or stop sequence) or "length"
+    logits: list[torch.Tensor] | None = None  # with output_logits=True: each step's logits [vocab], on the CPU
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     min_new_tokens: int = 0
+    output_logits: bool = False  # keep every step's raw logits (Generation.logits), as transformers' output_logits
 
     @classmethod
     def build(
@@ -79,10 +81,12 @@ class SamplingParams:
         no_repeat_ngram_size: int = 0,
         min_new_tokens: int = 0,
         stop_strings: str | Sequence[str] | None = None,
+        output_logits: bool = False,
     ) -> "SamplingParams":
         """Validated parameters. ``do_sample`` as in transformers: False is greedy whatever the
         temperature, True samples (at temperature 1.0 when none is given); ``stop_strings`` is
-        transformers' name for ``stop``."""
+        transformers' name for ``stop``; ``output_logits`` keeps each step's logits, before any
+        processor, in ``Generation.logits``."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise PromptCacheError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if temperature < 0:
@@ -105,7 +109,7 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}")
         return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed,
-                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens)
+                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits))
 
     @property
     def reads_history(self) -> bool:
@@ -294,6 +298,7 @@ class RequestState:
         self.pieces: list[str] = []
         self.finish = "length"
         self.steps = 0
+        self.logits: list[torch.Tensor] | None = [] if params.output_logits else None
         self.done = self.budget <= 0
         self.prefill_started = time.perf_counter()
 
@@ -310,6 +315,8 @@ class RequestState:
             now = time.perf_counter()
             self.stats.ttft_s = now - self.started
             self.stats.prefill_s = now - self.prefill_started
+        if self.logits is not None:
+            self.logits.append(logits.detach().float().cpu())
         self.steps += 1
         if token in self.stop_token_ids:
             self.finish, self.done = "stop", True
@@ -332,4 +339,4 @@ class RequestState:
             if tail:
                 self.pieces.append(tail)
         self.stats.total_s = time.perf_counter() - self.started
-        return tail, Generation("".join(self.pieces), self.stats, list(self.detok.tokens), self.finish)
+        return tail, Generation("".join(self.pieces), self.stats, list(self.detok.tokens), self.finish, self.logits)

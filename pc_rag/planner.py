@@ -234,20 +234,12 @@ def recover(planned: Plan, *, head: int, tail: int, encoding: str) -> Plan:
     if not head and not tail:
         return planned
     segments: list[Segment] = []
-    preceding: list[int] = []  # the prompt's tokens before the segment at hand
-    for segment in planned.segments:
-        before = len(preceding)
-        preceding.extend(segment.token_ids)
-        if not segment.cached:
+    for segment, is_moved in zip(planned.segments, moved(planned, encoding)):
+        if not is_moved:
             segments.append(segment)
             continue
         schema: Schema = planned.sources[segment.schema]  # type: ignore[index]
         module = schema.layout.modules[segment.owner]  # type: ignore[index]
-        if segment.position == segment.source_position:
-            context = encoded_behind(schema, segment.owner, segment.offset, encoding)  # type: ignore[arg-type]
-            if len(context) == before and preceding[:before] == context:
-                segments.append(segment)
-                continue
         module_end = segment.offset + len(segment) == len(module.token_ids)
         # the module's first `head` tokens (a drop-in document whose first token merged with the
         # text before it starts at offset 1: its head is the rest of them)
@@ -264,6 +256,27 @@ def recover(planned: Plan, *, head: int, tail: int, encoding: str) -> Plan:
         if last:
             segments.append(Segment(segment.token_ids[first + kept :], segment.position + first + kept))
     return replace(planned, segments=segments)
+
+
+def moved(planned: Plan, encoding: str) -> list[bool]:
+    """Per segment: a cached segment whose KV is not what full prefill computes here (recovery
+    may recompute it). A segment at the position it was encoded at, behind exactly the tokens
+    it was encoded behind (:func:`encoded_behind`), is exact and is not."""
+    flags: list[bool] = []
+    preceding: list[int] = []  # the prompt's tokens before the segment at hand
+    for segment in planned.segments:
+        before = len(preceding)
+        preceding.extend(segment.token_ids)
+        if not segment.cached:
+            flags.append(False)
+            continue
+        exact = False
+        if segment.position == segment.source_position:
+            schema: Schema = planned.sources[segment.schema]  # type: ignore[index]
+            context = encoded_behind(schema, segment.owner, segment.offset, encoding)  # type: ignore[arg-type]
+            exact = len(context) == before and preceding[:before] == context
+        flags.append(not exact)
+    return flags
 
 
 def encoded_behind(schema: Schema, name: str, offset: int, encoding: str) -> list[int]:

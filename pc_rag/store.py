@@ -42,7 +42,7 @@ class DiskTier:
     def __init__(self, root: Path, fingerprint: str, *, orphan_age_s: float = 3600.0, durable: bool = True) -> None:
         self.root = Path(root)
         self.fingerprint = fingerprint
-        # durable: a cache_dir that outlives the process, written when a module is encoded; a
+        # durable: a kv_dir that outlives the process, written when a module is encoded; a
         # private spill folder is written only when the memory tier evicts
         self.durable = durable
         self.root.mkdir(parents=True, exist_ok=True)
@@ -138,7 +138,7 @@ class ModuleStore:
     """Module KV by key: memory tier (LRU, ``memory_budget`` bytes) over an optional disk tier.
 
     Entries evicted from memory are written to disk first (when a disk tier exists), so eviction
-    never loses an encoding; a durable tier (``cache_dir``) is also written when a module is
+    never loses an encoding; a durable tier (``kv_dir``) is also written when a module is
     stored, a spill folder only on eviction. ``kv_dtype`` stores KV in a lower precision than the
     model's; ``pin`` pins CPU-resident entries for fast host-to-device copies.
 
@@ -288,17 +288,17 @@ class ModuleStore:
 def open_store(
     *,
     fingerprint: str,
-    cache_dir: Path | None,
+    kv_dir: Path | None,
     memory_budget: int | None,
     device: torch.device,
     kv_dtype: torch.dtype,
     pin: bool,
 ) -> ModuleStore:
-    """The store an engine uses: memory, over ``cache_dir`` (durable) or, with a memory budget and
-    no cache_dir, over a private spill folder that evicted modules go to (removed at exit)."""
+    """The store an engine uses: memory, over ``kv_dir`` (durable) or, with a memory budget and
+    no kv_dir, over a private spill folder that evicted modules go to (removed at exit)."""
     disk = None
-    if cache_dir is not None:
-        disk = DiskTier(Path(cache_dir) / "kv" / fingerprint, fingerprint)
+    if kv_dir is not None:
+        disk = DiskTier(Path(kv_dir) / "kv" / fingerprint, fingerprint)
     elif memory_budget is not None:
         spill = tempfile.mkdtemp(prefix="pc-rag-spill-")
         atexit.register(shutil.rmtree, spill, True)

@@ -80,3 +80,37 @@ def test_langchain_llm_batch_uses_generate_batch(make_engine, monkeypatch):
     llm = PromptCacheLLM(engine=engine, max_new_tokens=8, pml=True)  # the PML prompts are markup, the plain one text
     assert llm.batch(prompts) == [engine.generate(p, max_new_tokens=8).text for p in prompts]
     assert calls == [len(prompts)]
+
+
+def test_langchain_chat_batch_uses_generate_batch_with_callbacks_per_conversation(make_engine, monkeypatch):
+    from langchain_core.callbacks import BaseCallbackHandler
+    from langchain_core.messages import HumanMessage
+
+    from pc_rag.integrations.langchain import ChatPromptCache
+
+    engine = make_engine("llama")
+    names = engine.add_documents(["The ferry leaves at nine.", "The museum opens at ten.", "Trains run hourly."], progress=False)
+    inputs = [[HumanMessage(build_prompt_text)] for build_prompt_text in ("When does the ferry leave?", "When does it open?", "How often?")]
+    inputs.append("A plain string input")
+    calls = []
+    original = engine.generate_batch
+    monkeypatch.setattr(engine, "generate_batch", lambda ps, **kw: calls.append(len(ps)) or original(ps, **kw))
+
+    class Count(BaseCallbackHandler):
+        starts = ends = 0
+
+        def on_chat_model_start(self, *args, **kwargs):
+            Count.starts += 1
+
+        def on_llm_end(self, *args, **kwargs):
+            Count.ends += 1
+
+    chat = ChatPromptCache(engine=engine, max_new_tokens=6)
+    batched = chat.batch(inputs, config={"callbacks": [Count()]})
+    assert calls == [len(inputs)]  # one batched decode for all conversations
+    assert (Count.starts, Count.ends) == (len(inputs), len(inputs))
+    for got, item in zip(batched, inputs):
+        alone = chat.invoke(item)
+        assert got.content == alone.content
+        assert got.usage_metadata == alone.usage_metadata
+    assert names

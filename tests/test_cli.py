@@ -43,7 +43,7 @@ def test_corpus_is_real_documentation_in_bounded_passages():
 
 
 def test_demo_and_ask_run_the_langchain_rag_chain(tiny_folder, tmp_path, capsys):
-    args = ["--model", str(tiny_folder), "--cache-dir", str(tmp_path), "--max-new-tokens", "3", "-k", "2"]
+    args = ["--model", str(tiny_folder), "--kv-dir", str(tmp_path), "--max-new-tokens", "3", "-k", "2"]
     assert main(["demo", *args]) == 0
     out = capsys.readouterr().out
     assert out.count("Q: ") == len(DEMO_QUESTIONS) and out.count("speedup") == len(DEMO_QUESTIONS)

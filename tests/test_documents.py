@@ -153,11 +153,11 @@ def test_drop_in_reuses_verbatim_document_text(engine, make_engine):
     assert off.plan(prompt).modules == []
 
 
-def test_documents_persist_through_cache_dir(make_tiny, tokenizer, tmp_path):
+def test_documents_persist_through_kv_dir(make_tiny, tokenizer, tmp_path):
     model = make_tiny("llama", seed=5)
-    first = PromptCache(model, tokenizer, cache_dir=tmp_path)
+    first = PromptCache(model, tokenizer, kv_dir=tmp_path)
     first.add_documents(DOCS, progress=False)
-    second = PromptCache(model, tokenizer, cache_dir=tmp_path)
+    second = PromptCache(model, tokenizer, kv_dir=tmp_path)
     second.add_documents(DOCS, progress=False)
     assert second.forward.passes == 0  # found on disk: nothing encoded (loaded when first used)
     prompt = build_prompt("Which is tallest?", second.schemas["docs"].modules)

@@ -81,7 +81,7 @@ def test_llama_index_token_counting_handler_counts_real_tokens(engine):
 
 
 def test_store_stats_count_every_tier(make_tiny, tokenizer, tmp_path):
-    engine = PromptCache(make_tiny("llama"), tokenizer, cache_dir=tmp_path, recompute=0)
+    engine = PromptCache(make_tiny("llama"), tokenizer, kv_dir=tmp_path, recompute=0)
     names = engine.add_documents(DOCS, progress=False)
     stats = engine.store_stats()
     assert set(stats) == {"encoded", "hits_memory", "hits_disk", "hits_remote", "misses", "evictions", "bytes_memory", "bytes_disk"}
@@ -142,6 +142,51 @@ def test_llama_index_async_never_blocks_the_event_loop(engine, monkeypatch, call
     assert info["generated_tokens"] >= 1 and info["cached_tokens"] == 0
 
 
+@pytest.mark.parametrize("adapter", ["llm", "chat"])
+@pytest.mark.parametrize("call", ["ainvoke", "astream", "abatch"])
+def test_langchain_async_never_blocks_the_event_loop(engine, monkeypatch, adapter, call):
+    """As for LlamaIndex: the prefill waits until the loop has run, so a native async method that
+    decoded on the loop would wait on itself. Streams deliver pieces as they are decoded."""
+    import asyncio
+    import threading
+
+    from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheLLM
+
+    llm = (PromptCacheLLM if adapter == "llm" else ChatPromptCache)(engine=engine, max_new_tokens=4)
+    loop_ran = threading.Event()
+    prefill = engine.forward.prefill_batch
+
+    def gated(*args, **kwargs):
+        assert loop_ran.wait(30), "the event loop was blocked while the model ran"
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(engine.forward, "prefill_batch", gated)
+
+    async def consume():
+        return [piece async for piece in llm.astream("Hello there")]
+
+    async def run():
+        if call == "ainvoke":
+            work = llm.ainvoke("Hello there")
+        elif call == "abatch":
+            work = llm.abatch(["Hello there", "Good morning"])
+        else:
+            work = consume()
+        task = asyncio.ensure_future(work)
+        await asyncio.sleep(0)
+        loop_ran.set()
+        return await asyncio.wait_for(task, 60)
+
+    out = asyncio.run(run())
+    if call == "astream":
+        text = "".join(p if isinstance(p, str) else p.text for p in out)
+        expected = llm.invoke("Hello there")
+        assert text == (expected if isinstance(expected, str) else expected.text)
+        assert len([p for p in out if (p if isinstance(p, str) else p.text)]) >= 2  # piece by piece, not one block
+    else:
+        assert out
+
+
 GENERATION = [
     {"repetition_penalty": 1.5},
     {"no_repeat_ngram_size": 2},
@@ -174,6 +219,39 @@ def test_transformers_generation_arguments_match_transformers_generate(make_tiny
     assert plain.token_ids != ours.token_ids  # the argument really changed the answer
     batch = engine.generate_batch([prompt, "another prompt, a different one"], max_new_tokens=16, use_cache=use_cache, **arguments)
     assert batch[0].token_ids == reference
+
+
+def test_the_models_generation_config_is_honoured_unless_a_call_overrides_it(make_tiny, tokenizer):
+    """transformers' generate() reads the model's generation_config; so does the engine, setting by setting."""
+    import torch
+    from transformers import GenerationConfig
+
+    model = make_tiny("llama", seed=7)
+    prompt = "the the the cat sat on the mat and the cat sat on the"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    model.generation_config = GenerationConfig(repetition_penalty=1.5, no_repeat_ngram_size=2, max_new_tokens=12)
+    engine = PromptCache(model, tokenizer, recompute=0)
+    engine.stop_token_ids = set()
+    with torch.no_grad():  # transformers with the same config and no arguments
+        reference = model.generate(ids, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert len(reference) == 12
+    assert engine.generate(prompt).token_ids == reference
+    plain = engine.generate(prompt, repetition_penalty=1.0, no_repeat_ngram_size=0, max_new_tokens=12)
+    assert plain.token_ids != reference  # the config really changed the answer; a call overrides it
+    # a per-call generation_config, as transformers takes it, over the model's
+    assert engine.generate(prompt, generation_config=GenerationConfig(max_new_tokens=3)).stats.generated_tokens == 3
+    assert engine.generate(prompt, generation_config={"max_new_tokens": 5}).stats.generated_tokens == 5
+    # sampling defaults apply only when the config samples; an explicit temperature decides alone
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=8)
+    engine = PromptCache(model, tokenizer, recompute=0)
+    engine.stop_token_ids = set()
+    sampled = engine.generate(prompt, seed=3)
+    assert sampled.token_ids == engine.generate(prompt, seed=3, do_sample=True, temperature=0.7, top_k=5).token_ids
+    greedy = engine.generate(prompt, temperature=0.0)
+    assert greedy.token_ids == engine.generate(prompt, do_sample=False).token_ids
+    assert greedy.token_ids == engine.generate(prompt, generation_config=GenerationConfig(max_new_tokens=8), temperature=0).token_ids
+    with pytest.raises(Exception, match="generation_config must be"):
+        engine.generate(prompt, generation_config=42)
 
 
 def test_generation_argument_aliases_and_errors(make_engine):
@@ -218,3 +296,25 @@ def test_langchain_repetition_penalty_is_a_field_and_per_call(engine):
     expected = engine.generate(engine.render_chat([{"role": "user", "content": prompt}]), max_new_tokens=12, repetition_penalty=1.5).text
     assert ChatPromptCache(engine=engine, max_new_tokens=12, repetition_penalty=1.5).invoke(prompt).content == expected
     assert ChatPromptCache(engine=engine, max_new_tokens=12).invoke(prompt, repetition_penalty=1.5).content == expected
+
+
+@pytest.mark.parametrize("adapter", ["llm", "chat"])
+def test_langchain_from_model_id_like_huggingface_pipeline(saved_model, adapter):
+    from pc_rag import PromptCacheError
+    from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheLLM
+
+    cls = PromptCacheLLM if adapter == "llm" else ChatPromptCache
+    llm = cls.from_model_id(str(saved_model), model_kwargs={"recompute": 0, "dtype": "float32"},
+                            pipeline_kwargs={"max_new_tokens": 3, "repetition_penalty": 1.3})
+    assert llm.engine.recompute == 0 and llm.engine.dtype.is_floating_point
+    llm.engine.stop_token_ids = set()
+    out = llm.invoke("Hello there", skip_prompt=True)  # HuggingFacePipeline's per-call switch: what we do anyway
+    text = out if isinstance(out, str) else out.content
+    expected = llm.engine.generate("Hello there" if adapter == "llm" else llm.engine.render_chat([{"role": "user", "content": "Hello there"}]),
+                                   max_new_tokens=3, repetition_penalty=1.3)
+    assert text == expected.text  # pipeline_kwargs reach every generation
+    assert llm._identifying_params["pipeline_kwargs"] == {"max_new_tokens": 3, "repetition_penalty": 1.3}
+    with pytest.raises(PromptCacheError, match="without the prompt"):
+        llm.invoke("Hello there", skip_prompt=False)
+    with pytest.raises(PromptCacheError, match="without the prompt"):
+        llm.invoke("Hello there", return_full_text=True)

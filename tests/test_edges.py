@@ -210,7 +210,7 @@ def test_fingerprint_sees_a_single_edited_weight_and_the_versions(make_tiny, tok
 
 # performance on the way -----------------------------------------------------------------------
 def test_spill_folder_is_written_on_eviction_only(make_tiny, tokenizer):
-    engine = PromptCache(make_tiny("llama"), tokenizer, memory_budget=1 << 30)  # no cache_dir: a private spill folder
+    engine = PromptCache(make_tiny("llama"), tokenizer, memory_budget=1 << 30)  # no kv_dir: a private spill folder
     engine.add_documents(DOCS, progress=False)
     assert not list(engine.store.disk.root.rglob("*.safetensors"))  # nothing evicted, nothing written
     tight = PromptCache(engine.model, tokenizer, memory_budget=1)
@@ -220,7 +220,7 @@ def test_spill_folder_is_written_on_eviction_only(make_tiny, tokenizer):
 
 
 def test_a_memory_hit_does_not_wait_for_another_requests_disk_read(make_tiny, tokenizer, tmp_path, monkeypatch):
-    engine = PromptCache(make_tiny("llama"), tokenizer, cache_dir=tmp_path)
+    engine = PromptCache(make_tiny("llama"), tokenizer, kv_dir=tmp_path)
     names = engine.add_documents(DOCS, progress=False)
     keys = [engine.schemas["docs"].keys[n] for n in names]
     engine.store.clear_memory()

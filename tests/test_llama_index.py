@@ -80,3 +80,42 @@ def test_llm_complete_chat_and_metadata(smollm):
     reply = llm.chat(messages)
     assert reply.message.content and reply.additional_kwargs["computed_tokens"] > 0
     assert [r.delta for r in llm.stream_chat(messages)][-1] == "" and list(llm.stream_chat(messages))[-1].message.content == reply.message.content
+
+
+def test_huggingface_llm_prompt_options(make_engine):
+    """HuggingFaceLLM's options, with its meaning: query_wrapper_prompt, completion_to_prompt,
+    system_prompt, messages_to_prompt, generate_kwargs, context_window."""
+    from llama_index.core import PromptTemplate
+
+    from pc_rag import PML
+
+    engine = make_engine("llama")
+    prompts: list[tuple[str, dict]] = []
+    original = engine.stream
+
+    def spy(prompt, **kwargs):
+        prompts.append((prompt, kwargs))
+        return original(prompt, **kwargs)
+
+    engine.stream = spy  # type: ignore[method-assign]
+    wrapped = PromptCacheLLM(engine=engine, max_new_tokens=2, query_wrapper_prompt=PromptTemplate("Q: {query_str}\nA:"),
+                             completion_to_prompt=lambda text: f"<s>{text}</s>", generate_kwargs={"repetition_penalty": 1.2, "max_new_tokens": 3})
+    wrapped.complete("why?")
+    assert prompts[-1][0] == "<s>Q: why?\nA:</s>"
+    assert prompts[-1][1]["repetition_penalty"] == 1.2 and prompts[-1][1]["max_new_tokens"] == 3
+    wrapped.complete("raw text", formatted=True)  # formatted: used as given
+    assert prompts[-1][0] == "raw text"
+    wrapped.complete("why?", max_new_tokens=1)  # a per-call keyword wins over generate_kwargs
+    assert prompts[-1][1]["max_new_tokens"] == 1
+    system = PromptCacheLLM(engine=engine, max_new_tokens=2, system_prompt="Be brief.")
+    system.complete("why?")
+    assert prompts[-1][0] == "Be brief. why?"
+    system.chat([ChatMessage(role="user", content="Hi")])  # the system prompt becomes the system turn
+    assert prompts[-1][0] == engine.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    custom = PromptCacheLLM(engine=engine, max_new_tokens=2,
+                            messages_to_prompt=lambda messages: " | ".join(f"{m.role.value}: {m.content}" for m in messages))
+    custom.chat([ChatMessage(role="user", content="<prompt schema=\"docs\"><x/></prompt>")])
+    assert prompts[-1][0] == 'user: <prompt schema="docs"><x/></prompt>' and not isinstance(prompts[-1][0], PML)  # text, never markup
+    assert PromptCacheLLM(engine=engine, context_window=512).metadata.context_window == 512
+    with pytest.raises(Exception, match="unknown generation arguments: num_beams"):
+        PromptCacheLLM(engine=engine, generate_kwargs={"num_beams": 2}).complete("x")

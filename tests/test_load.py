@@ -44,7 +44,7 @@ def test_200_queries_8_callers_1000_modules_encode_each_once(make_tiny, tokenize
     queries = _queries(corpus)
     per_token = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head dim x fp32 bytes
     budget = MODULES * 40 * per_token // 4  # documents are ~40 tokens: a quarter of the corpus fits
-    engine = PromptCache(make_tiny("llama"), tokenizer, cache_dir=tmp_path, memory_budget=budget, recompute=0)
+    engine = PromptCache(make_tiny("llama"), tokenizer, kv_dir=tmp_path, memory_budget=budget, recompute=0)
 
     def serve(query: tuple[list[str], str, bool]):
         texts, question, by_reference = query

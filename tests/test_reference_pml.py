@@ -118,10 +118,10 @@ def test_joint_encoding_along_the_scaffold_is_full_prefill(make_tiny, tokenizer,
 
 def test_joint_encoding_is_one_pass_per_path_and_persists(make_tiny, tokenizer, tmp_path):
     model = make_tiny("llama")
-    first = PromptCache(model, tokenizer, encoding="scaffold", cache_dir=tmp_path)
+    first = PromptCache(model, tokenizer, encoding="scaffold", kv_dir=tmp_path)
     first.add_schema(JOINT, progress=False)
     assert first.forward.encoded == 2  # the default path, and the path through the other member
-    again = PromptCache(model, tokenizer, encoding="scaffold", cache_dir=tmp_path)
+    again = PromptCache(model, tokenizer, encoding="scaffold", kv_dir=tmp_path)
     again.add_schema(JOINT, progress=False)
     prompt = PML('<prompt schema="kb"><a/><short/><b/> Why?</prompt>')
     assert again.generate(prompt, max_new_tokens=4).token_ids == first.generate(prompt, max_new_tokens=4).token_ids

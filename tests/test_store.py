@@ -22,20 +22,20 @@ SCHEMA = """<schema name="kb">
 PROMPT = PML('<prompt schema="kb"><a/><c/><user>Which letter is third?</user></prompt>')
 
 
-def entry_files(cache_dir):
-    return sorted(cache_dir.rglob("*.safetensors")), sorted(cache_dir.rglob("*.json"))
+def entry_files(kv_dir):
+    return sorted(kv_dir.rglob("*.safetensors")), sorted(kv_dir.rglob("*.json"))
 
 
 def test_a_new_process_loads_modules_instead_of_encoding(saved_model, tmp_path):
-    cache_dir = tmp_path / "cache"
-    first = PromptCache.from_pretrained(saved_model, cache_dir=cache_dir)
+    kv_dir = tmp_path / "cache"
+    first = PromptCache.from_pretrained(saved_model, kv_dir=kv_dir)
     first.add_schema(SCHEMA, progress=False)
     assert first.forward.passes == 4  # prefix + three modules
     expected = first.generate(PROMPT, max_new_tokens=6).token_ids
     code = textwrap.dedent(f"""
         import json
         from pc_rag import PML, PromptCache
-        engine = PromptCache.from_pretrained({str(saved_model)!r}, cache_dir={str(cache_dir)!r})
+        engine = PromptCache.from_pretrained({str(saved_model)!r}, kv_dir={str(kv_dir)!r})
         engine.add_schema({SCHEMA!r}, progress=False)
         passes = engine.forward.passes
         print(json.dumps({{"passes": passes, "loads": engine.store.disk_loads,
@@ -48,11 +48,11 @@ def test_a_new_process_loads_modules_instead_of_encoding(saved_model, tmp_path):
 
 @pytest.mark.parametrize("fault", ["truncate", "flip", "foreign", "garbage-manifest"])
 def test_damaged_entries_are_detected_logged_and_reencoded(saved_model, tmp_path, caplog, fault):
-    cache_dir = tmp_path / "cache"
-    first = PromptCache.from_pretrained(saved_model, cache_dir=cache_dir)
+    kv_dir = tmp_path / "cache"
+    first = PromptCache.from_pretrained(saved_model, kv_dir=kv_dir)
     first.add_schema(SCHEMA, progress=False)
     expected = first.generate(PROMPT, max_new_tokens=6).token_ids
-    data, manifests = entry_files(cache_dir)
+    data, manifests = entry_files(kv_dir)
     assert len(data) == len(manifests) == 4
     victim = data[0]
     manifest = victim.with_suffix(".json")
@@ -68,30 +68,30 @@ def test_damaged_entries_are_detected_logged_and_reencoded(saved_model, tmp_path
         manifest.write_text(json.dumps(record))
     else:
         manifest.write_text("{not json")
-    second = PromptCache.from_pretrained(saved_model, cache_dir=cache_dir)
+    second = PromptCache.from_pretrained(saved_model, kv_dir=kv_dir)
     with caplog.at_level(logging.WARNING, logger="pc_rag.store"):
         second.add_schema(SCHEMA, progress=False)
     assert second.forward.passes == 1  # only the damaged entry is encoded again
     assert any("discarding cache entry" in r.message for r in caplog.records)
     assert second.generate(PROMPT, max_new_tokens=6).token_ids == expected
-    assert len(entry_files(cache_dir)[0]) == 4  # rebuilt, nothing else lost
+    assert len(entry_files(kv_dir)[0]) == 4  # rebuilt, nothing else lost
 
 
 def test_entries_for_another_encoding_or_dtype_are_never_used(saved_model, tmp_path):
-    cache_dir = tmp_path / "cache"
-    PromptCache.from_pretrained(saved_model, cache_dir=cache_dir, encoding="shared_prefix").add_schema(SCHEMA, progress=False)
-    isolated = PromptCache.from_pretrained(saved_model, cache_dir=cache_dir, encoding="isolated")
+    kv_dir = tmp_path / "cache"
+    PromptCache.from_pretrained(saved_model, kv_dir=kv_dir, encoding="shared_prefix").add_schema(SCHEMA, progress=False)
+    isolated = PromptCache.from_pretrained(saved_model, kv_dir=kv_dir, encoding="isolated")
     isolated.add_schema(SCHEMA, progress=False)
     assert isolated.forward.passes > 0 and isolated.store.disk_loads == 0
-    half = PromptCache.from_pretrained(saved_model, cache_dir=cache_dir, dtype=torch.bfloat16)
+    half = PromptCache.from_pretrained(saved_model, kv_dir=kv_dir, dtype=torch.bfloat16)
     half.add_schema(SCHEMA, progress=False)
     assert half.forward.passes > 0 and half.store.disk_loads == 0
 
 
 def test_no_temporary_files_are_left_behind(saved_model, tmp_path):
-    cache_dir = tmp_path / "cache"
-    PromptCache.from_pretrained(saved_model, cache_dir=cache_dir).add_schema(SCHEMA, progress=False)
-    assert not [p for p in cache_dir.rglob("*") if p.name.endswith(".tmp")]
+    kv_dir = tmp_path / "cache"
+    PromptCache.from_pretrained(saved_model, kv_dir=kv_dir).add_schema(SCHEMA, progress=False)
+    assert not [p for p in kv_dir.rglob("*") if p.name.endswith(".tmp")]
 
 
 def test_memory_budget_evicts_to_disk_and_serving_still_matches(make_tiny, tokenizer):
@@ -109,7 +109,7 @@ def test_memory_budget_evicts_to_disk_and_serving_still_matches(make_tiny, token
 
 
 def test_clear_memory_keeps_everything_on_disk(saved_model, tmp_path):
-    engine = PromptCache.from_pretrained(saved_model, cache_dir=tmp_path / "cache", recompute=0)
+    engine = PromptCache.from_pretrained(saved_model, kv_dir=tmp_path / "cache", recompute=0)
     engine.add_schema(SCHEMA, progress=False)
     expected = engine.generate(PROMPT, max_new_tokens=6).token_ids
     encoded = engine.forward.encoded
@@ -136,3 +136,15 @@ def test_request_over_the_memory_budget_is_refused_before_any_work(make_tiny, to
         engine.generate(PROMPT, max_new_tokens=2)
     assert engine.forward.passes == passes
     assert engine.generate(PROMPT, max_new_tokens=2, use_cache=False).stats.cached_tokens == 0  # the baseline needs no store
+
+
+def test_cache_dir_is_a_deprecated_alias_of_kv_dir(make_tiny, tokenizer, tmp_path):
+    """transformers' cache_dir means the download cache; pc-rag's KV folder is kv_dir, the old name still works."""
+    model = make_tiny("llama")
+    with pytest.warns(DeprecationWarning, match="kv_dir"):
+        engine = PromptCache(model, tokenizer, cache_dir=tmp_path / "old")
+    assert engine.kv_dir == tmp_path / "old"
+    engine.add_documents(["A document persisted under its old folder name."], progress=False)
+    assert any((tmp_path / "old").rglob("*.safetensors"))
+    with pytest.raises(PromptCacheError, match="not both"):
+        PromptCache(model, tokenizer, kv_dir=tmp_path / "a", cache_dir=tmp_path / "b")

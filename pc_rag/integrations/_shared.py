@@ -13,19 +13,19 @@ from ..errors import PromptCacheError
 from ..generation import Generation
 from ..pml import PML, is_pml_prompt
 
-_engines: dict[str | None, PromptCache] = {}
+_engines: dict[tuple[str | None, str], PromptCache] = {}
 _lock = threading.Lock()
 
 
-def shared_engine(model: str | None = None) -> PromptCache:
-    """One engine per model per process: adapters built without ``engine=`` share it.
-
-    Loading a model is the expensive part, and chains often build several LLM objects.
-    """
+def shared_engine(model: str | None = None, **model_kwargs: Any) -> PromptCache:
+    """One engine per model (and ``from_pretrained`` arguments) per process: adapters built
+    without ``engine=`` share it. Loading a model is the expensive part, and chains often build
+    several LLM objects."""
+    key = (model, repr(sorted(model_kwargs.items())))
     with _lock:
-        engine = _engines.get(model)
+        engine = _engines.get(key)
         if engine is None:
-            engine = _engines[model] = PromptCache.from_pretrained(model)
+            engine = _engines[key] = PromptCache.from_pretrained(model, **model_kwargs)
         return engine
 
 
@@ -44,7 +44,8 @@ def generation_info(result: Generation, engine: PromptCache) -> dict[str, Any]:
 
 
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache", "seed",
-                 "do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens")
+                 "do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
+                 "generation_config")
 _DEFAULTED = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache")  # fields every adapter has
 
 
@@ -56,6 +57,10 @@ def engine_kwargs(adapter: Any, kwargs: dict[str, Any], stop: list[str] | None, 
     kwargs = dict(kwargs)
     if "max_tokens" in kwargs:
         kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
+    # HuggingFacePipeline's output switches: pc-rag returns the completion alone, as they ask by default
+    if kwargs.pop("skip_prompt", True) is not True or kwargs.pop("return_full_text", False) is not False:
+        raise PromptCacheError("pc-rag returns the generated text without the prompt (skip_prompt=True, "
+                               "return_full_text=False); prepend the prompt yourself if you need it")
     unknown = set(kwargs) - set(SAMPLING_KEYS) - set(ignored)
     if unknown:
         raise PromptCacheError(f"unknown generation arguments: {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING_KEYS)})")

@@ -15,16 +15,24 @@ Two ways to feed documents to a chain:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+    CallbackManagerForRetrieverRun,
+)
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, BaseLLM
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, Generation, GenerationChunk, LLMResult
 from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables.config import ensure_config
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
 
 from ..documents import module_reference
@@ -33,7 +41,7 @@ from ..errors import PromptCacheError
 from ..generation import Generation as EngineGeneration
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
-from ._shared import as_prompt, engine_kwargs, generation_info, model_name, shared_engine
+from ._shared import as_prompt, engine_kwargs, generation_info, iterate_in_thread, model_name, shared_engine
 
 __all__ = ["ChatPromptCache", "PromptCacheLLM", "PromptCacheRetriever", "format_modules"]
 
@@ -65,6 +73,19 @@ class _EngineParams(BaseModel):
     (the default), a prompt is plain text whatever it contains, so nothing a chain passes in can
     import a module by writing markup. :class:`ChatPromptCache` renders messages: always text."""
 
+    pipeline_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Generation arguments for every call (per-call keywords win), as ``HuggingFacePipeline``'s:
+    ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ..."""
+
+    @classmethod
+    def from_model_id(cls, model_id: str, *, model_kwargs: dict[str, Any] | None = None,
+                      pipeline_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        """Built like ``HuggingFacePipeline.from_model_id``: ``model_kwargs`` go to
+        :meth:`PromptCache.from_pretrained` (``revision``, ``dtype``, ``device_map``,
+        ``kv_dir``, ``recovery``, ...), ``pipeline_kwargs`` to every generation."""
+        engine = PromptCache.from_pretrained(model_id, **(model_kwargs or {}))
+        return cls(engine=engine, model=model_id, pipeline_kwargs=dict(pipeline_kwargs or {}), **kwargs)
+
     def model_post_init(self, context: Any) -> None:
         if self.engine is None:
             self.engine = shared_engine(self.model)
@@ -73,7 +94,7 @@ class _EngineParams(BaseModel):
 
     def _engine_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         # LangChain passes ``model`` to tracing (see _get_ls_params); it does not select a model here
-        return engine_kwargs(self, kwargs, stop if stop is not None else self.stop, ignored=("model",))
+        return engine_kwargs(self, {**self.pipeline_kwargs, **kwargs}, stop if stop is not None else self.stop, ignored=("model",))
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -86,6 +107,7 @@ class _EngineParams(BaseModel):
             "encoding": engine.encoding,
             "recompute": engine.recompute,
             "recompute_tail": engine.recompute_tail,
+            "recovery": dataclasses.asdict(engine.recovery),
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -95,6 +117,7 @@ class _EngineParams(BaseModel):
             "no_repeat_ngram_size": self.no_repeat_ngram_size,
             "use_cache": self.use_cache,
             "pml": self.pml,
+            "pipeline_kwargs": dict(sorted(self.pipeline_kwargs.items())),
         }
 
     @property
@@ -150,6 +173,36 @@ class PromptCacheLLM(_EngineParams, BaseLLM):
             yield chunk
         assert stream.result is not None
         yield GenerationChunk(text="", generation_info=generation_info(stream.result, self.engine))
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        """:meth:`_generate` on a worker thread: the event loop never waits on a forward pass."""
+        if self.streaming:
+            generations: list[list[Generation]] = []
+            for prompt in prompts:
+                chunks = [chunk async for chunk in self._astream(prompt, stop, run_manager, **kwargs)]
+                generations.append([Generation(text="".join(c.text for c in chunks), generation_info=chunks[-1].generation_info)])
+            usage = _token_usage([g[0].generation_info or {} for g in generations])
+            return LLMResult(generations=generations, llm_output={"model_name": self.model_name, "token_usage": usage})
+        return await asyncio.to_thread(self._generate, prompts, stop, None, **kwargs)
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Pieces as they are decoded, by a worker thread; the loop stays free between them."""
+        async for chunk in iterate_in_thread(self._stream(prompt, stop, None, **kwargs)):
+            if run_manager is not None and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
 
 
 def _role(message: BaseMessage) -> str:
@@ -214,15 +267,9 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         if self.streaming:
-            chunks = list(self._stream(messages, stop, run_manager, **kwargs))
-            message = chunks[0].message
-            for chunk in chunks[1:]:
-                message = message + chunk.message  # type: ignore[assignment]
-            final = AIMessage(
-                content=message.content, response_metadata=message.response_metadata, usage_metadata=message.usage_metadata
-            )
-            return ChatResult(generations=[ChatGeneration(message=final, generation_info=dict(message.response_metadata))])
-        result = self.engine.generate(self._prompt(messages), **self._engine_kwargs(stop, kwargs))
+            return _chat_result(list(self._stream(messages, stop, run_manager, **kwargs)))
+        prompt = self._prompt(messages)
+        result = _batched(self, prompt) or self.engine.generate(prompt, **self._engine_kwargs(stop, kwargs))
         info = generation_info(result, self.engine)
         message = AIMessage(content=result.text, response_metadata=info, usage_metadata=_usage(result))
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
@@ -244,6 +291,85 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
         info = generation_info(stream.result, self.engine)
         usage = _usage(stream.result)
         yield ChatGenerationChunk(message=AIMessageChunk(content="", response_metadata=info, usage_metadata=usage, chunk_position="last"))
+
+    def batch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        """Several conversations decoded together (``engine.generate_batch``: one forward pass per
+        step for all), as :class:`PromptCacheLLM` batches prompts. Callbacks, tracing and
+        LangChain's response cache see one run per conversation, as with ``invoke``."""
+        if self.streaming or return_exceptions or len(inputs) < 2 or isinstance(config, list):
+            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        config = ensure_config(config)
+        conversations = [self._convert_input(item).to_messages() for item in inputs]
+        stop = kwargs.pop("stop", None)
+        prompts = [self._prompt(messages) for messages in conversations]
+        _pending.batch = _Batch(self, prompts, self._engine_kwargs(stop, dict(kwargs)))
+        try:
+            result = self.generate(conversations, stop=stop, callbacks=config.get("callbacks"), tags=config.get("tags"),
+                                   metadata=config.get("metadata"), run_name=config.get("run_name"), **kwargs)
+        finally:
+            _pending.batch = None
+        return [generations[0].message for generations in result.generations]  # type: ignore[attr-defined]
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """:meth:`_generate` on a worker thread: the event loop never waits on a forward pass."""
+        if self.streaming:
+            chunks = [chunk async for chunk in self._astream(messages, stop, run_manager, **kwargs)]
+            return _chat_result(chunks)
+        return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """Pieces as they are decoded, by a worker thread; the loop stays free between them."""
+        async for chunk in iterate_in_thread(self._stream(messages, stop, None, **kwargs)):
+            if run_manager is not None and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+
+class _Batch:
+    """A ``ChatPromptCache.batch`` in progress on this thread: its prompts decode together the
+    first time one of them is asked for (LangChain then asks for each in turn)."""
+
+    def __init__(self, model: ChatPromptCache, prompts: list[str], kwargs: dict[str, Any]) -> None:
+        self.model, self.prompts, self.kwargs = model, prompts, kwargs
+        self.results: dict[str, list[EngineGeneration]] | None = None
+
+    def take(self, prompt: str) -> EngineGeneration | None:
+        if prompt not in self.prompts:
+            return None
+        if self.results is None:
+            self.results = {}
+            for text, result in zip(self.prompts, self.model.engine.generate_batch(self.prompts, **self.kwargs)):
+                self.results.setdefault(text, []).append(result)
+        return self.results[prompt].pop(0) if self.results.get(prompt) else None
+
+
+_pending = threading.local()
+
+
+def _batched(model: ChatPromptCache, prompt: str) -> EngineGeneration | None:
+    batch: _Batch | None = getattr(_pending, "batch", None)
+    return batch.take(prompt) if batch is not None and batch.model is model else None
+
+
+def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
+    """One message from streamed chunks (text joined; metadata and usage from the last)."""
+    message = chunks[0].message
+    for chunk in chunks[1:]:
+        message = message + chunk.message  # type: ignore[assignment]
+    final = AIMessage(content=message.content, response_metadata=message.response_metadata, usage_metadata=message.usage_metadata)
+    return ChatResult(generations=[ChatGeneration(message=final, generation_info=dict(message.response_metadata))])
 
 
 class PromptCacheRetriever(BaseRetriever):

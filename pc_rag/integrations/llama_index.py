@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -25,6 +26,7 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from pydantic import Field
 
@@ -56,10 +58,13 @@ class PromptCacheLLM(CustomLLM):
     top_k: int | None = None
     use_cache: bool = Field(default=True, description="False runs full prefill of the same tokens (the baseline)")
     pml: bool = Field(default=False, description="read completion prompts that are PML (<prompt schema=...>) as markup; off, a prompt is plain text whatever it contains")
+    context_window: int | None = Field(default=None, ge=1, description="overrides the model's context window in metadata (what LlamaIndex packs prompts to)")
+    generate_kwargs: dict[str, Any] = Field(default_factory=dict, description="generation arguments for every call (per-call keywords win), as HuggingFaceLLM's")
+    model_kwargs: dict[str, Any] = Field(default_factory=dict, description="PromptCache.from_pretrained arguments, when no engine is given")
 
     def __init__(self, engine: PromptCache | None = None, model: str | None = None, **kwargs: Any) -> None:
         if engine is None:
-            engine = shared_engine(model)
+            engine = shared_engine(model, **kwargs.get("model_kwargs", {}))
         elif not isinstance(engine, PromptCache):
             raise PromptCacheError(f"engine must be a pc_rag.PromptCache, got {type(engine).__name__}")
         super().__init__(engine=engine, model=model, **kwargs)
@@ -71,18 +76,28 @@ class PromptCacheLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(
-            context_window=self.engine.context_window or 2048,
+            context_window=self.context_window or self.engine.context_window or 2048,
             num_output=self.max_new_tokens,
             is_chat_model=bool(getattr(self.engine.tokenizer, "chat_template", None)),
             model_name=model_name(self.engine),
         )
 
     def _engine_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        kwargs = dict(kwargs)
+        kwargs = {**self.generate_kwargs, **kwargs}
         return engine_kwargs(self, kwargs, kwargs.pop("stop", None))
 
     def _prepare(self, prompt: str, formatted: bool) -> str:
-        text = prompt if formatted or self.completion_to_prompt is None else self.completion_to_prompt(prompt)
+        """A completion prompt as HuggingFaceLLM builds it: unless ``formatted``, wrapped in
+        ``query_wrapper_prompt``, then through ``completion_to_prompt`` when one is set, else
+        behind ``system_prompt``."""
+        text = prompt
+        if not formatted:
+            if self.query_wrapper_prompt is not None:
+                text = self.query_wrapper_prompt.format(query_str=text)
+            if self.completion_to_prompt not in (None, default_completion_to_prompt):
+                text = self.completion_to_prompt(text)
+            elif self.system_prompt:
+                text = f"{self.system_prompt} {text}"
         return as_prompt(text, self.pml)
 
     def _complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
@@ -112,7 +127,12 @@ class PromptCacheLLM(CustomLLM):
         return self._stream_complete(self._prepare(prompt, formatted), kwargs)
 
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        """The messages through the chat template: plain text, never PML."""
+        """The messages through ``messages_to_prompt`` when one is set, else the model's chat
+        template (``system_prompt`` first when the messages have no system turn): plain text, never PML."""
+        if self.system_prompt and not any(m.role.value == "system" for m in messages):
+            messages = [ChatMessage(role="system", content=self.system_prompt), *messages]
+        if self.messages_to_prompt not in (None, generic_messages_to_prompt):
+            return str(self.messages_to_prompt(messages))
         return self.engine.render_chat([{"role": str(m.role.value), "content": m.content or ""} for m in messages])
 
     @llm_chat_callback()

@@ -161,7 +161,7 @@ class FaissModuleRetriever:
         """Write the index and its records to folder ``path`` (atomically, with a checksum).
 
         Without ``path``, the index goes beside the engine's module store
-        (``<cache_dir>/index/<schema>``).
+        (``<kv_dir>/index/<schema>``).
         """
         import faiss
 
@@ -196,7 +196,7 @@ class FaissModuleRetriever:
 
         if path is None:
             if engine is None:
-                raise PromptCacheError("load() needs a path or an engine with a cache_dir")
+                raise PromptCacheError("load() needs a path or an engine with a kv_dir")
             path = cls._path_for(engine, DEFAULT_SCHEMA)
         folder = Path(path)
         try:
@@ -235,6 +235,6 @@ class FaissModuleRetriever:
 
     @staticmethod
     def _path_for(engine: "PromptCache", schema: str) -> Path:
-        if engine.cache_dir is None:
-            raise PromptCacheError("the engine has no cache_dir: pass a path")
-        return Path(engine.cache_dir) / "index" / schema
+        if engine.kv_dir is None:
+            raise PromptCacheError("the engine has no kv_dir: pass a path")
+        return Path(engine.kv_dir) / "index" / schema

@@ -1,4 +1,4 @@
-"""A separate process that encodes documents into a shared cache_dir and answers questions.
+"""A separate process that encodes documents into a shared kv_dir and answers questions.
 
 Run by tests/test_processes.py: ``python cache_worker.py MODEL CACHE_DIR ORDER [KILL_AT_FSYNC]``.
 Prints ``ready`` before encoding and one JSON line with its answers and counters at the end.
@@ -23,7 +23,7 @@ QUESTIONS = [(f"How many passengers were on bulletin {i}?", [i, (i + 17) % 40, (
 
 
 def main() -> None:
-    model, cache_dir, order = sys.argv[1], sys.argv[2], sys.argv[3]
+    model, kv_dir, order = sys.argv[1], sys.argv[2], sys.argv[3]
     kill_at = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     if kill_at:
         real_fsync, calls = os.fsync, [0]
@@ -35,7 +35,7 @@ def main() -> None:
             real_fsync(fd)
 
         os.fsync = fsync
-    engine = PromptCache.from_pretrained(model, cache_dir=cache_dir)
+    engine = PromptCache.from_pretrained(model, kv_dir=kv_dir)
     indices = list(range(len(DOCUMENTS)))
     if order == "reverse":
         indices.reverse()
