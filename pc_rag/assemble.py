@@ -19,6 +19,7 @@ encoded again from the schema the plan pinned (``ModuleEncoder.fetch``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -27,7 +28,7 @@ import torch
 
 from .encoder import ModuleEncoder
 from .errors import PromptCacheError
-from .generate import Inputs, Rows
+from .generate import Inputs, Rows, adjust_attention
 from .kvcache import BufferPool, KVBuffer
 from .layout import Plan, Segment
 from .model import ModelSpec, rotate_with
@@ -48,6 +49,15 @@ def choose_assembly(requested: Assembly | None, default: Assembly, spec: ModelSp
             f"{spec.position_kind} positions and {spec.attn_implementation!r} attention"
         )
     return requested
+
+
+@dataclass(frozen=True)
+class Ape:
+    """APE for one assembly (see :mod:`pc_rag.recovery`): per plan, per segment, whether it moved."""
+
+    temperature: float
+    scale: float
+    moved: Sequence[Sequence[bool]]
 
 
 @dataclass
@@ -101,41 +111,60 @@ class Assembler:
         end = self.write(buffer, len(buffer), plan, [segment])
         buffer.grow_to(end)
 
-    def _part(self, plan: Plan, segments: Sequence[Segment], rows: slice) -> SharedPart:
-        """KV that ``rows`` read in place: the stored tensor when it is one segment, else assembled once."""
+    def _parts(self, plan: Plan, segments: Sequence[Segment], moved: Sequence[bool], rows: slice, ape: Ape | None) -> list[SharedPart]:
+        """KV that ``rows`` read in place: the stored tensor where it is one segment, else assembled
+        once; under APE, one part per run of segments that moved (adjusted) or did not."""
+        if ape is None:
+            return [self._part(plan, segments, rows)]
+        parts, start = [], 0
+        for end in range(1, len(segments) + 1):
+            if end == len(segments) or moved[end] != moved[start]:
+                adjust = (ape.temperature, math.log(ape.scale)) if moved[start] else (1.0, 0.0)
+                parts.append(self._part(plan, segments[start:end], rows, *adjust))
+                start = end
+        return parts
+
+    def _part(self, plan: Plan, segments: Sequence[Segment], rows: slice, temperature: float = 1.0, log_scale: float = 0.0) -> SharedPart:
         spec = self.spec
         if len(segments) == 1:
             kv, shift = self.segment_kv(plan, segments[0])
-            return SharedPart(kv.to(spec.device, spec.dtype), _positions(segments, spec.device), rows, shift)
+            return SharedPart(kv.to(spec.device, spec.dtype), _positions(segments, spec.device), rows, shift, temperature, log_scale)
         run = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, sum(len(s) for s in segments), dtype=spec.dtype, device=spec.device)
         self.write(run, 0, plan, segments)
-        return SharedPart(run.slice(0, run.capacity), _positions(segments, spec.device), rows)
+        return SharedPart(run.slice(0, run.capacity), _positions(segments, spec.device), rows, 0, temperature, log_scale)
 
     # -- building rows ---------------------------------------------------------------------------
-    def assemble(self, plans: Sequence[Plan], new_tokens: int, *, use_cache: bool, assembly: Assembly, share: bool) -> Assembled:
+    def assemble(self, plans: Sequence[Plan], new_tokens: int, *, use_cache: bool, assembly: Assembly, share: bool,
+                 ape: Ape | None = None) -> Assembled:
         """The rows for ``plans`` (with room for ``new_tokens`` more each) and their computed inputs.
 
         ``share``: a batch shares the runs of cached segments its rows import at the same
         positions; ``assembly='in_place'``: one request reads its cached segments where they are
-        stored. Both need split attention (``spec.split``).
+        stored. Both need split attention (``spec.split``). ``ape``: the attention of computed
+        queries to moved segments is adjusted (APE), wherever their KV is read from.
         """
         spec = self.spec
         order = list(range(len(plans)))
         parts: list[SharedPart] = []
         cached = [[s for s in p.segments if s.cached] if use_cache else [] for p in plans]
+        moved = [[m for s, m in zip(p.segments, ape.moved[i]) if s.cached] if ape is not None else [False] * len(cached[i])
+                 for i, p in enumerate(plans)] if use_cache else [[] for _ in plans]
         if use_cache and len(plans) == 1 and assembly == "in_place":
-            parts = [self._part(plans[0], [s], slice(0, 1)) for s in cached[0]]
+            parts = [part for s, m in zip(cached[0], moved[0]) for part in self._parts(plans[0], [s], [m], slice(0, 1), ape)]
             own: list[list[Segment]] = [[]]
+            own_moved: list[list[bool]] = [[]]
         elif use_cache and len(plans) > 1 and share:
             signatures = [tuple((s.key, s.offset, len(s), s.position, s.source_position) for s in segments) for segments in cached]
             order = sorted(order, key=lambda i: signatures[i])
             runs, private_from = share_prefixes([signatures[i] for i in order])
             for run in runs:
                 first = order[run.rows.start]
-                parts.append(self._part(plans[first], cached[first][run.first : run.stop], run.rows))
+                parts += self._parts(plans[first], cached[first][run.first : run.stop], moved[first][run.first : run.stop], run.rows, ape)
             own = [cached[i][private_from[row] :] for row, i in enumerate(order)]
+            own_moved = [moved[i][private_from[row] :] for row, i in enumerate(order)]
         else:
             own = cached
+            own_moved = moved
         computed = [_computed(plans[i], use_cache) for i in order]
         own_width = max(sum(len(s) for s in segments) for segments in own)
         width = max(len(ids) for ids, _ in computed)
@@ -175,6 +204,11 @@ class Assembler:
         ordered = batch == 1 and own_width == 0 and shared is None
         rows = Rows(buffer, key_positions.to(device), valid.to(device), shared, ordered)
         inputs = Inputs(ids.to(device), positions.to(device), real.to(device), (int(low), int(high)))  # type: ignore[arg-type]
+        if ape is not None and any(any(flags) for flags in own_moved):
+            entries = torch.zeros(batch, own_width, dtype=torch.bool)
+            for row, (segments, flags) in enumerate(zip(own, own_moved)):
+                entries[row, : sum(len(s) for s in segments)] = torch.tensor([m for s, m in zip(segments, flags) for _ in range(len(s))])
+            adjust_attention(rows, entries, ape.temperature, ape.scale)
         return Assembled(rows, inputs, order)
 
     def empty_row(self, capacity: int) -> Rows:

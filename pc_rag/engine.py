@@ -24,11 +24,11 @@ from typing import Any, Literal
 import torch
 
 from . import planner
-from .assemble import Assembler, Assembly, choose_assembly
+from .assemble import Ape, Assembler, Assembly, choose_assembly
 from .documents import DEFAULT_SCHEMA, SEPARATOR
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
-from .generate import Rows, adjust_attention, decode, prefill, prefill_in_order, prefill_recovered
+from .generate import Rows, decode, prefill, prefill_in_order, prefill_recovered
 from .generation import Generation, RequestState, SamplingParams, StreamingGeneration
 from .kvcache import BufferPool
 from .layout import Plan
@@ -49,9 +49,13 @@ DEFAULT_ENCODING: Encoding = "shared_prefix"
 # Recovery: tokens recomputed at the head (EPIC-style) and at the tail of every imported module
 # that was not encoded behind exactly what precedes it (benchmarks/quality.py measured the choice;
 # see README)
-DEFAULT_RECOMPUTE = 4
+DEFAULT_RECOMPUTE = 2
 DEFAULT_RECOMPUTE_TAIL = 1
 DEFAULT_RECOVERY: Strategy = "head_tail"
+# APE on top (RoPE models on sdpa/eager): computed queries read moved modules through a flatter
+# (temperature 1.1), lighter (scale 0.7) attention; chosen with the recovery above, see README
+DEFAULT_ATTENTION_TEMPERATURE = 1.1
+DEFAULT_ATTENTION_SCALE = 0.7
 # (head, tail) tokens per moved module when recompute=/recompute_tail= are not given, per strategy
 DEFAULT_HEAD_TAIL: dict[str, tuple[int, int]] = {"head_tail": (DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL),
                                                  "deviation": (0, 0), "query": (0, 0)}
@@ -85,8 +89,8 @@ class PromptCache:
         assembly: Assembly | None = None,
         recovery: Strategy | None = None,
         recovery_budget: float | int | None = None,  # noqa: PYI041 - a float is a fraction, an int a count
-        attention_temperature: float = 1.0,
-        attention_scale: float = 1.0,
+        attention_temperature: float | None = None,
+        attention_scale: float | None = None,
         cache_dir: str | os.PathLike | None = None,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
@@ -104,6 +108,9 @@ class PromptCache:
         if recovery is None and strategy in SCORED and not self.spec.split:
             strategy = "head_tail"  # scored recovery reads attention through pc_rag_sdpa; the default falls back
         check_recovery(strategy, recovery_budget, self.spec)
+        defaults = (DEFAULT_ATTENTION_TEMPERATURE, DEFAULT_ATTENTION_SCALE) if self.spec.one_pass else (1.0, 1.0)
+        attention_temperature = defaults[0] if attention_temperature is None else attention_temperature
+        attention_scale = defaults[1] if attention_scale is None else attention_scale
         check_ape(attention_temperature, attention_scale, self.spec)
         head_default, tail_default = DEFAULT_HEAD_TAIL[strategy]
         budget = recovery_budget if recovery_budget is not None else DEFAULT_BUDGET.get(strategy, 0)
@@ -148,8 +155,8 @@ class PromptCache:
                         store_dtype: torch.dtype | None = None, kv_location: Literal["device", "cpu"] = "device",
                         drop_in: bool = True, recompute: int | None = None, recompute_tail: int | None = None,
                         assembly: Assembly | None = None, recovery: Strategy | None = None,
-                        recovery_budget: float | int | None = None, attention_temperature: float = 1.0,  # noqa: PYI041
-                        attention_scale: float = 1.0, cache_dir: str | os.PathLike | None = None,
+                        recovery_budget: float | int | None = None, attention_temperature: float | None = None,  # noqa: PYI041
+                        attention_scale: float | None = None, cache_dir: str | os.PathLike | None = None,
                         **model_kwargs: Any) -> PromptCache:
         """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct).
 
@@ -387,12 +394,15 @@ class PromptCache:
                 plan = Plan([replace(s, owner=None) for s in plan.segments], plan.modules)
             return _Prefilled(rows, prefill_in_order(self.forward, rows, plan, self.assembler.append), [0], time.perf_counter())
         recovery = self.recovery
-        if not (use_cache and (recovery.scored or recovery.adjusts_attention) and any(p.cached_tokens for p in plans)):
-            assembled = self.assembler.assemble(plans, new_tokens, use_cache=use_cache, assembly=self.assembly, share=share)
+        if not (use_cache and recovery.scored and any(p.cached_tokens for p in plans)):
+            ape = None
+            if use_cache and recovery.adjusts_attention:
+                ape = Ape(recovery.temperature, recovery.scale, [planner.moved(p, self.encoding) for p in plans])
+            assembled = self.assembler.assemble(plans, new_tokens, use_cache=use_cache, assembly=self.assembly, share=share, ape=ape)
             assembled_at = time.perf_counter()
             return _Prefilled(assembled.rows, prefill(self.forward, assembled.rows, assembled.inputs, self.spec),
                               assembled.order, assembled_at)
-        # scored recovery (and APE): every row holds its own copy of its cached KV, so its entries can be
+        # scored recovery: every row holds its own copy of its cached KV, so its entries can be
         # masked out one by one; room for the recomputed tokens, appended after the cache
         moved = [planner.moved(p, self.encoding) for p in plans]
         room = max(recovery.count(sum(len(s) for s, m in zip(p.segments, f) if m)) for p, f in zip(plans, moved))
@@ -400,10 +410,6 @@ class PromptCache:
         assembled_at = time.perf_counter()
         ordered = [plans[i] for i in assembled.order]
         found = entries(plans, moved, assembled.order)
-        if not recovery.scored:  # APE alone
-            adjust_attention(assembled.rows, found, recovery.temperature, recovery.scale)
-            return _Prefilled(assembled.rows, prefill(self.forward, assembled.rows, assembled.inputs, self.spec),
-                              assembled.order, assembled_at)
         logits, recomputed = prefill_recovered(self.forward, assembled.rows, assembled.inputs, ordered, found, recovery,
                                                self.spec, self.buffers)
         return _Prefilled(assembled.rows, logits, assembled.order, assembled_at, recomputed)

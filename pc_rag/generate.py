@@ -97,16 +97,17 @@ def prefill_recovered(
         scores = _deviation(forward, rows, plans, found, min(recovery.check_layer, spec.layers - 1), scratch)
     chosen = top_entries(scores, found, recovery)
     if recovery.adjusts_attention:
-        adjust_attention(rows, found, recovery.temperature, recovery.scale)
+        adjust_attention(rows, found.candidate, recovery.temperature, recovery.scale)
     return prefill_selected(forward, rows, inputs, found.token_ids, chosen, spec), [len(c) for c in chosen]
 
 
-def adjust_attention(rows: Rows, found: Entries, temperature: float, scale: float) -> None:
-    """APE (arXiv:2502.05431): computed queries attend to the moved cached entries with logits
-    divided by ``temperature`` (their keys are scaled, in this request's copy) and weighted by
-    ``scale`` (``log scale`` added to their logits)."""
-    width = found.candidate.shape[1]
-    moved = found.candidate.to(rows.valid.device)
+def adjust_attention(rows: Rows, moved: torch.Tensor, temperature: float, scale: float) -> None:
+    """APE (arXiv:2502.05431): computed queries attend to the moved cached entries ``moved
+    [rows, width]`` (the first ``width`` of each row's cache) with logits divided by
+    ``temperature`` (their keys are scaled, in this request's copy) and weighted by ``scale``
+    (``log scale`` added to their logits)."""
+    width = moved.shape[1]
+    moved = moved.to(rows.valid.device)
     if temperature != 1.0:
         for row in range(rows.batch):
             keys = rows.buffer.storage[:, 0, row, :, :width]

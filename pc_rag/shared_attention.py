@@ -42,6 +42,9 @@ class SharedPart:
     positions: torch.Tensor  # [n] int64 on the model's device: where the prompts place these keys
     rows: slice  # the batch rows that import it (contiguous: the engine sorts rows by their parts)
     shift: int = 0  # the keys were encoded `shift` positions before `positions`: queries rotate back by it
+    # APE (pc_rag.recovery): scores over this part divided by `temperature`, its weight times exp(log_scale)
+    temperature: float = 1.0
+    log_scale: float = 0.0
 
 
 class _Group:
@@ -222,7 +225,7 @@ def split_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [rows, heads, q, dim]`` over the rows' own ``key``/``value``
-    ``[rows, kv_heads, k, dim]`` (masked by ``attention_mask``, boolean, or causal when None)
+    ``[rows, kv_heads, k, dim]`` (masked by ``attention_mask``: boolean, additive, or causal when None)
     and over every shared part (seen through the layer's sliding ``window``, if any); returns
     ``[rows, q, heads, dim]`` like transformers' kernels."""
     rows, heads, q_len, dim = query.shape
@@ -246,7 +249,10 @@ def split_attention(
         g_out: torch.Tensor | None = None
         g_lse: torch.Tensor | None = None
         for index, (q, part) in enumerate(zip(group.queries(stacked), group.parts)):
-            o, l = _attend(q[None], part.kv[layer, 0][None], part.kv[layer, 1][None], scale, masks[index] if masks else None)
+            o, l = _attend(q[None], part.kv[layer, 0][None], part.kv[layer, 1][None], scale / part.temperature,
+                           masks[index] if masks else None)
+            if part.log_scale:
+                l = l + part.log_scale
             g_out, g_lse = (o[0], l[0]) if g_out is None else _merge(g_out, g_lse, o[0], l[0])  # type: ignore[arg-type]
         assert g_out is not None and g_lse is not None
         # back to the rows' layout: [n, kv_heads, groups * q, .]
@@ -269,12 +275,15 @@ def _own_mask(mask: torch.Tensor | None, q_len: int, groups: int, k_len: int, li
             return None
         query_at = torch.arange(k_len - q_len, k_len, device=like.device)
         mask = (torch.arange(k_len, device=like.device)[None, :] <= query_at[:, None])[None, None]
-    elif mask.dtype != torch.bool:
-        raise PromptCacheError("split attention takes boolean masks (sdpa), not additive ones")
     mask = mask[..., -k_len:]
     rows = mask.shape[0]
-    allowed = mask.expand(rows, 1, q_len, k_len)[:, :, None].expand(rows, 1, groups, q_len, k_len).reshape(rows, 1, groups * q_len, k_len)
-    bias = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
+    stacked = mask.expand(rows, 1, q_len, k_len)[:, :, None].expand(rows, 1, groups, q_len, k_len).reshape(rows, 1, groups * q_len, k_len)
+    if stacked.dtype == torch.bool:
+        allowed = stacked
+        bias = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
+    else:  # additive (an APE bias on moved entries): its floor marks what a query must not see
+        allowed = stacked > torch.finfo(stacked.dtype).min / 2
+        bias = stacked.to(like.dtype).masked_fill(~allowed, float("-inf"))
     dead = ~allowed.any(dim=-1)
     return _PartMask(bias, dead if bool(dead.any()) else None)
 

@@ -65,6 +65,8 @@ def make_engine(make_tiny, tokenizer) -> Callable[..., PromptCache]:
         # these tests check reuse itself, on modules a few tokens long that the default recovery
         # (recompute the first 16 tokens of each module) would recompute whole; tests/test_recovery.py covers it
         kwargs.setdefault("recompute", 0)
+        kwargs.setdefault("attention_temperature", 1.0)  # and no APE adjustment: reuse must be exact
+        kwargs.setdefault("attention_scale", 1.0)
         return PromptCache(make_tiny(arch), tokenizer, **kwargs)
 
     return build

@@ -22,6 +22,8 @@ from .test_recovery import DOCS, QUESTION, SCHEMA
 def _engine(model, tokenizer, **kwargs) -> PromptCache:
     kwargs.setdefault("recompute", 0)
     kwargs.setdefault("recompute_tail", 0)
+    kwargs.setdefault("attention_temperature", 1.0)
+    kwargs.setdefault("attention_scale", 1.0)
     engine = PromptCache(model, tokenizer, **kwargs)
     engine.add_schema(SCHEMA, progress=False)
     return engine
@@ -178,12 +180,18 @@ def test_ape_adjusts_attention_to_moved_modules_only(make_tiny, tokenizer):
         _prompts(engine)
         adjusted = engine.generate(prompt, max_new_tokens=4, output_logits=True)
         assert (adjusted.logits[0] - base).abs().max().item() > 1e-4, kwargs
-        # decoding keeps the adjustment: a batch (masks every step) equals the prompt alone
-        together = engine.generate_batch([prompt, build_prompt("Why?", engine.add_documents(DOCS[1:], progress=False))],
-                                         max_new_tokens=4, output_logits=True)[0]
-        assert together.token_ids == adjusted.token_ids
-        for a, b in zip(together.logits, adjusted.logits):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        # decoding keeps the adjustment; a batch that shares the moved modules (split attention:
+        # the adjustment goes to the shared parts) equals each prompt alone
+        other = build_prompt("Why?", engine.add_documents(DOCS, progress=False))
+        together = engine.generate_batch([prompt, other], max_new_tokens=4, output_logits=True)
+        for got, alone in zip(together, (adjusted, engine.generate(other, max_new_tokens=4, output_logits=True))):
+            assert got.token_ids == alone.token_ids
+            for a, b in zip(got.logits, alone.logits):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        # one request read in place (split attention) equals the copy
+        in_place = _engine(model, tokenizer, assembly="in_place", **kwargs)
+        _prompts(in_place)
+        torch.testing.assert_close(in_place.next_token_logits(prompt), adjusted.logits[0], atol=1e-4, rtol=1e-4)
         # the stored module KV is untouched (the temperature scales this request's copy)
         torch.testing.assert_close(plain.next_token_logits(prompt), base, atol=1e-6, rtol=1e-6)
     # nothing moved, nothing adjusted: a prompt whose only module sits where it was encoded
