@@ -282,8 +282,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
             family = {"paper": "head_tail"}.get(family, family)
             if "/" in variant_name and family in ("query", "deviation"):
                 family += " +head/tail"
+            layers = re.search(r"@(\d+) layers", variant_name)
+            if layers:
+                family += f" @{layers.group(1)} layers"
             if "APE" in variant_name:
-                family += " +APE"
+                family += " +APE (T, S varied)"
             families[family].append((v["speedup"], v["decisive_agreement"], v["first_token_kl"]))
             if family == "head_tail" and variant_name == "paper (no recovery)":
                 for other in ("query", "deviation"):  # budget 0 of every strategy is the paper's scheme
@@ -291,8 +294,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         for family, points in sorted(families.items()):
             points.sort()
             xs = [p[0] for p in points]
-            axes[0][column].plot(xs, [p[1] for p in points], marker="o", label=family)
-            axes[1][column].plot(xs, [p[2] for p in points], marker="o", label=family)
+            style = {"linestyle": "none", "marker": "*", "markersize": 9} if "APE" in family else {"marker": "o"}
+            axes[0][column].plot(xs, [p[1] for p in points], label=family, **style)
+            axes[1][column].plot(xs, [p[2] for p in points], label=family, **style)
         axes[0][column].set_title(f"{name} ({part['questions']} q.)")
         axes[0][column].set_ylabel("decisive first-token agreement (%)")
         axes[1][column].set_ylabel("first-token KL (nats)")
@@ -316,8 +320,18 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["head_tail:0:0", "head_tail:4:1", "default"])
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--plot", action="store_true", help="also draw the frontier plot")
+    parser.add_argument("--plot-only", type=Path, nargs="+", metavar="JSON",
+                        help="draw the frontier plot of earlier runs (their variants merged per set) and exit")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality.json")
     args = parser.parse_args()
+    if args.plot_only:
+        merged: dict[str, Any] = {"sets": {}}
+        for file in args.plot_only:
+            for name, part in json.loads(file.read_text())["sets"].items():
+                into = merged["sets"].setdefault(name, {**part, "variants": {}})
+                into["variants"].update(part["variants"])
+        plot(merged, args.out.with_name(args.out.stem + "_frontier.png"))
+        return
 
     engine = PromptCache.from_pretrained(args.model, device=args.device)
     variants = list(dict(variant(v, engine) for v in args.variants).items())

@@ -59,7 +59,7 @@ DEFAULT_ATTENTION_SCALE = 0.7
 # (head, tail) tokens per moved module when recompute=/recompute_tail= are not given, per strategy
 DEFAULT_HEAD_TAIL: dict[str, tuple[int, int]] = {"head_tail": (DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL),
                                                  "deviation": (0, 0), "query": (0, 0)}
-DEFAULT_BUDGET: dict[str, float] = {"deviation": 0.05, "query": 0.05}
+DEFAULT_BUDGET: dict[str, float] = {"deviation": 0.1, "query": 0.1}
 DEFAULT_ASSEMBLY: Assembly = "copy"
 
 __all__ = ["DEFAULT_ENCODING", "DEFAULT_RECOMPUTE", "DEFAULT_RECOMPUTE_TAIL", "PromptCache", "Schema"]
@@ -71,6 +71,14 @@ class PromptCache:
     Build one with :meth:`from_pretrained`, register schemas with :meth:`add_schema` (or documents
     with :meth:`add_documents`), then call :meth:`generate`, :meth:`stream` or
     :meth:`generate_batch` with PML prompts (``<prompt schema="...">``) or plain text.
+
+    Fidelity (see :mod:`pc_rag.recovery` and README "Measured quality"): ``recovery`` chooses
+    which tokens of moved modules are computed again (``"head_tail"``: ``recompute`` head and
+    ``recompute_tail`` tail tokens per module; ``"query"``/``"deviation"``: the
+    ``recovery_budget`` best-scored, a fraction or a count); ``attention_temperature`` and
+    ``attention_scale`` adjust the attention of computed queries to moved modules (APE).
+    Storage: ``kv_dir`` persists module KV (``cache_dir``: its deprecated name),
+    ``memory_budget`` bounds the memory tier, ``store_dtype``/``kv_location`` where and how it is held.
     """
 
     def __init__(

@@ -99,18 +99,10 @@ def test_store_stats_count_every_tier(make_tiny, tokenizer, tmp_path):
     assert tight.store_stats()["evictions"] >= 2
 
 
-@pytest.mark.parametrize("call", ["acomplete", "astream_complete", "achat", "astream_chat"])
-def test_llama_index_async_never_blocks_the_event_loop(engine, monkeypatch, call):
-    """The model's prefill waits until the event loop has run another coroutine: an async method
-    that decoded on the loop would wait on itself (here: 30 s, then fail)."""
-    import asyncio
+def _gate_prefill(engine, monkeypatch):
+    """Hold every prefill until the returned event is set (by the event loop, in the tests)."""
     import threading
 
-    from llama_index.core.llms import ChatMessage
-
-    from pc_rag.integrations.llama_index import PromptCacheLLM
-
-    llm = PromptCacheLLM(engine=engine, max_new_tokens=4)
     loop_ran = threading.Event()
     prefill = engine.forward.prefill_batch
 
@@ -119,6 +111,21 @@ def test_llama_index_async_never_blocks_the_event_loop(engine, monkeypatch, call
         return prefill(*args, **kwargs)
 
     monkeypatch.setattr(engine.forward, "prefill_batch", gated)
+    return loop_ran
+
+
+@pytest.mark.parametrize("call", ["acomplete", "astream_complete", "achat", "astream_chat"])
+def test_llama_index_async_never_blocks_the_event_loop(engine, monkeypatch, call):
+    """The model's prefill waits until the event loop has run another coroutine: an async method
+    that decoded on the loop would wait on itself (here: 30 s, then fail)."""
+    import asyncio
+
+    from llama_index.core.llms import ChatMessage
+
+    from pc_rag.integrations.llama_index import PromptCacheLLM
+
+    llm = PromptCacheLLM(engine=engine, max_new_tokens=4)
+    loop_ran = _gate_prefill(engine, monkeypatch)
     messages = [ChatMessage(role="user", content="Hello there")]
 
     async def consume(stream):
@@ -148,19 +155,11 @@ def test_langchain_async_never_blocks_the_event_loop(engine, monkeypatch, adapte
     """As for LlamaIndex: the prefill waits until the loop has run, so a native async method that
     decoded on the loop would wait on itself. Streams deliver pieces as they are decoded."""
     import asyncio
-    import threading
 
     from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheLLM
 
     llm = (PromptCacheLLM if adapter == "llm" else ChatPromptCache)(engine=engine, max_new_tokens=4)
-    loop_ran = threading.Event()
-    prefill = engine.forward.prefill_batch
-
-    def gated(*args, **kwargs):
-        assert loop_ran.wait(30), "the event loop was blocked while the model ran"
-        return prefill(*args, **kwargs)
-
-    monkeypatch.setattr(engine.forward, "prefill_batch", gated)
+    loop_ran = _gate_prefill(engine, monkeypatch)
 
     async def consume():
         return [piece async for piece in llm.astream("Hello there")]

@@ -182,9 +182,14 @@ def test_ape_adjusts_attention_to_moved_modules_only(make_tiny, tokenizer):
         assert (adjusted.logits[0] - base).abs().max().item() > 1e-4, kwargs
         # decoding keeps the adjustment; a batch that shares the moved modules (split attention:
         # the adjustment goes to the shared parts) equals each prompt alone
-        other = build_prompt("Why?", engine.add_documents(DOCS, progress=False))
-        together = engine.generate_batch([prompt, other], max_new_tokens=4, output_logits=True)
-        for got, alone in zip(together, (adjusted, engine.generate(other, max_new_tokens=4, output_logits=True))):
+        names = engine.add_documents(DOCS, progress=False)
+        # the second prompt shares the first two documents with the first, the third only the first
+        # (its second document is the first's third, at another position): the first prompt's third
+        # document is its own (private: adjusted through the mask), its second a shared part
+        others = [build_prompt("Why?", names[:2]), build_prompt("Where?", [names[0], names[2]])]
+        together = engine.generate_batch([prompt, *others], max_new_tokens=4, output_logits=True)
+        singles = [adjusted] + [engine.generate(p, max_new_tokens=4, output_logits=True) for p in others]
+        for got, alone in zip(together, singles):
             assert got.token_ids == alone.token_ids
             for a, b in zip(got.logits, alone.logits):
                 torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
