@@ -26,6 +26,7 @@ T and scale S; ``default`` is the engine's.
 
     python benchmarks/quality.py --sets hotpotqa_more --first 40 --variants head_tail:0:0 query:0.05 ...   # the sweep
     python benchmarks/quality.py                                                                            # the report
+    python benchmarks/quality.py --merge a.json b.json --out merged.json --plot                             # runs merged
 
 Writes ``benchmarks/results/quality.json`` and ``quality.md`` (and with ``--plot``, the
 frontier plot ``quality_frontier.png``).
@@ -249,6 +250,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = []
     for name, part in report["sets"].items():
         extra = f", recall@k {part['recall']:.0f}%" if "recall" in part else ""
+        if part.get("skip") or part.get("first"):
+            skip = part.get("skip") or 0
+            extra += f", records {skip + 1}-{skip + part['questions']}"
         lines += [f"**{name}** ({part['questions']} questions, {part['mean_prompt_tokens']:.0f} prompt tokens on average{extra})", "",
                   "| variant | first token = full | decisive | first-token KL | answer = full | answer F1 vs full | EM | F1 | computed | mean TTFT | speedup |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -320,17 +324,24 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["head_tail:0:0", "head_tail:4:1", "default"])
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--plot", action="store_true", help="also draw the frontier plot")
-    parser.add_argument("--plot-only", type=Path, nargs="+", metavar="JSON",
-                        help="draw the frontier plot of earlier runs (their variants merged per set) and exit")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="merge earlier runs (variants per set) into --out and its tables (and the plot with --plot), then exit")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality.json")
     args = parser.parse_args()
-    if args.plot_only:
-        merged: dict[str, Any] = {"sets": {}}
-        for file in args.plot_only:
-            for name, part in json.loads(file.read_text())["sets"].items():
-                into = merged["sets"].setdefault(name, {**part, "variants": {}})
+    if args.merge:
+        merged: dict[str, Any] = {"merged_from": [str(f) for f in args.merge], "sets": {}}
+        for file in args.merge:
+            report = json.loads(file.read_text())
+            for key in ("model", "device", "dtype", "machine", "greedy_max_new_tokens"):
+                merged.setdefault(key, report.get(key))
+            for name, part in report["sets"].items():
+                into = merged["sets"].setdefault(name, {**part, "variants": {}, "skip": report.get("skip"), "first": report.get("first")})
                 into["variants"].update(part["variants"])
-        plot(merged, args.out.with_name(args.out.stem + "_frontier.png"))
+        args.out.write_text(json.dumps(merged, indent=1))
+        if all(part.get("mean_prompt_tokens") for part in merged["sets"].values()):
+            args.out.with_suffix(".md").write_text(markdown(merged))
+        if args.plot:
+            plot(merged, args.out.with_name(args.out.stem + "_frontier.png"))
         return
 
     engine = PromptCache.from_pretrained(args.model, device=args.device)
@@ -356,6 +367,7 @@ def main() -> None:
         else:
             records = load(name, args.data, args.first, args.skip)
         part = run_set(engine, list(records), variants, args.max_new_tokens, name, drop=recall is None)
+        part.update(skip=args.skip, first=args.first)
         if recall is not None:
             part["recall"] = recall
         report["sets"][name] = part
