@@ -74,7 +74,7 @@ def test_share_prefixes_builds_the_prefix_tree_of_cached_segments():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_zero_copy_assembly_equals_copying(make_engine, arch):
     copying = make_engine(arch, recompute=4, assembly="copy")
-    in_place = PromptCache(copying.model, copying.tokenizer, recompute=4, assembly="in_place")
+    in_place = PromptCache(copying.model, copying.tokenizer, recompute=4, assembly="in_place", attention_temperature=1.0, attention_scale=1.0)
     for engine in (copying, in_place):
         names = engine.add_documents(DOCS, progress=False)
     prompts = [
