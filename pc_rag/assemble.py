@@ -32,6 +32,7 @@ from .generate import Inputs, Rows, adjust_attention
 from .kvcache import BufferPool, KVBuffer
 from .layout import Plan, Segment
 from .model import ModelSpec, rotate_with
+from .recovery import moved_entries
 from .shared_attention import SharedKV, SharedPart, share_prefixes
 
 Assembly = Literal["copy", "in_place"]
@@ -180,35 +181,20 @@ class Assembler:
             buffer.storage.zero_()
         key_positions = torch.zeros(batch, buffer.capacity, dtype=torch.long)
         valid = torch.zeros(batch, buffer.capacity, dtype=torch.bool)
-        ids = torch.full((batch, width), spec.placeholder_id, dtype=torch.long)
-        positions = torch.zeros(batch, width, dtype=torch.long)
-        real = torch.zeros(batch, width, dtype=torch.bool)
-        low, high = None, None
         for row, segments in enumerate(own):
             plan = plans[order[row]]
             filled = self.write(buffer, 0, plan, segments, row=row)
             if filled:
                 key_positions[row, :filled] = _positions(segments, torch.device("cpu"))
                 valid[row, :filled] = True
-            row_ids, row_positions = computed[row]
-            pad = width - len(row_ids)
-            ids[row, pad:] = torch.tensor(row_ids)
-            positions[row, pad:] = torch.tensor(row_positions)
-            positions[row, :pad] = row_positions[0]  # padding queries see what the row's first token sees: no NaN
-            real[row, pad:] = True
-            low = row_positions[0] if low is None else min(low, row_positions[0])
-            high = row_positions[-1] if high is None else max(high, row_positions[-1])
         buffer.grow_to(own_width)
         device = spec.device
         shared = SharedKV(parts, heads_per_kv=spec.heads_per_kv, dtype=spec.dtype, rotator=spec.rotator) if parts else None
         ordered = batch == 1 and own_width == 0 and shared is None
         rows = Rows(buffer, key_positions.to(device), valid.to(device), shared, ordered)
-        inputs = Inputs(ids.to(device), positions.to(device), real.to(device), (int(low), int(high)))  # type: ignore[arg-type]
+        inputs = Inputs.left_padded(computed, spec.placeholder_id, device)
         if ape is not None and any(any(flags) for flags in own_moved):
-            entries = torch.zeros(batch, own_width, dtype=torch.bool)
-            for row, (segments, flags) in enumerate(zip(own, own_moved)):
-                entries[row, : sum(len(s) for s in segments)] = torch.tensor([m for s, m in zip(segments, flags) for _ in range(len(s))])
-            adjust_attention(rows, entries, ape.temperature, ape.scale)
+            adjust_attention(rows, moved_entries(own, own_moved), ape.temperature, ape.scale)
         return Assembled(rows, inputs, order)
 
     def empty_row(self, capacity: int) -> Rows:

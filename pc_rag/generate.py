@@ -57,6 +57,24 @@ class Inputs:
     real: torch.Tensor  # [rows, width] bool: not padding
     bounds: tuple[int, int]  # smallest and largest position (read on the host, never from the device)
 
+    @classmethod
+    def left_padded(cls, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], placeholder_id: int, device: torch.device) -> Inputs:
+        """Rows of ``(token ids, positions)`` (each in position order), left-padded to one width."""
+        width = max(len(row_ids) for row_ids, _ in sequences)
+        batch = len(sequences)
+        ids = torch.full((batch, width), placeholder_id, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        real = torch.zeros(batch, width, dtype=torch.bool)
+        for row, (row_ids, row_positions) in enumerate(sequences):
+            pad = width - len(row_ids)
+            ids[row, pad:] = torch.as_tensor(row_ids)
+            positions[row, pad:] = torch.as_tensor(row_positions)
+            positions[row, :pad] = int(row_positions[0])  # padding queries see what the row's first token sees: no NaN
+            real[row, pad:] = True
+        low = min(int(p[0]) for _, p in sequences)
+        high = max(int(p[-1]) for _, p in sequences)
+        return cls(ids.to(device), positions.to(device), real.to(device), (low, high))
+
 
 def prefill(forward: Forward, rows: Rows, inputs: Inputs, spec: ModelSpec) -> torch.Tensor:
     """Every row's computed tokens in one forward pass; the logits of each row's last token, ``[rows, vocab]``."""
@@ -108,10 +126,9 @@ def adjust_attention(rows: Rows, moved: torch.Tensor, temperature: float, scale:
     (``log scale`` added to their logits)."""
     width = moved.shape[1]
     moved = moved.to(rows.valid.device)
-    if temperature != 1.0:
-        for row in range(rows.batch):
-            keys = rows.buffer.storage[:, 0, row, :, :width]
-            keys[:, :, moved[row]] /= temperature
+    if temperature != 1.0:  # keys [layers, rows, heads, width, dim], each moved entry's divided by T
+        factor = torch.where(moved, 1.0 / temperature, 1.0).to(rows.buffer.storage.dtype)
+        rows.buffer.storage[:, 0, :, :, :width].mul_(factor[None, :, None, :, None])
     if scale != 1.0:
         bias = torch.zeros(rows.valid.shape, dtype=torch.float32, device=rows.valid.device)
         bias[:, :width][moved] = math.log(scale)
@@ -160,19 +177,7 @@ def prefill_selected(forward: Forward, rows: Rows, inputs: Inputs, token_ids: to
         sequences.append((row_ids[order], row_positions[order]))
         rows.valid[row, picked.to(rows.valid.device)] = False
     rows.holes = True
-    width = max(len(row_ids) for row_ids, _ in sequences)
-    batch = len(sequences)
-    new_ids = torch.full((batch, width), spec.placeholder_id, dtype=torch.long)
-    new_positions = torch.zeros(batch, width, dtype=torch.long)
-    new_real = torch.zeros(batch, width, dtype=torch.bool)
-    for row, (row_ids, row_positions) in enumerate(sequences):
-        pad = width - len(row_ids)
-        new_ids[row, pad:], new_positions[row, pad:], new_real[row, pad:] = row_ids, row_positions, True
-        new_positions[row, :pad] = row_positions[0]  # padding queries see what the row's first token sees
-    low = int(min(p[0] for _, p in sequences))
-    high = int(max(p[-1] for _, p in sequences))
-    device = inputs.ids.device
-    selected = Inputs(new_ids.to(device), new_positions.to(device), new_real.to(device), (low, high))
+    selected = Inputs.left_padded(sequences, spec.placeholder_id, inputs.ids.device)
     return prefill(forward, rows, selected, spec)
 
 

@@ -171,17 +171,26 @@ class Entries:
 
 def entries(plans: Sequence[Plan], moved: Sequence[Sequence[bool]], order: Sequence[int]) -> Entries:
     """Entries of rows assembled by copy: every cached segment of a row's plan, in plan order."""
-    rows = [plans[i] for i in order]
-    flags = [moved[i] for i in order]
-    per_row = [[(t, flag) for s, flag in zip(p.segments, f) if s.cached for t in s.token_ids] for p, f in zip(rows, flags)]
-    width = max((len(r) for r in per_row), default=0)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    candidate = torch.zeros(len(rows), width, dtype=torch.bool)
-    for row, pairs in enumerate(per_row):
-        if pairs:
-            ids[row, : len(pairs)] = torch.tensor([t for t, _ in pairs])
-            candidate[row, : len(pairs)] = torch.tensor([f for _, f in pairs])
-    return Entries(ids, candidate, [len(r) for r in per_row])
+    rows = [[(s, flag) for s, flag in zip(plans[i].segments, moved[i]) if s.cached] for i in order]
+    candidate = moved_entries([[s for s, _ in row] for row in rows], [[f for _, f in row] for row in rows])
+    ids = torch.zeros(candidate.shape, dtype=torch.long)
+    for row, pairs in enumerate(rows):
+        tokens = [t for s, _ in pairs for t in s.token_ids]
+        if tokens:
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+    return Entries(ids, candidate, [sum(len(s) for s, _ in pairs) for pairs in rows])
+
+
+def moved_entries(segments: Sequence[Sequence[Any]], moved: Sequence[Sequence[bool]]) -> torch.Tensor:
+    """``[rows, width]`` bool: per row, every entry of its cached ``segments`` (in cache order)
+    flagged as its segment's ``moved`` flag."""
+    width = max((sum(len(s) for s in row) for row in segments), default=0)
+    flags = torch.zeros(len(segments), width, dtype=torch.bool)
+    for row, (row_segments, row_moved) in enumerate(zip(segments, moved)):
+        per_entry = [m for s, m in zip(row_segments, row_moved) for _ in range(len(s))]
+        if per_entry:
+            flags[row, : len(per_entry)] = torch.tensor(per_entry)
+    return flags
 
 
 def top_entries(scores: torch.Tensor, found: Entries, recovery: Recovery) -> list[torch.Tensor]:
