@@ -25,6 +25,7 @@ import torch
 
 from . import planner
 from .assemble import Ape, Assembler, Assembly, choose_assembly
+from .constrained import Vocabulary
 from .documents import DEFAULT_SCHEMA, SEPARATOR
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
@@ -35,6 +36,7 @@ from .layout import Plan
 from .model import ModelSpec, RopeRotator, inspect_model, load_model, render_chat
 from .recovery import SCORED, Recovery, Strategy, check_ape, check_recovery, entries
 from .registry import Registry, Schema
+from .remote import RemoteTier
 from .store import open_store
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,8 @@ class PromptCache:
     ``recovery_budget`` best-scored, a fraction or a count); ``attention_temperature`` and
     ``attention_scale`` adjust the attention of computed queries to moved modules (APE).
     Storage: ``kv_dir`` persists module KV (``cache_dir``: its deprecated name),
-    ``memory_budget`` bounds the memory tier, ``store_dtype``/``kv_location`` where and how it is held.
+    ``memory_budget`` bounds the memory tier, ``store_dtype``/``kv_location`` where and how it is held,
+    ``remote_store`` shares module KV and documents between processes through Redis.
     """
 
     def __init__(
@@ -100,6 +103,9 @@ class PromptCache:
         attention_temperature: float | None = None,
         attention_scale: float | None = None,
         cache_dir: str | os.PathLike | None = None,
+        remote_store: str | None = None,
+        remote_timeout_ms: float = 50.0,
+        remote_sync: bool = True,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
         if encoding not in ENCODINGS:
@@ -137,16 +143,17 @@ class PromptCache:
         store_device = self.spec.device if kv_location == "device" else torch.device("cpu")
         kv_dtype = store_dtype or self.spec.dtype
         self._kv_bytes_per_token = self.spec.kv_bytes_per_token(kv_dtype)
+        self.remote = RemoteTier(remote_store, self.fingerprint, timeout_ms=remote_timeout_ms) if remote_store else None
         self.store = open_store(
             fingerprint=self.fingerprint, kv_dir=self.kv_dir, memory_budget=memory_budget, device=store_device,
-            kv_dtype=kv_dtype, pin=store_device.type == "cpu" and self.spec.device.type == "cuda",
+            kv_dtype=kv_dtype, pin=store_device.type == "cpu" and self.spec.device.type == "cuda", remote=self.remote,
         )
         self.forward = Forward(model)
         self.encoder = ModuleEncoder(self.forward, self.store, self.spec, encoding, self.fingerprint)
         # verbatim module texts, for drop-in reuse in plain prompts (only where modules can move)
         # (aligned through character offsets: a fast tokenizer's)
         self.drop_in = drop_in and self.spec.movable and bool(getattr(tokenizer, "is_fast", False))
-        self.registry = Registry(self.spec, self.encoder, encoding=encoding, drop_in=self.drop_in)
+        self.registry = Registry(self.spec, self.encoder, encoding=encoding, drop_in=self.drop_in, remote=self.remote)
         self.buffers = BufferPool(model)
         self.assembler = Assembler(self.spec, self.encoder, self.buffers)
         # tokens that end an answer (EOS, end of turn); empty it for fixed-length generations
@@ -155,6 +162,9 @@ class PromptCache:
         # ...), used where a call leaves a setting unset; replace or edit it like transformers'
         config = getattr(model, "generation_config", None)
         self.generation_config: Any = copy.deepcopy(config) if config is not None else None
+        self._vocabularies: dict[frozenset[int], Vocabulary] = {}  # constrained decoding, per set of stop tokens
+        if self.remote is not None and remote_sync:
+            self.sync_documents()  # documents other processes stored: served here without encoding
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
@@ -165,18 +175,24 @@ class PromptCache:
                         assembly: Assembly | None = None, recovery: Strategy | None = None,
                         recovery_budget: float | int | None = None, attention_temperature: float | None = None,  # noqa: PYI041
                         attention_scale: float | None = None, cache_dir: str | os.PathLike | None = None,
+                        remote_store: str | None = None, remote_timeout_ms: float = 50.0, remote_sync: bool = True,
                         **model_kwargs: Any) -> PromptCache:
         """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct).
 
         ``kv_dir`` persists module KV (``cache_dir`` is its deprecated old name: in transformers
         that name means the download cache, which ``from_pretrained`` here does not take).
+        ``remote_store`` (``redis://HOST:PORT/DB``, ``rediss://``, ``valkey://``) adds a tier
+        shared by every replica (:mod:`pc_rag.remote`): module KV and document records;
+        ``remote_timeout_ms`` bounds each of its commands; ``remote_sync=False`` skips taking in
+        its documents at start (an encoding worker needs none).
         """
         kv_dir = _kv_dir(kv_dir, cache_dir)
         lm, tokenizer = load_model(model, device=device, dtype=dtype, **model_kwargs)
         return cls(lm, tokenizer, encoding=encoding, kv_dir=kv_dir, memory_budget=memory_budget, store_dtype=store_dtype,
                    kv_location=kv_location, drop_in=drop_in, recompute=recompute, recompute_tail=recompute_tail, assembly=assembly,
                    recovery=recovery, recovery_budget=recovery_budget, attention_temperature=attention_temperature,
-                   attention_scale=attention_scale)
+                   attention_scale=attention_scale, remote_store=remote_store, remote_timeout_ms=remote_timeout_ms,
+                   remote_sync=remote_sync)
 
     @property
     def cache_dir(self) -> Path | None:
@@ -251,7 +267,7 @@ class PromptCache:
 
     def store_stats(self) -> dict[str, int]:
         """Where module KV came from since this engine started: ``encoded`` (modules encoded by
-        this process), ``hits_memory``, ``hits_disk``, ``hits_remote`` (0: no remote tier yet),
+        this process), ``hits_memory``, ``hits_disk``, ``hits_remote`` (read from ``remote_store``),
         ``misses`` (lookups no tier could answer), ``evictions``, ``bytes_memory``, ``bytes_disk``."""
         return {"encoded": self.forward.encoded, **self.store.stats()}
 
@@ -278,19 +294,29 @@ class PromptCache:
         return self.registry.add_documents(texts, ids=ids, metadatas=metadatas, schema=schema, system=system,
                                            progress=progress, batch_tokens=batch_tokens)
 
+    def sync_documents(self) -> int:
+        """Take in the documents that other processes published to the remote tier (run at start
+        and when a prompt names a module this process does not know); their KV stays remote
+        until a prompt needs it. Returns the number of documents new here (0 without a remote tier)."""
+        return self.registry.sync_remote()
+
     # -- serving ------------------------------------------------------------------------------------
     def plan(self, prompt: str) -> Plan:
         """Which tokens of ``prompt`` are cached and which computed, at which positions."""
         planned = planner.plan(prompt, self.registry.snapshot(), self.spec, encoding=self.encoding, drop_in=self.drop_in)
         return planner.recover(planned, head=self.recovery.head, tail=self.recovery.tail, encoding=self.encoding)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """``[{"role", "content"}]`` as the model's chat template renders them, ending with the generation prompt.
+
+        ``tools``: OpenAI-style function specs, rendered by the template when it takes tools and
+        otherwise described in the system turn (see :mod:`pc_rag.tools`); assistant messages may
+        carry ``tool_calls`` and ``tool`` messages the results.
 
         The result is a plain prompt: module references and verbatim document text inside the
         messages are reused like anywhere else; nothing in a message is read as PML.
         """
-        return render_chat(self.tokenizer, self.spec.markers, messages)
+        return render_chat(self.tokenizer, self.spec.markers, messages, tools)
 
     def next_token_logits(self, prompt: str, *, use_cache: bool = True) -> torch.Tensor:
         """Logits of the first generated token: the quantity cached inference must reproduce."""
@@ -306,7 +332,9 @@ class PromptCache:
 
         ``generation`` takes transformers' names, with its meaning: ``do_sample``,
         ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``,
-        ``output_logits``, ``generation_config`` (a ``transformers.GenerationConfig`` or a dict).
+        ``output_logits``, ``generation_config`` (a ``transformers.GenerationConfig`` or a dict);
+        and ``json_schema`` (a JSON schema dict, its text, or True for any JSON object): the
+        output is constrained, token by token, to a document of that schema (:mod:`pc_rag.constrained`).
         What a call leaves unset comes from ``generation_config``, then from the engine's
         :attr:`generation_config` (the model's own: its sampling defaults apply when it sets
         ``do_sample=True``), then from pc-rag's defaults (greedy, 256 new tokens). A ``temperature``
@@ -363,6 +391,15 @@ class PromptCache:
             return done.value
 
     # -- the chain -----------------------------------------------------------------------------
+    @property
+    def _vocabulary(self) -> Vocabulary:
+        """The tokenizer indexed for constrained decoding, ending documents with today's stop tokens."""
+        stops = frozenset(self.stop_token_ids)
+        vocabulary = self._vocabularies.get(stops)
+        if vocabulary is None:
+            vocabulary = self._vocabularies[stops] = Vocabulary(self.tokenizer, self.model.config.vocab_size, stops)
+        return vocabulary
+
     def _sampling(self, call: dict[str, Any]) -> SamplingParams:
         """The call's settings over its ``generation_config`` over the engine's, over pc-rag's defaults."""
         unknown = sorted(set(call) - set(GENERATION_ARGUMENTS) - {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed"})
@@ -384,7 +421,13 @@ class PromptCache:
         plans = []
         for index, prompt in enumerate(prompts):
             try:
-                plans.append(self.plan(prompt))
+                try:
+                    plans.append(self.plan(prompt))
+                except PromptCacheError:
+                    # a module another replica added since this one started: take the registry in, plan again
+                    if self.remote is None or not self.sync_documents():
+                        raise
+                    plans.append(self.plan(prompt))
             except PromptCacheError as err:
                 if len(prompts) > 1:
                     raise PromptCacheError(f"prompt {index}: {err}") from err
@@ -432,7 +475,8 @@ class PromptCache:
                          context_window=spec.context_window, modules=list(p.modules),
                          cached_tokens=p.cached_tokens if use_cache else 0,
                          computed_tokens=p.computed_tokens if use_cache else len(p.input_ids), next_position=p.end, started=started,
-                         prompt_ids=p.input_ids if params.reads_history else ())
+                         prompt_ids=p.input_ids if params.reads_history else (),
+                         matcher=self._vocabulary.matcher(params.json_schema) if params.json_schema else None)
             for p in plans
         ]
         prefilled = self._prefill(plans, max(r.budget for r in requests), use_cache, share=share)
@@ -481,7 +525,7 @@ class _Prefilled:
 
 
 GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
-                        "output_logits", "generation_config")
+                        "output_logits", "generation_config", "json_schema")
 # what a GenerationConfig contributes besides its sampling settings (taken when it sets do_sample=True)
 _CONFIG_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "max_new_tokens", "stop_strings")
 

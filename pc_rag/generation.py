@@ -65,6 +65,7 @@ class SamplingParams:
     no_repeat_ngram_size: int = 0
     min_new_tokens: int = 0
     output_logits: bool = False  # keep every step's raw logits (Generation.logits), as transformers' output_logits
+    json_schema: str | None = None  # canonical schema text: output constrained to it (pc_rag.constrained)
 
     @classmethod
     def build(
@@ -82,11 +83,13 @@ class SamplingParams:
         min_new_tokens: int = 0,
         stop_strings: str | Sequence[str] | None = None,
         output_logits: bool = False,
+        json_schema: Any = None,
     ) -> "SamplingParams":
         """Validated parameters. ``do_sample`` as in transformers: False is greedy whatever the
         temperature, True samples (at temperature 1.0 when none is given); ``stop_strings`` is
         transformers' name for ``stop``; ``output_logits`` keeps each step's logits, before any
-        processor, in ``Generation.logits``."""
+        processor, in ``Generation.logits``; ``json_schema`` (a JSON schema dict, its text, or
+        True for any JSON object) constrains the output to documents of that schema."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise PromptCacheError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if temperature < 0:
@@ -108,8 +111,14 @@ class SamplingParams:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}")
+        if json_schema is not None and json_schema is not False:
+            from .constrained import schema_text
+
+            json_schema = schema_text(json_schema)
+        else:
+            json_schema = None
         return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed,
-                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits))
+                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits), json_schema)
 
     @property
     def reads_history(self) -> bool:
@@ -280,6 +289,7 @@ class RequestState:
         next_position: int,
         started: float,
         prompt_ids: Sequence[int] = (),
+        matcher: Any = None,
     ) -> None:
         self.stop_token_ids = stop_token_ids
         self.started = started
@@ -293,6 +303,7 @@ class RequestState:
         # processors read the prompt and what was generated (input ids, as in transformers)
         self.processors = params.processors(len(prompt_ids), stop_token_ids)
         self.history = list(prompt_ids) if self.processors is not None else []
+        self.matcher = matcher  # constrained decoding (pc_rag.constrained.Matcher), or None
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopFilter(params.stop)
         self.pieces: list[str] = []
@@ -304,13 +315,28 @@ class RequestState:
 
     def take(self, logits: torch.Tensor, greedy_token: int | None = None) -> tuple[int | None, str]:
         """Choose the next token from ``logits`` (``greedy_token``: its argmax, read once for the
-        whole batch); return the token to feed next (None once done) and the new text."""
+        whole batch); return the token to feed next (None once done) and the new text.
+
+        Order as in transformers' generate(): logits processors, then (constrained decoding) the
+        grammar's mask, then greedy choice or sampling."""
+        scores = logits
         if self.processors is not None:
             scores = self.processors(torch.tensor([self.history], device=logits.device), logits[None].float())[0]
-            token = int(torch.argmax(scores)) if self.greedy else self.sampler(scores)
-            self.history.append(token)
+        if self.matcher is not None:
+            allowed = self.matcher.mask(scores)
+            if scores is not logits and not bool(torch.isfinite(allowed).any()):
+                # the processors banned every token the grammar allows (a repeated n-gram the
+                # schema forces): the grammar is the hard constraint, the processors a preference
+                allowed = self.matcher.mask(logits)
+            scores = allowed
+        if scores is logits and self.greedy and greedy_token is not None:
+            token = greedy_token
         else:
-            token = greedy_token if self.greedy and greedy_token is not None else self.sampler(logits)
+            token = int(torch.argmax(scores)) if self.greedy else self.sampler(scores)
+        if self.processors is not None:
+            self.history.append(token)
+        if self.matcher is not None:
+            self.matcher.accept(token)
         if self.steps == 0:
             now = time.perf_counter()
             self.stats.ttft_s = now - self.started

@@ -14,10 +14,12 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -168,26 +170,79 @@ def chat_markers(tokenizer: Any) -> ChatMarkers:
         if not with_prompt.startswith(plain):
             raise ValueError("generation prompt is not appended verbatim")
         return ChatMarkers(starts, ends, with_prompt[len(plain) :])
-    except Exception as exc:  # noqa: BLE001 - any template failure means: use the fallback
+    except Exception as exc:
         logger.warning("cannot derive role markers from the chat template (%s): using plain markers", exc)
         return _FALLBACK_MARKERS
 
-def render_chat(tokenizer: Any, markers: ChatMarkers, messages: Any) -> str:
+def render_chat(tokenizer: Any, markers: ChatMarkers, messages: Any, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """``[{"role", "content"}]`` rendered by the tokenizer's chat template (or ``markers`` when it
-    has none), ending with the generation prompt."""
-    rendered: list[dict[str, str]] = []
+    has none), ending with the generation prompt.
+
+    ``tools`` (OpenAI-style function specs) go to templates that render them; otherwise into the
+    system turn (:data:`pc_rag.tools.TOOLS_SYSTEM_TEXT`). An assistant message may carry
+    ``tool_calls`` (``[{"function": {"name", "arguments"}}]``), a ``tool`` message the result:
+    templates that know tools render them their way, the others read each call as the JSON
+    object the model is asked to write.
+    """
+    rendered: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not isinstance(content, str):
             raise PromptCacheError(f"message {index} needs a str 'role' and a str 'content', got {message!r:.120}")
-        rendered.append({"role": role, "content": content})
+        turn: dict[str, Any] = {"role": role, "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if message.get(key):
+                turn[key] = message[key]
+        rendered.append(turn)
     if not rendered:
         raise PromptCacheError("no messages to render")
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    template = bool(getattr(tokenizer, "chat_template", None))
+    if not (template and _template_renders_tools(tokenizer)):
+        rendered = _tools_as_text(rendered, tools or ())
+    if template:
+        return tokenizer.apply_chat_template(rendered, tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True)
     parts = [markers.starts.get(m["role"], markers.starts["user"]) + m["content"] + markers.ends.get(m["role"], markers.ends["user"])
              for m in rendered]
     return "".join(parts) + markers.generation
+
+
+def _template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template writes ``tools`` into the prompt (probed once per tokenizer)."""
+    cached = getattr(tokenizer, "_pc_rag_renders_tools", None)
+    if cached is None:
+        probe = [{"role": "user", "content": "hi"}]
+        tool = {"type": "function", "function": {"name": "pc_rag_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
+        try:
+            cached = "pc_rag_probe_tool" in tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, add_generation_prompt=True)
+        except Exception:
+            cached = False
+        tokenizer._pc_rag_renders_tools = cached
+    return cached
+
+
+def _tools_as_text(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a template that knows no tools: their description in the system turn, each
+    earlier call as the JSON object the model is asked to write."""
+    from .tools import system_text
+
+    plain = []
+    for message in messages:
+        message = dict(message)
+        calls = message.pop("tool_calls", None)
+        message.pop("tool_call_id", None)
+        message.pop("name", None)
+        if calls:
+            written = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+                       for c in calls]
+            message["content"] = "\n".join(([message["content"]] if message["content"] else []) + written)
+        plain.append(message)
+    if tools:
+        description = system_text(tools)
+        if plain[0]["role"] == "system":
+            plain[0] = {**plain[0], "content": plain[0]["content"] + "\n\n" + description}
+        else:
+            plain.insert(0, {"role": "system", "content": description})
+    return plain
 
 
 def model_fingerprint(model: Any, tokenizer: Any) -> str:

@@ -82,7 +82,7 @@ class Snapshot:
 class Registry:
     """Schemas and documents behind one lock, published as immutable snapshots (module docstring)."""
 
-    def __init__(self, spec: ModelSpec, encoder: ModuleEncoder, *, encoding: str, drop_in: bool) -> None:
+    def __init__(self, spec: ModelSpec, encoder: ModuleEncoder, *, encoding: str, drop_in: bool, remote: Any = None) -> None:
         self.spec = spec
         self.encoder = encoder
         self.encoding = encoding
@@ -91,6 +91,7 @@ class Registry:
         self._schemas: dict[str, Schema] = {}
         self._snapshot = Snapshot(MappingProxyType({}), IndexSnapshot())
         self._lock = threading.RLock()
+        self.remote = remote  # pc_rag.remote.RemoteTier: document records shared with other processes
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
@@ -165,9 +166,12 @@ class Registry:
         system: str | None = None,
         progress: bool = True,
         batch_tokens: int | None = None,
+        publish: bool = True,
     ) -> list[str]:
         """Store documents as movable modules of the document schema ``schema`` (see
-        :meth:`pc_rag.PromptCache.add_documents`); returns their names."""
+        :meth:`pc_rag.PromptCache.add_documents`); returns their names. With a remote tier, the
+        new documents' records are published to it (once per call) after their KV is stored
+        there; ``publish=False`` when they come from it."""
         records = docs_mod.normalize(texts, ids, metadatas)
         spec = self.spec
         if not spec.movable:
@@ -214,8 +218,42 @@ class Registry:
                         self.index.add(schema, name, info.text or "")
                 target = replace(target, layout=new_layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents))
                 self._publish(target)
+            if self.remote is not None and publish and fresh:
+                self.remote.publish_documents(schema, target.system, [
+                    {"name": name, "text": text, "metadata": meta} for name, (text, _, meta) in fresh.items()])
             logger.info("documents %r: %d added (%d new), %d held", schema, len(names), len(fresh), len(target.documents))
             return names
+
+    def sync_remote(self) -> int:
+        """Add the document records published to the remote tier that this registry lacks (their
+        KV is found there, not encoded); returns how many were new. A record that contradicts one
+        held here (same name, other text) is logged and skipped."""
+        if self.remote is None:
+            return 0
+        added = 0
+        for schema, (system, records) in self.remote.document_collections().items():
+            held = self._schemas.get(schema)
+            known = held.documents if held is not None else {}
+            todo: dict[str, dict[str, Any]] = {}
+            for record in records:
+                name, text = record.get("name"), record.get("text")
+                if not isinstance(name, str) or not isinstance(text, str):
+                    logger.warning("remote document record in %r is malformed; skipped", schema)
+                elif name in known and known[name].text != text:
+                    logger.warning("remote document %r in %r holds another text than this process; skipped", name, schema)
+                elif name not in known:
+                    todo.setdefault(name, record)
+            if not todo:
+                continue
+            try:
+                self.add_documents([r["text"] for r in todo.values()], ids=list(todo), metadatas=[r.get("metadata") for r in todo.values()],
+                                   schema=schema, system=system, progress=False, publish=False)
+                added += len(todo)
+            except PromptCacheError as err:
+                logger.warning("remote documents of %r not taken in: %s", schema, err)
+        if added:
+            logger.info("took in %d documents from the remote store", added)
+        return added
 
     @staticmethod
     def _joint_paths(layout: SchemaLayout) -> dict[str, "_Joint"]:

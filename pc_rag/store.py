@@ -1,4 +1,5 @@
-"""Where module KV lives: a memory tier with an LRU byte budget, and a disk tier.
+"""Where module KV lives: a memory tier with an LRU byte budget, a disk tier, and optionally a
+remote tier shared by replicas (:mod:`pc_rag.remote`, Redis).
 
 Disk format, one entry per module: ``<key>.safetensors`` (tensors ``kv`` and ``positions``) and
 ``<key>.json`` (the manifest: key, engine fingerprint, file size, CRC-32 of the file). Both are
@@ -142,7 +143,11 @@ class ModuleStore:
     stored, a spill folder only on eviction. ``kv_dtype`` stores KV in a lower precision than the
     model's; ``pin`` pins CPU-resident entries for fast host-to-device copies.
 
-    The lock guards the memory tier's bookkeeping only: disk reads, checksums and writes happen
+    A remote tier (``remote``) sits behind disk: a miss in memory and on disk reads it before the
+    caller encodes, and every stored encoding is written to it; when it is unavailable it is
+    skipped (see :class:`pc_rag.remote.RemoteTier`), never failing a lookup.
+
+    The lock guards the memory tier's bookkeeping only: disk and remote reads, checksums and writes happen
     outside it, so a memory hit never waits behind another request's I/O. An entry being written
     out on eviction stays readable from memory until its file is complete.
     """
@@ -155,19 +160,23 @@ class ModuleStore:
         memory_budget: int | None = None,
         disk: DiskTier | None = None,
         pin: bool = False,
+        remote: Any = None,
     ) -> None:
         self.device = device
         self.kv_dtype = kv_dtype
         self.memory_budget = memory_budget
         self.disk = disk
         self.pin = pin
+        self.remote = remote  # pc_rag.remote.RemoteTier or None
         self._memory: OrderedDict[str, ModuleKV] = OrderedDict()
         self._info: dict[str, dict[str, Any]] = {}
         self._unsaved: set[str] = set()
         self._writing: dict[str, ModuleKV] = {}  # evicted, file not complete yet
+        self._remote_pending: set[str] = set()  # stored while the remote tier was unavailable: written when it returns
         self._bytes = 0
         self._lock = threading.Lock()
         self.disk_loads = 0
+        self.remote_loads = 0
         self.hits_memory = 0
         self.misses = 0
         self.evictions = 0
@@ -180,14 +189,19 @@ class ModuleStore:
         with self._lock:
             if key in self._memory or key in self._writing:
                 return True
-        return self.disk is not None and key in self.disk
+        if self.disk is not None and key in self.disk:
+            return True
+        return self.remote is not None and key in self.remote
 
     def in_memory(self, key: str) -> bool:
         return key in self._memory
 
     def get(self, key: str, *, count: bool = True) -> ModuleKV | None:
-        """The module under ``key`` from memory, else disk (kept in memory then), else None;
-        ``count=False`` leaves the hit/miss statistics alone (a second look by the same caller)."""
+        """The module under ``key`` from memory, else disk, else the remote tier (kept in memory
+        then), else None; ``count=False`` leaves the hit/miss statistics alone (a second look by
+        the same caller)."""
+        if self._remote_pending and self.remote is not None and self.remote.available:
+            self._flush_remote()
         with self._lock:
             module = self._memory.get(key)
             if module is None:
@@ -197,14 +211,22 @@ class ModuleStore:
             if module is not None:
                 self.hits_memory += count
                 return module
-        module = self.disk.load(key, self.device if not self.pin else "cpu") if self.disk is not None else None
+        device = self.device if not self.pin else "cpu"
+        module = self.disk.load(key, device) if self.disk is not None else None
+        tier = "disk"
+        if module is None and self.remote is not None:
+            module, tier = self.remote.load(key, device), "remote"
         if module is None:
             if count:
                 with self._lock:
                     self.misses += 1
             return None
         with self._lock:
-            self.disk_loads += 1
+            if tier == "disk":
+                self.disk_loads += 1
+            else:
+                self.remote_loads += 1
+            # a remote entry stays in Redis: evicting it from memory loses nothing
             module, victims = self._remember(key, module, saved=True)
         self._write_out(victims)
         return module
@@ -214,9 +236,12 @@ class ModuleStore:
         durable = persist and self.disk is not None and self.disk.durable
         if durable:
             self.disk.save(key, module, info)  # type: ignore[union-attr]
+        shared = persist and self.remote is not None and self.remote.save(key, module, info)
         with self._lock:
             self._info[key] = info
-            module, victims = self._remember(key, module, saved=durable)
+            if persist and self.remote is not None and not shared:
+                self._remote_pending.add(key)
+            module, victims = self._remember(key, module, saved=durable or shared)
         self._write_out(victims)
         return module
 
@@ -248,6 +273,20 @@ class ModuleStore:
                 victims.append((key, module))
         return victims
 
+    def _flush_remote(self) -> None:
+        """Write to the remote tier what was stored while it was unavailable (a restarted, empty
+        Redis gets the encodings back), while it takes them; entries gone from memory since
+        (spilled to disk, or dropped) are left to whoever encodes them next."""
+        with self._lock:
+            pending = [(key, self._memory.get(key)) for key in self._remote_pending]
+        for key, module in pending:
+            if module is not None and not self.remote.save(key, module, self._info.get(key, {})):  # type: ignore[union-attr]
+                return  # unavailable again: keep the rest for later
+            with self._lock:
+                self._remote_pending.discard(key)
+                if module is not None and self.disk is None:
+                    self._unsaved.discard(key)  # held by the remote tier now: memory may drop it
+
     def _write_out(self, victims: list[tuple[str, ModuleKV]]) -> None:
         """Write evicted entries to disk (outside the lock), then forget them."""
         for key, module in victims:
@@ -260,10 +299,15 @@ class ModuleStore:
     def clear_memory(self) -> int:
         """Drop every entry from the memory tier (saving unsaved ones to disk first); returns the bytes freed.
 
-        Entries without a disk tier to go to are kept: dropping them would lose the encoding.
+        Without a disk tier, only entries the remote tier holds are dropped: dropping the others
+        would lose the encoding.
         """
         if self.disk is None:
-            return 0
+            with self._lock:
+                kept = OrderedDict((k, m) for k, m in self._memory.items() if k in self._unsaved or self.remote is None)
+                freed = self._bytes - sum(m.nbytes for m in kept.values())
+                self._memory, self._bytes = kept, self._bytes - freed
+            return freed
         with self._lock:
             freed = self._bytes
             victims = [(key, module) for key, module in self._memory.items() if key in self._unsaved]
@@ -279,7 +323,7 @@ class ModuleStore:
     def stats(self, *, scan_disk: bool = True) -> dict[str, int]:
         """Hits per tier, misses, evictions and bytes held (see ``PromptCache.store_stats``)."""
         with self._lock:
-            counts = {"hits_memory": self.hits_memory, "hits_disk": self.disk_loads, "hits_remote": 0, "misses": self.misses,
+            counts = {"hits_memory": self.hits_memory, "hits_disk": self.disk_loads, "hits_remote": self.remote_loads, "misses": self.misses,
                       "evictions": self.evictions, "bytes_memory": self._bytes}
         counts["bytes_disk"] = self.disk.size_bytes() if self.disk is not None and scan_disk else 0
         return counts
@@ -293,9 +337,11 @@ def open_store(
     device: torch.device,
     kv_dtype: torch.dtype,
     pin: bool,
+    remote: Any = None,
 ) -> ModuleStore:
     """The store an engine uses: memory, over ``kv_dir`` (durable) or, with a memory budget and
-    no kv_dir, over a private spill folder that evicted modules go to (removed at exit)."""
+    no kv_dir, over a private spill folder that evicted modules go to (removed at exit); over
+    ``remote`` (a :class:`pc_rag.remote.RemoteTier`) when given."""
     disk = None
     if kv_dir is not None:
         disk = DiskTier(Path(kv_dir) / "kv" / fingerprint, fingerprint)
@@ -303,4 +349,4 @@ def open_store(
         spill = tempfile.mkdtemp(prefix="pc-rag-spill-")
         atexit.register(shutil.rmtree, spill, True)
         disk = DiskTier(Path(spill), fingerprint, durable=False)
-    return ModuleStore(device=device, kv_dtype=kv_dtype, memory_budget=memory_budget, disk=disk, pin=pin)
+    return ModuleStore(device=device, kv_dtype=kv_dtype, memory_budget=memory_budget, disk=disk, pin=pin, remote=remote)

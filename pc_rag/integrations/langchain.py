@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
@@ -27,20 +30,28 @@ from langchain_core.callbacks import (
     CallbackManagerForRetrieverRun,
 )
 from langchain_core.documents import Document
-from langchain_core.language_models import BaseChatModel, BaseLLM
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.language_models import BaseChatModel, BaseLLM, LanguageModelInput
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, ToolMessage
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, Generation, GenerationChunk, LLMResult
 from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import ensure_config
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
 
+from ..constrained import closed
 from ..documents import module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import Generation as EngineGeneration
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
+from ..tools import call_schema, parse_calls, tool_names
 from ._shared import as_prompt, engine_kwargs, generation_info, iterate_in_thread, model_name, shared_engine
 
 __all__ = ["ChatPromptCache", "PromptCacheLLM", "PromptCacheRetriever", "format_modules"]
@@ -211,6 +222,62 @@ def _role(message: BaseMessage) -> str:
     return {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}.get(message.type, "user")
 
 
+def _turn(message: BaseMessage) -> dict[str, Any]:
+    """A LangChain message as a chat-template turn (tool calls and tool results included)."""
+    turn: dict[str, Any] = {"role": _role(message), "content": message.text}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        turn["tool_calls"] = [{"type": "function", "id": call.get("id"), "function": {"name": call["name"], "arguments": call["args"]}}
+                              for call in message.tool_calls]
+    if isinstance(message, ToolMessage):
+        turn["tool_call_id"] = message.tool_call_id
+        if message.name:
+            turn["name"] = message.name
+    return turn
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> str:
+    """LangChain's/OpenAI's ``tool_choice`` spellings as "auto", "none", "required" or a tool's name."""
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice == "none":
+        return "none"
+    if choice is True or choice in ("any", "required"):
+        return "required"
+    if isinstance(choice, dict):
+        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+    if isinstance(choice, str) and choice in tool_names(tools):
+        return choice
+    raise PromptCacheError(f"tool_choice must be 'auto', 'none', 'any'/'required'/True or a bound tool's name "
+                           f"({', '.join(tool_names(tools))}), got {choice!r}")
+
+
+def _response_schema(response_format: Any) -> dict[str, Any] | bool:
+    """OpenAI's ``response_format`` (``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"schema": ...}}``) as the engine's ``json_schema``."""
+    if isinstance(response_format, dict):
+        if response_format.get("type") == "json_object":
+            return True
+        if response_format.get("type") == "json_schema" and isinstance((response_format.get("json_schema") or {}).get("schema"), dict):
+            return response_format["json_schema"]["schema"]
+    raise PromptCacheError("response_format must be {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
+                           f"{{'schema': {{...}}}}}}, got {response_format!r:.120}")
+
+
+def _ai_message(result: EngineGeneration, engine: PromptCache, tools: list[dict[str, Any]]) -> AIMessage:
+    """The reply as an AIMessage: tool calls in ``tool_calls`` when it is one, text otherwise."""
+    info = generation_info(result, engine)
+    calls = parse_calls(result.text, tools) if tools else []
+    if calls:
+        info["finish_reason"] = "tool_calls"
+        return AIMessage(content="", tool_calls=[tool_call(name=c["name"], args=c["arguments"], id=_call_id()) for c in calls],
+                         response_metadata=info, usage_metadata=_usage(result))
+    return AIMessage(content=result.text, response_metadata=info, usage_metadata=_usage(result))
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _usage(result: EngineGeneration) -> UsageMetadata:
     """LangChain's standard token counts; ``input_token_details.cache_read`` is the prompt tokens
     whose KV came from the cache (the standard field for exactly this)."""
@@ -256,8 +323,86 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
             params["ls_stop"] = stop or self.stop
         return params
 
-    def _prompt(self, messages: list[BaseMessage]) -> str:
-        return self.engine.render_chat([{"role": _role(m), "content": m.text} for m in messages])
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: dict[str, Any] | str | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Tools the model may call: LangChain tools, functions, pydantic classes or OpenAI specs.
+
+        ``tool_choice``: "auto" (default: the model answers or calls), "none", "any"/"required"/True
+        (a call to some tool) or a tool's name (a call to it). A forced call is decoded under its
+        JSON schema, so it always parses into ``AIMessage.tool_calls``. Tools are rendered by the
+        chat template when it takes them, else described in the system turn (:mod:`pc_rag.tools`).
+        """
+        formatted = [convert_to_openai_tool(tool) for tool in tools]
+        return super().bind(tools=formatted, tool_choice=_tool_choice(tool_choice, formatted), **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """Replies parsed into ``schema`` (a pydantic class, a TypedDict, or a JSON schema dict).
+
+        ``method="json_schema"`` (default) constrains decoding to the schema, so the reply always
+        parses (unless ``max_new_tokens`` ends it first); ``"function_calling"`` forces a call to a
+        tool of that schema (also constrained); ``"json_mode"`` constrains to some JSON object and
+        leaves the keys to the prompt. ``include_raw=True`` returns ``{"raw", "parsed",
+        "parsing_error"}``. ``strict`` (default on; ``False`` turns it off): objects whose schema
+        does not say otherwise get no keys beyond their properties, as in OpenAI's strict mode.
+        """
+        if kwargs:
+            raise PromptCacheError(f"unknown with_structured_output arguments: {', '.join(sorted(kwargs))}")
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser: Runnable
+        if method == "function_calling":
+            tool = convert_to_openai_tool(schema)
+            name = tool["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format={
+                "kwargs": {"method": method, "strict": strict}, "schema": tool})
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic  # type: ignore[list-item]
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method in ("json_schema", "json_mode"):
+            json_schema = convert_to_json_schema(schema)
+            constraint = json_schema if strict is False else closed(json_schema)
+            response_format = ({"type": "json_object"} if method == "json_mode"
+                               else {"type": "json_schema", "json_schema": {"name": json_schema.get("title", "output"), "schema": constraint}})
+            llm = self.bind(response_format=response_format, ls_structured_output_format={
+                "kwargs": {"method": method, "strict": strict}, "schema": json_schema})
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        else:
+            raise PromptCacheError(f"method must be 'json_schema', 'function_calling' or 'json_mode', got {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        unparsed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([unparsed], exception_key="parsing_error")
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+                 ) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+        """The prompt, the engine's arguments and the tools in force for one conversation."""
+        kwargs = dict(kwargs)
+        tools = list(kwargs.pop("tools", None) or [])
+        choice = _tool_choice(kwargs.pop("tool_choice", None), tools)
+        response_format = kwargs.pop("response_format", None)
+        if choice == "none":
+            tools = []
+        params = self._engine_kwargs(stop, kwargs)
+        if choice not in ("auto", "none"):
+            params["json_schema"] = call_schema(tools, None if choice == "required" else choice)
+        if response_format is not None:
+            if "json_schema" in params:
+                raise PromptCacheError("give a forced tool_choice or a response_format, not both")
+            params["json_schema"] = _response_schema(response_format)
+        prompt = self.engine.render_chat([_turn(m) for m in messages], tools=tools or None)
+        return prompt, params, tools
 
     def _generate(
         self,
@@ -268,11 +413,10 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
     ) -> ChatResult:
         if self.streaming:
             return _chat_result(list(self._stream(messages, stop, run_manager, **kwargs)))
-        prompt = self._prompt(messages)
-        result = _batched(self, prompt) or self.engine.generate(prompt, **self._engine_kwargs(stop, kwargs))
-        info = generation_info(result, self.engine)
-        message = AIMessage(content=result.text, response_metadata=info, usage_metadata=_usage(result))
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
+        prompt, params, tools = self._request(messages, stop, kwargs)
+        result = _batched(self, prompt) or self.engine.generate(prompt, **params)
+        message = _ai_message(result, self.engine, tools)
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=dict(message.response_metadata))])
 
     def _stream(
         self,
@@ -281,16 +425,27 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        stream: StreamingGeneration = self.engine.stream(self._prompt(messages), **self._engine_kwargs(stop, kwargs))
+        prompt, params, tools = self._request(messages, stop, kwargs)
+        stream: StreamingGeneration = self.engine.stream(prompt, **params)
         for text in stream:
+            if tools:  # the reply may be a call: read whole before it is sent
+                continue
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=text))
             if run_manager is not None:
                 run_manager.on_llm_new_token(text, chunk=chunk)
             yield chunk
         assert stream.result is not None
-        info = generation_info(stream.result, self.engine)
-        usage = _usage(stream.result)
-        yield ChatGenerationChunk(message=AIMessageChunk(content="", response_metadata=info, usage_metadata=usage, chunk_position="last"))
+        message = _ai_message(stream.result, self.engine, tools)
+        if tools:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(
+                content=message.content,
+                tool_call_chunks=[tool_call_chunk(name=c["name"], args=json.dumps(c["args"], ensure_ascii=False), id=c["id"], index=i)
+                                  for i, c in enumerate(message.tool_calls)]))
+            if run_manager is not None:
+                run_manager.on_llm_new_token(message.text, chunk=chunk)
+            yield chunk
+        yield ChatGenerationChunk(message=AIMessageChunk(content="", response_metadata=message.response_metadata,
+                                                         usage_metadata=message.usage_metadata, chunk_position="last"))
 
     def batch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
         """Several conversations decoded together (``engine.generate_batch``: one forward pass per
@@ -301,8 +456,9 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
         config = ensure_config(config)
         conversations = [self._convert_input(item).to_messages() for item in inputs]
         stop = kwargs.pop("stop", None)
-        prompts = [self._prompt(messages) for messages in conversations]
-        _pending.batch = _Batch(self, prompts, self._engine_kwargs(stop, dict(kwargs)))
+        requests = [self._request(messages, stop, {k: v for k, v in kwargs.items() if k != "ls_structured_output_format"})
+                    for messages in conversations]
+        _pending.batch = _Batch(self, [prompt for prompt, _, _ in requests], requests[0][1])
         try:
             result = self.generate(conversations, stop=stop, callbacks=config.get("callbacks"), tags=config.get("tags"),
                                    metadata=config.get("metadata"), run_name=config.get("run_name"), **kwargs)

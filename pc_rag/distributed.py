@@ -1,0 +1,109 @@
+"""Corpus encoding on a Ray cluster, into the remote tier that serving replicas read.
+
+:func:`encode_documents` splits the documents into batches and hands them to a pool of Ray
+actors; each actor loads the model once, encodes its batches with ``add_documents`` (KV written
+to the remote tier, the batch's document records published once after it) and asks for more.
+Ray retries the batch of an actor that dies (a new actor loads the model again); an entry
+becomes visible in Redis only whole (see :mod:`pc_rag.remote`), so a retry never meets half of
+one, and encoding the same document twice writes the same bytes.
+
+Runs on a local Ray runtime (``ray.init()`` with this machine's CPUs) or joins the cluster that
+``RAY_ADDRESS`` names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from . import documents as docs_mod
+from .documents import DEFAULT_SCHEMA
+from .errors import PromptCacheError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["encode_documents"]
+
+
+class _Encoder:
+    """A Ray actor: one engine (the model loaded once) that encodes batches into the remote tier."""
+
+    def __init__(self, model: str | None, remote_store: str, threads: int | None, engine_kwargs: dict[str, Any]) -> None:
+        import torch
+
+        from .engine import PromptCache
+
+        if threads:
+            torch.set_num_threads(threads)  # actors share the machine: one core each by default
+        # a worker adds documents; it does not serve the ones already there
+        self.engine = PromptCache.from_pretrained(model, remote_store=remote_store, remote_sync=False, **engine_kwargs)
+        if self.engine.remote is None or not self.engine.remote.available:
+            raise PromptCacheError(f"remote store {remote_store!r} is not reachable from this worker")
+
+    def encode(self, batch: list[tuple[str, str, dict[str, Any]]], schema: str, system: str | None) -> tuple[int, int]:
+        before = self.engine.store_stats()["encoded"]
+        names = [name for name, _, _ in batch]
+        self.engine.add_documents([text for _, text, _ in batch], ids=names, metadatas=[meta for _, _, meta in batch],
+                                  schema=schema, system=system, progress=False)
+        return len(batch), self.engine.store_stats()["encoded"] - before
+
+
+def encode_documents(
+    texts: Sequence[Any],
+    *,
+    model: str | None = None,
+    remote_store: str,
+    ids: Sequence[str] | None = None,
+    metadatas: Sequence[dict[str, Any] | None] | None = None,
+    num_workers: int | None = None,
+    schema: str = DEFAULT_SCHEMA,
+    system: str | None = None,
+    batch_size: int = 16,
+    progress: bool = True,
+    **engine_kwargs: Any,
+) -> list[str]:
+    """Encode documents on Ray workers into ``remote_store``; return their module names in input order.
+
+    The names are those :meth:`pc_rag.PromptCache.add_documents` gives (``ids``, the Document or
+    node id, or one derived from the text), so a replica built with the same ``remote_store``
+    serves ``build_prompt(question, names)`` at once, encoding nothing. ``num_workers`` actors
+    (default: the cluster's CPUs), each with one CPU and ``engine_kwargs`` for
+    :meth:`PromptCache.from_pretrained`; ``batch_size`` documents per task.
+    """
+    import ray
+    from ray.util import ActorPool
+
+    records = docs_mod.normalize(texts, ids, metadatas)
+    named: dict[str, tuple[str, dict[str, Any]]] = {}
+    names: list[str] = []
+    for doc_id, text, meta in records:  # validate everything before any worker starts
+        name = doc_id or docs_mod.default_name(text)
+        if name in named and named[name][0] != text:
+            raise PromptCacheError(f"document id {name!r} is given two different texts")
+        named.setdefault(name, (text, meta))
+        names.append(name)
+    if batch_size < 1:
+        raise PromptCacheError(f"batch_size must be >= 1, got {batch_size!r}")
+    if not ray.is_initialized():
+        # RAY_ADDRESS joins a cluster; without it a local runtime with this machine's CPUs
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    workers = num_workers or max(1, cpus)
+    if workers < 1:
+        raise PromptCacheError(f"num_workers must be >= 1, got {num_workers!r}")
+    unique = list(named.items())
+    batches = [[(name, text, meta) for name, (text, meta) in unique[i : i + batch_size]] for i in range(0, len(unique), batch_size)]
+    workers = min(workers, len(batches)) or 1
+    actor = ray.remote(num_cpus=1, max_restarts=2, max_task_retries=2)(_Encoder)
+    pool = ActorPool([actor.remote(model, remote_store, 1, engine_kwargs) for _ in range(workers)])
+    encoded = 0
+    with tqdm(total=len(unique), desc="encoding on ray", unit="doc", disable=not progress) as bar:
+        for done, fresh in pool.map_unordered(lambda a, batch: a.encode.remote(batch, schema, system), batches):
+            encoded += fresh
+            bar.update(done)
+    logger.info("encoded %d of %d documents on %d Ray workers into %s", encoded, len(unique), workers, remote_store)
+    return names
