@@ -1,12 +1,14 @@
-"""``pc-rag``: command-line entry points (``generate``, ``demo``, ``ask``)."""
+"""``pc-rag``: command-line entry points (``generate``, ``demo``, ``ask``, ``encode``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .engine import ENCODINGS, PromptCache
 from .errors import PromptCacheError
@@ -44,7 +46,7 @@ def _read_text(value: str) -> str:
 
 def _engine(args: argparse.Namespace) -> PromptCache:
     return PromptCache.from_pretrained(
-        args.model, device=args.device, encoding=args.encoding, kv_dir=args.kv_dir
+        args.model, device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store
     )
 
 
@@ -82,17 +84,25 @@ class DemoRAG:
     """The demo's RAG stack: stdlib passages as document modules, FAISS, and a LangChain chain."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from .corpus import stdlib_corpus
+        from .corpus import Passage, stdlib_corpus
         from .retrievers import FaissModuleRetriever
 
         if args.kv_dir is None:
             args.kv_dir = str(cache_root())
         started = time.perf_counter()
         self.engine = _engine(args)
-        corpus = stdlib_corpus()
-        names = self.engine.add_documents(
-            [p.text for p in corpus], ids=[p.id for p in corpus], metadatas=[p.metadata for p in corpus], system=DEMO_SYSTEM
-        )
+        shared = self.engine.schemas.get("docs")
+        if args.remote_store and shared is not None and shared.documents:
+            # serve what `pc-rag encode --remote-store` (or another replica) stored: nothing to encode
+            corpus = [Passage(r.name, r.text, dict(r.metadata)) for r in shared.documents.values()]
+            names = [p.id for p in corpus]
+            source = f"documents from {args.remote_store}"
+        else:
+            corpus = stdlib_corpus()
+            names = self.engine.add_documents(
+                [p.text for p in corpus], ids=[p.id for p in corpus], metadatas=[p.metadata for p in corpus], system=DEMO_SYSTEM
+            )
+            source = "passages of standard-library documentation"
         try:
             self.retriever = FaissModuleRetriever.load(engine=self.engine)
             if sorted(self.retriever.names) != sorted(names):
@@ -103,7 +113,7 @@ class DemoRAG:
             self.retriever.add([p.text for p in corpus], ids=names, metadatas=[p.metadata for p in corpus], progress=False)
             self.retriever.save()
         tokens = sum(len(self.engine.schemas["docs"].layout.modules[n].token_ids) for n in names)
-        print(f"corpus: {len(names)} passages of standard-library documentation, {tokens} tokens, "
+        print(f"corpus: {len(names)} {source}, {tokens} tokens, "
               f"ready in {time.perf_counter() - started:.1f} s (cache: {args.kv_dir})\n")
         self.k = args.k
         self.max_new_tokens = args.max_new_tokens
@@ -147,6 +157,58 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_documents(paths: list[str]) -> list[dict[str, Any]]:
+    """Documents from files: a text file is one document (its name, without suffix, the id), a
+    JSONL file one per line (``text``, optional ``id`` and ``metadata``), a folder every
+    ``.txt``/``.md``/``.jsonl`` file under it, in name order."""
+    documents: list[dict[str, Any]] = []
+    files: list[Path] = []
+    for value in paths:
+        path = Path(value)
+        if path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md", ".jsonl") and p.is_file()))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise PromptCacheError(f"{value}: no such file or folder")
+    for path in files:
+        if path.suffix == ".jsonl":
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise PromptCacheError(f"{path}:{number}: not JSON ({err})") from err
+                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                    raise PromptCacheError(f"{path}:{number}: needs a string field 'text'")
+                documents.append({"text": row["text"], "id": row.get("id"), "metadata": {**(row.get("metadata") or {}), "source": str(path)}})
+        else:
+            documents.append({"text": path.read_text(encoding="utf-8"), "id": None, "metadata": {"source": str(path)}})
+    if not documents:
+        raise PromptCacheError("no documents found in " + ", ".join(paths))
+    return documents
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    """Encode documents into the remote store (on Ray workers with ``--workers``), once for every replica."""
+    documents = read_documents(args.files)
+    texts = [d["text"] for d in documents]
+    ids = [d["id"] for d in documents]
+    metadatas = [d["metadata"] for d in documents]
+    started = time.perf_counter()
+    if args.workers:
+        from .distributed import encode_documents
+
+        names = encode_documents(texts, model=args.model, remote_store=args.remote_store, ids=ids, metadatas=metadatas,
+                                 num_workers=args.workers, system=DEMO_SYSTEM, device=args.device, encoding=args.encoding)
+    else:
+        names = _engine(args).add_documents(texts, ids=ids, metadatas=metadatas, system=DEMO_SYSTEM)
+    print(f"encoded {len(names)} documents into {args.remote_store} in {time.perf_counter() - started:.1f} s "
+          f"({args.workers or 'no'} Ray workers); serve them with: pc-rag ask --remote-store {args.remote_store} QUESTION")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pc-rag", description="Prompt Cache: reuse attention states of prompt modules.")
     common = argparse.ArgumentParser(add_help=False)
@@ -154,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     common.add_argument("--encoding", choices=ENCODINGS, default=None, help="module encoding mode")
     common.add_argument("--kv-dir", "--cache-dir", dest="kv_dir", default=None, help="persist module KV here (--cache-dir: its old name)")
+    common.add_argument("--remote-store", default=None, metavar="URL",
+                        help="share module KV and documents through Redis/Valkey (redis://HOST:PORT/DB)")
     common.add_argument("--max-new-tokens", type=int, default=96)
     common.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,15 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
     rag.add_argument("-k", type=int, default=3, help="documents retrieved per question")
     demo = sub.add_parser("demo", parents=[common, rag], help="RAG over standard-library documentation: cached vs full prefill")
     demo.set_defaults(func=cmd_demo)
-    ask = sub.add_parser("ask", parents=[common, rag], help="answer one question over the demo corpus")
+    ask = sub.add_parser("ask", parents=[common, rag], help="answer one question over the demo corpus (or, with --remote-store, its documents)")
     ask.add_argument("question")
     ask.add_argument("--compare", action="store_true", help="also run full prefill and print the TTFT speedup")
     ask.set_defaults(func=cmd_ask)
+    encode = sub.add_parser("encode", parents=[common], help="encode documents into a remote store, for every replica")
+    encode.add_argument("files", nargs="+", help="text files, JSONL files (a 'text' field per line) or folders")
+    encode.add_argument("--workers", type=int, default=0, help="Ray workers (RAY_ADDRESS joins a cluster; 0: this process)")
+    encode.set_defaults(func=cmd_encode)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "encode" and not args.remote_store:
+        print("pc-rag: error: encode needs --remote-store URL (where the replicas read the documents)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

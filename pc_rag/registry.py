@@ -92,6 +92,7 @@ class Registry:
         self._snapshot = Snapshot(MappingProxyType({}), IndexSnapshot())
         self._lock = threading.RLock()
         self.remote = remote  # pc_rag.remote.RemoteTier: document records shared with other processes
+        self._remote_seen: dict[str, int] = {}  # records of each remote collection read so far
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
@@ -225,13 +226,16 @@ class Registry:
             return names
 
     def sync_remote(self) -> int:
-        """Add the document records published to the remote tier that this registry lacks (their
-        KV is found there, not encoded); returns how many were new. A record that contradicts one
+        """Add the document records published to the remote tier since the last call (their KV is
+        found there, not encoded); returns how many were new here. A record that contradicts one
         held here (same name, other text) is logged and skipped."""
         if self.remote is None:
             return 0
         added = 0
-        for schema, (system, records) in self.remote.document_collections().items():
+        with self._lock:
+            seen = dict(self._remote_seen)
+        collections = self.remote.document_collections(seen)  # Redis I/O outside the writers' lock
+        for schema, (system, records, read) in collections.items():
             held = self._schemas.get(schema)
             known = held.documents if held is not None else {}
             todo: dict[str, dict[str, Any]] = {}
@@ -243,14 +247,15 @@ class Registry:
                     logger.warning("remote document %r in %r holds another text than this process; skipped", name, schema)
                 elif name not in known:
                     todo.setdefault(name, record)
-            if not todo:
-                continue
             try:
-                self.add_documents([r["text"] for r in todo.values()], ids=list(todo), metadatas=[r.get("metadata") for r in todo.values()],
-                                   schema=schema, system=system, progress=False, publish=False)
-                added += len(todo)
+                if todo:
+                    self.add_documents([r["text"] for r in todo.values()], ids=list(todo), metadatas=[r.get("metadata") for r in todo.values()],
+                                       schema=schema, system=system, progress=False, publish=False)
+                    added += len(todo)
             except PromptCacheError as err:
                 logger.warning("remote documents of %r not taken in: %s", schema, err)
+            with self._lock:
+                self._remote_seen[schema] = max(read, self._remote_seen.get(schema, 0))
         if added:
             logger.info("took in %d documents from the remote store", added)
         return added

@@ -18,7 +18,7 @@ payload must have the recorded size and checksum; anything else is logged, delet
 as a miss, so the caller encodes the module again (and writes a good entry).
 
 Redis down, slow or full never fails a request: every command runs under a timeout of a few
-milliseconds; an error marks the tier down for ``retry_s`` seconds (logged once), during which
+milliseconds (payload transfers, on their own connection, get room for their size too); an error marks the tier down for ``retry_s`` seconds (logged once), during which
 it is skipped and modules come from the local tiers or are encoded; afterwards it is tried again
 and hits resume. Eviction is Redis' own (``maxmemory-policy allkeys-lru``): a record whose
 chunk was evicted fails the check above and is rebuilt.
@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 SCHEMES = ("redis", "rediss", "valkey", "valkeys", "unix")
+# the slowest transfer rate a healthy Redis is allowed for a payload chunk before it counts as down
+BULK_BYTES_PER_S = 100e6
 
 
 def connect(url: str, *, timeout_ms: float) -> Any:
@@ -75,6 +77,9 @@ class RemoteTier:
         self.retry_s = retry_s
         self.chunk_bytes = chunk_bytes
         self.client = connect(url, timeout_ms=timeout_ms)
+        # payload chunks travel on a second connection with room for their size: the small
+        # commands before them (the record, EXISTS) already told a slow or absent Redis apart
+        self.bulk = connect(url, timeout_ms=timeout_ms + 1000 * chunk_bytes / BULK_BYTES_PER_S)
         self._down_until = 0.0
         self._lock = threading.Lock()
         self.errors = 0
@@ -131,7 +136,7 @@ class RemoteTier:
         record_key = self._record_key(key)
 
         def run() -> bool:
-            pipe = self.client.pipeline(transaction=True)
+            pipe = self.bulk.pipeline(transaction=True)
             for index, chunk in enumerate(chunks):
                 pipe.set(f"{record_key}:{index}", chunk)
             pipe.set(record_key, json.dumps(record))
@@ -155,7 +160,7 @@ class RemoteTier:
                 problem = "written for another model, tokenizer, dtype or encoding"
             else:
                 names = [f"{record_key}:{i}" for i in range(int(record["chunks"]))]
-                chunks = self._call("read", lambda: self.client.mget(names), None)
+                chunks = self._call("read", lambda: self.bulk.mget(names), None)
                 if chunks is None:
                     return None  # the tier went down between the two reads: a miss, not a bad entry
                 if any(chunk is None for chunk in chunks):
@@ -200,15 +205,18 @@ class RemoteTier:
 
         return bool(self._call("write", run, False))
 
-    def document_collections(self) -> dict[str, tuple[str | None, list[dict[str, Any]]]]:
-        """Every document collection published under this fingerprint: name -> (system, records)."""
-        def run() -> dict[str, tuple[str | None, list[dict[str, Any]]]]:
+    def document_collections(self, seen: dict[str, int] | None = None) -> dict[str, tuple[str | None, list[dict[str, Any]], int]]:
+        """Document collections published under this fingerprint: name -> (system, records after
+        the first ``seen[name]``, records in all), so a reader fetches each record once."""
+        seen = seen or {}
+
+        def run() -> dict[str, tuple[str | None, list[dict[str, Any]], int]]:
             schemas = self.client.hgetall(f"{self.prefix}schemas")
             out = {}
-            for name, value in schemas.items():
-                name = name.decode()
-                records = [json.loads(r) for r in self.client.lrange(f"{self.prefix}docs:{name}", 0, -1)]
-                out[name] = (json.loads(value).get("system"), records)
+            for raw_name, value in schemas.items():
+                name = raw_name.decode()
+                records = [json.loads(r) for r in self.client.lrange(f"{self.prefix}docs:{name}", seen.get(name, 0), -1)]
+                out[name] = (json.loads(value).get("system"), records, seen.get(name, 0) + len(records))
             return out
 
         return self._call("read", run, {})

@@ -42,6 +42,8 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
 def call_schema(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> dict[str, Any]:
     """The JSON schema of one call to any of ``tools`` (or to the one named ``name``)."""
     names = tool_names(tools)
+    if not names:
+        raise PromptCacheError("a forced tool call needs tools: bind some (bind_tools) or use tool_choice='auto'")
     if name is not None and name not in names:
         raise PromptCacheError(f"tool_choice names {name!r}, which is not a bound tool (bound: {', '.join(names)})")
     options = []

@@ -1,5 +1,6 @@
 """The CLI runs every example schema; bad input ends with a clear message and exit code 2."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,29 @@ def test_demo_and_ask_run_the_langchain_rag_chain(tiny_folder, tmp_path, capsys)
     out = capsys.readouterr().out
     assert "Q: How do I parse JSON?" in out and "cached" in out and "speedup" not in out
     assert sorted(p.name for p in (tmp_path / "kv").rglob("*.safetensors")) == stored  # nothing re-encoded
+
+
+def test_encode_then_ask_serves_from_the_remote_store(tiny_folder, tmp_path, redis_server, capsys):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "bells.txt").write_text("The cathedral bell was cast in 1822 and rings every hour.")
+    (folder / "more.jsonl").write_text(
+        json.dumps({"id": "mill", "text": "The old mill ground wheat until the flood of 1910."}) + "\n\n"
+        + json.dumps({"text": "Lighthouse keepers logged the weather at dawn.", "metadata": {"lang": "en"}}) + "\n")
+    common = ["--model", str(tiny_folder), "--remote-store", redis_server.url, "--max-new-tokens", "3"]
+    assert main(["encode", str(folder), *common]) == 0
+    assert "encoded 3 documents" in capsys.readouterr().out
+    # a fresh process-like engine: ask serves those documents, with its own empty kv_dir
+    assert main(["ask", "When did the mill stop?", *common, "--kv-dir", str(tmp_path / "kv"), "-k", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "corpus: 3 documents from redis://" in out and "modules: mill" in out
+    assert not any((tmp_path / "kv").rglob("*.safetensors"))  # nothing encoded here
+
+
+def test_encode_refuses_bad_input(tiny_folder, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"title": "no text"}\n')
+    assert main(["encode", str(bad), "--model", str(tiny_folder)]) == 2
+    assert "needs --remote-store" in capsys.readouterr().err
+    assert main(["encode", str(bad), "--model", str(tiny_folder), "--remote-store", "redis://127.0.0.1:1/0"]) == 2
+    assert "bad.jsonl:1: needs a string field 'text'" in capsys.readouterr().err

@@ -140,6 +140,8 @@ def test_parse_calls_reads_calls_and_nothing_else():
         call_schema([ADD], "get_weather")
     with pytest.raises(PromptCacheError, match="OpenAI-style"):
         call_schema([{"name": "add"}])
+    with pytest.raises(PromptCacheError, match="needs tools"):
+        call_schema([])
 
 
 def test_tools_go_to_the_system_turn_of_a_template_without_tools(smollm):
@@ -240,3 +242,5 @@ def test_bad_tool_arguments_are_typed_errors(chat):
         chat.invoke("hi", response_format={"type": "xml"})
     with pytest.raises(PromptCacheError, match="method"):
         chat.with_structured_output(Joke, method="regex")
+    with pytest.raises(PromptCacheError, match="needs tools"):
+        chat.invoke("hi", tool_choice="any")
