@@ -170,7 +170,7 @@ def chat_markers(tokenizer: Any) -> ChatMarkers:
         if not with_prompt.startswith(plain):
             raise ValueError("generation prompt is not appended verbatim")
         return ChatMarkers(starts, ends, with_prompt[len(plain) :])
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any template failure means: use the fallback
         logger.warning("cannot derive role markers from the chat template (%s): using plain markers", exc)
         return _FALLBACK_MARKERS
 
@@ -214,7 +214,7 @@ def _template_renders_tools(tokenizer: Any) -> bool:
         tool = {"type": "function", "function": {"name": "pc_rag_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
         try:
             cached = "pc_rag_probe_tool" in tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, add_generation_prompt=True)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
             cached = False
         tokenizer._pc_rag_renders_tools = cached
     return cached

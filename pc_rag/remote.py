@@ -175,7 +175,7 @@ class RemoteTier:
                         tensors = load_safetensors(blob)
                         # ModuleKV checks the shapes agree ([layers, 2, heads, tokens, dim] and one position per token)
                         return ModuleKV(tensors["kv"].to(device), tensors["positions"])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any unreadable entry is treated the same way
             problem = f"unreadable ({exc})"
         logger.warning("discarding remote entry %s: %s; it will be re-encoded", key[:16], problem)
         self.discard(key)
