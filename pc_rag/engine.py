@@ -295,9 +295,10 @@ class PromptCache:
                                            progress=progress, batch_tokens=batch_tokens)
 
     def sync_documents(self) -> int:
-        """Take in the documents that other processes published to the remote tier (run at start
-        and when a prompt names a module this process does not know); their KV stays remote
-        until a prompt needs it. Returns the number of documents new here (0 without a remote tier)."""
+        """Take in the documents and PML schemas that other processes published to the remote
+        tier (run at start and when a prompt names a module or schema this process does not
+        know); their KV stays remote until a prompt needs it. Returns the number of documents and
+        schemas new here (0 without a remote tier)."""
         return self.registry.sync_remote()
 
     # -- serving ------------------------------------------------------------------------------------

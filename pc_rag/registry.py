@@ -109,8 +109,9 @@ class Registry:
             raise PromptCacheError(f"{what} needs {length} positions, more than the model's context window ({window})")
 
     # -----------------------------------------------------------------------------------------
-    def add_schema(self, pml: str, *, progress: bool = True) -> Schema:
-        """Parse a schema and encode all its modules (loaded from the store when present)."""
+    def add_schema(self, pml: str, *, progress: bool = True, publish: bool = True) -> Schema:
+        """Parse a schema and encode all its modules (loaded from the store when present); with a
+        remote tier, publish its source there (``publish=False`` when it comes from there)."""
         doc = parse_schema(pml)
         spec, encoder = self.spec, self.encoder
         with self._lock:
@@ -153,6 +154,8 @@ class Registry:
                     if info.text is not None and not info.anonymous and name in keys:
                         self.index.add(doc.name, name, info.text)
             self._publish(schema)
+            if self.remote is not None and publish:
+                self.remote.publish_schema(doc.name, pml)
             logger.info("schema %r: %d modules, %d tokens, %d encoded", doc.name, len(schema.modules), layout.length, len(missing))
             return schema
 
@@ -226,8 +229,8 @@ class Registry:
             return names
 
     def sync_remote(self) -> int:
-        """Add the document records published to the remote tier since the last call (their KV is
-        found there, not encoded); returns how many were new here. A record that contradicts one
+        """Add the PML schemas and document records published to the remote tier since the last
+        call (their KV is found there, not encoded); returns how many were new here. A record that contradicts one
         held here (same name, other text) is logged and skipped."""
         if self.remote is None:
             return 0
@@ -235,6 +238,16 @@ class Registry:
         with self._lock:
             seen = dict(self._remote_seen)
         collections = self.remote.document_collections(seen)  # Redis I/O outside the writers' lock
+        for name, source in self.remote.pml_schemas().items():
+            held = self._schemas.get(name)
+            if held is None:
+                try:
+                    self.add_schema(source, progress=False, publish=False)
+                    added += 1
+                except PromptCacheError as err:
+                    logger.warning("remote schema %r not taken in: %s", name, err)
+            elif held.source != source:
+                logger.warning("remote schema %r differs from the one this process holds; keeping this process's", name)
         for schema, (system, records, read) in collections.items():
             held = self._schemas.get(schema)
             known = held.documents if held is not None else {}

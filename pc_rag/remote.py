@@ -11,7 +11,7 @@ or versions share one Redis without ever reading each other's entries:
   and what they were encoded behind) and immutable: a second writer writes the same bytes.
 - ``schemas``: a hash, document-collection name -> its system prompt (JSON);
   ``docs:<schema>``: a list of document records (JSON: name, text, metadata), appended once
-  per ``add_documents`` call.
+  per ``add_documents`` call; ``pml``: a hash, PML schema name -> its source.
 
 On load the record must name the same key and fingerprint, every chunk must be there and the
 payload must have the recorded size and checksum; anything else is logged, deleted and treated
@@ -204,6 +204,14 @@ class RemoteTier:
             return True
 
         return bool(self._call("write", run, False))
+
+    def publish_schema(self, name: str, pml: str) -> bool:
+        """Record PML schema ``name``'s source (a replica parses it and finds its modules' KV here)."""
+        return bool(self._call("write", lambda: self.client.hset(f"{self.prefix}pml", name, pml) is not None, False))
+
+    def pml_schemas(self) -> dict[str, str]:
+        """Every PML schema published under this fingerprint: name -> source."""
+        return self._call("read", lambda: {k.decode(): v.decode() for k, v in self.client.hgetall(f"{self.prefix}pml").items()}, {})
 
     def document_collections(self, seen: dict[str, int] | None = None) -> dict[str, tuple[str | None, list[dict[str, Any]], int]]:
         """Document collections published under this fingerprint: name -> (system, records after

@@ -55,6 +55,21 @@ def test_documents_added_later_by_another_replica_are_found_on_demand(make_engin
     assert replica.sync_documents() == 0
 
 
+def test_pml_schemas_travel_too(make_engine, redis_server):
+    from pathlib import Path
+
+    from pc_rag import PML
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    writer = make_engine(remote_store=redis_server.url)
+    writer.add_schema((examples / "travel.xml").read_text(), progress=False)
+    prompt = PML((examples / "travel_prompt.xml").read_text())
+    replica = make_engine(remote_store=redis_server.url)
+    assert "travel" in replica.schemas and replica.store_stats()["encoded"] == 0
+    assert replica.generate(prompt, max_new_tokens=6).token_ids == writer.generate(prompt, max_new_tokens=6).token_ids
+    assert replica.store_stats()["encoded"] == 0
+
+
 def test_engines_of_another_model_share_the_redis_but_never_an_entry(make_engine, redis_server):
     llama = make_engine("llama", remote_store=redis_server.url)
     llama.add_documents(DOCS[:2], progress=False)
