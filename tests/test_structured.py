@@ -210,6 +210,9 @@ def test_bind_tools_forced_call_parses_into_tool_calls(chat):
         streamed = chunk if streamed is None else streamed + chunk
     assert [c["name"] for c in streamed.tool_calls] == ["add"] and streamed.tool_calls[0]["args"] == {"a": 2, "b": 5}
     assert streamed.usage_metadata["output_tokens"] > 0
+    # streaming=True: invoke decodes through the stream, and the call survives joining the chunks
+    by_stream = chat.model_copy(update={"streaming": True}).bind_tools([add], tool_choice="any").invoke("What is 2 plus 5? Use the tool.")
+    assert by_stream.tool_calls and by_stream.tool_calls[0]["args"] == {"a": 2, "b": 5}
 
 
 def test_a_tool_round_trip_renders_and_answers(chat):

@@ -524,7 +524,8 @@ def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
     message = chunks[0].message
     for chunk in chunks[1:]:
         message = message + chunk.message  # type: ignore[assignment]
-    final = AIMessage(content=message.content, response_metadata=message.response_metadata, usage_metadata=message.usage_metadata)
+    final = AIMessage(content=message.content, response_metadata=message.response_metadata, usage_metadata=message.usage_metadata,
+                      tool_calls=getattr(message, "tool_calls", []))
     return ChatResult(generations=[ChatGeneration(message=final, generation_info=dict(message.response_metadata))])
 
 
