@@ -206,9 +206,14 @@ def render_chat(tokenizer: Any, markers: ChatMarkers, messages: Any, tools: Sequ
     return "".join(parts) + markers.generation
 
 
+_RENDERS_TOOLS: dict[str, bool] = {}  # chat template text -> whether it writes tools
+
+
 def _template_renders_tools(tokenizer: Any) -> bool:
-    """Whether the chat template writes ``tools`` into the prompt (probed once per tokenizer)."""
-    cached = getattr(tokenizer, "_pc_rag_renders_tools", None)
+    """Whether the chat template writes ``tools`` into the prompt (probed once per template text,
+    so a template replaced on the tokenizer is probed again)."""
+    template = str(tokenizer.chat_template)
+    cached = _RENDERS_TOOLS.get(template)
     if cached is None:
         probe = [{"role": "user", "content": "hi"}]
         tool = {"type": "function", "function": {"name": "pc_rag_probe_tool", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
@@ -216,7 +221,7 @@ def _template_renders_tools(tokenizer: Any) -> bool:
             cached = "pc_rag_probe_tool" in tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
             cached = False
-        tokenizer._pc_rag_renders_tools = cached
+        _RENDERS_TOOLS[template] = cached
     return cached
 
 

@@ -161,6 +161,7 @@ def test_tools_go_through_a_template_that_renders_them(tokenizer):
 
     from pc_rag.model import render_chat
 
+    render_chat(tokenizer, None, [{"role": "user", "content": "hi"}], tools=[ADD])  # the plain template probed first
     tool_aware = deepcopy(tokenizer)
     tool_aware.chat_template = (
         "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
