@@ -74,7 +74,7 @@ def _grammar(schema: str) -> str:
 
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_STYLE)
-    except Exception as err:  # noqa: BLE001 - llguidance raises plain ValueError/RuntimeError
+    except Exception as err:  # llguidance raises plain ValueError/RuntimeError: re-raised typed
         raise PromptCacheError(f"json_schema cannot be compiled: {err}") from err
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
