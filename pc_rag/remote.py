@@ -37,14 +37,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from .errors import PromptCacheError
 from .kvcache import ModuleKV
+from .store import FORMAT_VERSION, header_problem, serialize
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 SCHEMES = ("redis", "rediss", "valkey", "valkeys", "unix")
 # the slowest transfer rate a healthy Redis is allowed for a payload chunk before it counts as down
 BULK_BYTES_PER_S = 100e6
@@ -129,7 +128,7 @@ class RemoteTier:
 
     def save(self, key: str, module: ModuleKV, info: dict[str, Any]) -> bool:
         """Write the entry (chunks, then its record, in one transaction); False when the tier is unavailable."""
-        blob = save_safetensors({"kv": module.kv.detach().to("cpu").contiguous(), "positions": module.positions.contiguous()})
+        blob = serialize(module)
         chunks = [blob[i : i + self.chunk_bytes] for i in range(0, len(blob), self.chunk_bytes)] or [b""]
         record = {"format": FORMAT_VERSION, "key": key, "fingerprint": self.fingerprint, "bytes": len(blob),
                   "chunks": len(chunks), "crc32": zlib.crc32(blob), "created": time.time(), **info}
@@ -154,11 +153,8 @@ class RemoteTier:
         problem = None
         try:
             record = json.loads(raw)
-            if record.get("format") != FORMAT_VERSION:
-                problem = f"format {record.get('format')!r}"
-            elif record.get("key") != key or record.get("fingerprint") != self.fingerprint:
-                problem = "written for another model, tokenizer, dtype or encoding"
-            else:
+            problem = header_problem(record, key, self.fingerprint)
+            if problem is None:
                 names = [f"{record_key}:{i}" for i in range(int(record["chunks"]))]
                 chunks = self._call("read", lambda: self.bulk.mget(names), None)
                 if chunks is None:

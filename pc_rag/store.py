@@ -37,6 +37,20 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 
 
+def serialize(module: ModuleKV) -> bytes:
+    """An entry's payload: safetensors with tensors ``kv`` and ``positions`` (no code runs on load)."""
+    return save_safetensors({"kv": module.kv.detach().to("cpu").contiguous(), "positions": module.positions.contiguous()})
+
+
+def header_problem(header: dict[str, Any], key: str, fingerprint: str) -> str | None:
+    """Why an entry's manifest/record cannot describe ``key`` for this engine (None: it can)."""
+    if header.get("format") != FORMAT_VERSION:
+        return f"format {header.get('format')!r}"
+    if header.get("key") != key or header.get("fingerprint") != fingerprint:
+        return "written for another model, tokenizer, dtype or encoding"
+    return None
+
+
 class DiskTier:
     """Module KV persisted under ``root`` (see module docstring)."""
 
@@ -72,7 +86,7 @@ class DiskTier:
     def save(self, key: str, module: ModuleKV, info: dict[str, Any]) -> None:
         data_path, manifest_path = self._paths(key)
         data_path.parent.mkdir(parents=True, exist_ok=True)
-        blob = save_safetensors({"kv": module.kv.detach().to("cpu").contiguous(), "positions": module.positions.contiguous()})
+        blob = serialize(module)
         atomic_write(data_path, blob)
         manifest = {
             "format": FORMAT_VERSION,
@@ -96,12 +110,8 @@ class DiskTier:
             return None
         try:
             manifest = json.loads(manifest_path.read_text())
-            problem = None
-            if manifest.get("format") != FORMAT_VERSION:
-                problem = f"format {manifest.get('format')!r}"
-            elif manifest.get("key") != key or manifest.get("fingerprint") != self.fingerprint:
-                problem = "written for another model, tokenizer, dtype or encoding"
-            else:
+            problem = header_problem(manifest, key, self.fingerprint)
+            if problem is None:
                 with data_path.open("rb") as handle:
                     size = data_path.stat().st_size
                     if size != manifest["bytes"]:
