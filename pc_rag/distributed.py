@@ -40,16 +40,30 @@ class _Encoder:
         if threads:
             torch.set_num_threads(threads)  # actors share the machine: one core each by default
         # a worker adds documents; it does not serve the ones already there
-        self.engine = PromptCache.from_pretrained(model, remote_store=remote_store, remote_sync=False, **engine_kwargs)
-        if self.engine.remote is None or not self.engine.remote.available:
-            raise PromptCacheError(f"remote store {remote_store!r} is not reachable from this worker")
+        self.engine = PromptCache.from_pretrained(model, remote_store=remote_store, remote_sync=False, remote_sync_interval_s=None,
+                                                  **engine_kwargs)
+        _check_reachable(self.engine, remote_store)
 
     def encode(self, batch: list[tuple[str, str, dict[str, Any]]], schema: str, system: str | None) -> tuple[int, int]:
+        """Encode one batch into the remote tier; a PromptCacheError unless every entry and the
+        batch's records were written there (what the tier could not take would otherwise wait
+        for a write-back that dies with this actor)."""
         before = self.engine.store_stats()["encoded"]
         names = [name for name, _, _ in batch]
         self.engine.add_documents([text for _, text, _ in batch], ids=names, metadatas=[meta for _, _, meta in batch],
                                   schema=schema, system=system, progress=False)
+        unwritten = len(self.engine.store.unshared()) + self.engine.registry.flush_unpublished()
+        if unwritten:
+            raise PromptCacheError(f"{unwritten} entries or registry records could not be written to the remote store "
+                                   f"({self.engine.remote.errors} errors; is it reachable, and not full?)")
         return len(batch), self.engine.store_stats()["encoded"] - before
+
+
+def _check_reachable(engine: Any, url: str) -> None:
+    if engine.remote is None or not engine.remote.ping():
+        from .remote import _redact
+
+        raise PromptCacheError(f"remote store {_redact(url)!r} is not reachable from this worker")
 
 
 def encode_documents(
@@ -86,15 +100,18 @@ def encode_documents(
             raise PromptCacheError(f"document id {name!r} is given two different texts")
         named.setdefault(name, (text, meta))
         names.append(name)
-    if batch_size < 1:
-        raise PromptCacheError(f"batch_size must be >= 1, got {batch_size!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise PromptCacheError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if num_workers is not None and (not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1):
+        raise PromptCacheError(f"num_workers must be an int >= 1 or None (the cluster's CPUs), got {num_workers!r}")
+    from .remote import RemoteTier, _redact
+
+    if not RemoteTier(remote_store, "reachability-check").ping():  # fail here, before Ray starts any worker
+        raise PromptCacheError(f"remote store {_redact(remote_store)!r} is not reachable")
     if not ray.is_initialized():
         # RAY_ADDRESS joins a cluster; without it a local runtime with this machine's CPUs
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
-    cpus = int(ray.cluster_resources().get("CPU", 1))
-    workers = num_workers or max(1, cpus)
-    if workers < 1:
-        raise PromptCacheError(f"num_workers must be >= 1, got {num_workers!r}")
+    workers = num_workers if num_workers is not None else max(1, int(ray.cluster_resources().get("CPU", 1)))
     unique = list(named.items())
     batches = [[(name, text, meta) for name, (text, meta) in unique[i : i + batch_size]] for i in range(0, len(unique), batch_size)]
     workers = min(workers, len(batches)) or 1
@@ -102,8 +119,14 @@ def encode_documents(
     pool = ActorPool([actor.remote(model, remote_store, 1, engine_kwargs) for _ in range(workers)])
     encoded = 0
     with tqdm(total=len(unique), desc="encoding on ray", unit="doc", disable=not progress) as bar:
-        for done, fresh in pool.map_unordered(lambda a, batch: a.encode.remote(batch, schema, system), batches):
-            encoded += fresh
-            bar.update(done)
+        try:
+            for done, fresh in pool.map_unordered(lambda a, batch: a.encode.remote(batch, schema, system), batches):
+                encoded += fresh
+                bar.update(done)
+        except ray.exceptions.RayError as err:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, PromptCacheError):  # a worker's own verdict: the remote store did not take its batch
+                raise PromptCacheError(f"encoding into {_redact(remote_store)!r} failed: {cause}") from err
+            raise
     logger.info("encoded %d of %d documents on %d Ray workers into %s", encoded, len(unique), workers, remote_store)
     return names

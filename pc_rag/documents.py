@@ -5,14 +5,18 @@ Two ways a prompt names stored documents:
 - PML, from :func:`build_prompt`: ``<prompt schema="docs"><user><doc-1/>...question</user></prompt>``;
   the question is escaped, so user text can never become markup.
 - A *module reference* inside plain text, from :func:`module_reference` (what LangChain's
-  ``format_modules`` emits into an ordinary prompt template). A reference carries a secret drawn
-  when this process started; the engine only honours references that carry it, so a user who
-  types a reference into a question gets it read as text, never as an import.
+  ``format_modules`` emits into an ordinary prompt template). A reference carries a tag: an
+  HMAC of its collection and module name under a secret drawn when this process started. The
+  engine only honours references whose tag verifies, so a user who types a reference into a
+  question gets it read as text, never as an import, and a reference copied out of a trace
+  opens that one module and nothing else (and only inside a request whose ``collections=``
+  include its collection: see :func:`pc_rag.planner.plan`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,9 +36,9 @@ SEPARATOR = "\n\n"
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 _RESERVED = set(ROLES) | {"prompt", "schema", "module", "union", "param", "parameter"}
 
-# honoured only with this process's secret: see the module docstring
-_SECRET = secrets.token_hex(8)
-_REFERENCE = re.compile(r"\[\[pc-rag-module ([0-9a-f]{16}) ([A-Za-z_][\w.\-]*)/([A-Za-z_][\w.\-]*)\]\]")
+# honoured only with a tag made with this process's secret: see the module docstring
+_SECRET = secrets.token_bytes(32)
+_REFERENCE = re.compile(r"\[\[pc-rag-module ([0-9a-f]{32}) ([A-Za-z_][\w.\-]*)/([A-Za-z_][\w.\-]*)\]\]")
 
 
 @dataclass(frozen=True)
@@ -115,17 +119,30 @@ def build_prompt(question: str, modules: Sequence[str], *, schema: str = DEFAULT
     return PML(f'<prompt schema="{schema}">{system_turn}<user>{refs}{escape(question)}</user></prompt>')
 
 
+def _tag(schema: str, name: str) -> str:
+    return hmac.new(_SECRET, f"{schema}/{name}".encode(), "sha256").hexdigest()[:32]
+
+
 def module_reference(name: str, schema: str = DEFAULT_SCHEMA) -> str:
     """A reference to a stored module for use inside plain text (see the module docstring)."""
-    return f"[[pc-rag-module {_SECRET} {check_name(schema, 'schema name')}/{check_name(name, 'module name')}]]"
+    schema, name = check_name(schema, "schema name"), check_name(name, "module name")
+    return f"[[pc-rag-module {_tag(schema, name)} {schema}/{name}]]"
+
+
+def is_reference(text: Any, name: str | None = None, schema: str | None = None) -> bool:
+    """Whether ``text`` is exactly one genuine reference (to ``schema``/``name`` when given):
+    what adapters check before passing a reference found in untrusted metadata on."""
+    m = _REFERENCE.fullmatch(text) if isinstance(text, str) else None
+    return (m is not None and hmac.compare_digest(m.group(1), _tag(m.group(2), m.group(3)))
+            and (name is None or m.group(3) == name) and (schema is None or m.group(2) == schema))
 
 
 def split_references(text: str) -> list[str | ModuleSpan]:
-    """Split plain text at the module references carrying this process's secret (spans of whole modules)."""
+    """Split plain text at the genuine module references in it (spans of whole modules)."""
     out: list[str | ModuleSpan] = []
     cursor = 0
     for m in _REFERENCE.finditer(text):
-        if not secrets.compare_digest(m.group(1), _SECRET):
+        if not hmac.compare_digest(m.group(1), _tag(m.group(2), m.group(3))):
             continue  # a forged or foreign reference: text like any other
         if m.start() > cursor:
             out.append(text[cursor : m.start()])

@@ -21,7 +21,7 @@ by the writer: a search never waits for a build and never sees one half done.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import ahocorasick
@@ -130,10 +130,19 @@ class ModuleTextIndex:
         return True
 
     def remove_schema(self, schema: str) -> None:
+        """Forget every module of ``schema``."""
+        self._remove(lambda entry: entry[0] == schema)
+
+    def remove(self, schema: str, names: Iterable[str]) -> None:
+        """Forget the modules ``names`` of ``schema`` (deleted documents)."""
+        gone = set(names)
+        self._remove(lambda entry: entry[0] == schema and entry[1] in gone)
+
+    def _remove(self, dropped: Callable[[Entry], bool]) -> None:
         with self._lock:
             for level in (self._base, self._recent):
                 for key in list(level):
-                    kept = [e for e in level[key] if e[0] != schema]
+                    kept = [e for e in level[key] if not dropped(e)]
                     if kept:
                         level[key] = kept
                     else:

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -171,13 +172,25 @@ class Forward:
 # ---------------------------------------------------------------------------------------------
 # Module encoding: what goes into the store, under which key, behind which context
 # ---------------------------------------------------------------------------------------------
-def entry_key(fingerprint: str, encoding: str, token_ids: Sequence[int], positions: Sequence[int], context_key: str | None) -> str:
-    """The store key of a module's KV: engine, encoding, what it was encoded behind, its tokens and positions."""
+def entry_key(fingerprint: str, encoding: str, collection: str, token_ids: Sequence[int], positions: Sequence[int],
+              context_key: str | None) -> str:
+    """The store key of a module's KV, ``<collection>/<sha-256>``: the hash covers the engine, the
+    encoding, the collection, what the module was encoded behind, its tokens and positions.
+
+    The collection is part of it so that the same text in two collections is two entries: a hit
+    in one says nothing about the other (no timing side channel between tenants), and every tier
+    can keep, list and delete a collection's entries apart (disk folders, Redis key prefixes).
+    """
     h = hashlib.sha256()
-    h.update(f"{fingerprint}|{encoding}|{context_key}|".encode())
-    h.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
-    h.update(torch.tensor(list(positions), dtype=torch.int64).numpy().tobytes())
-    return h.hexdigest()
+    h.update(f"{fingerprint}|{encoding}|{collection}|{context_key}|".encode())
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(np.asarray(positions, dtype=np.int64).tobytes())
+    return f"{collection}/{h.hexdigest()}"
+
+
+def key_collection(key: str) -> str:
+    """The collection a store key belongs to (see :func:`entry_key`)."""
+    return key.partition("/")[0]
 
 
 class ModuleEncoder:
@@ -200,18 +213,18 @@ class ModuleEncoder:
         self._contexts: dict[str, ModuleKV] = {}  # prefix + lead KV of document schemas, by key
         self._lock = threading.RLock()
 
-    def key(self, token_ids: Sequence[int], positions: Sequence[int], context_key: str | None) -> str:
-        return entry_key(self.fingerprint, self.encoding, token_ids, positions, context_key)
+    def key(self, collection: str, token_ids: Sequence[int], positions: Sequence[int], context_key: str | None) -> str:
+        return entry_key(self.fingerprint, self.encoding, collection, token_ids, positions, context_key)
 
     def ensure(self, key: str, token_ids: Sequence[int], positions: Sequence[int], context: ModuleKV | None, info: dict[str, Any],
                *, count: bool = True) -> ModuleKV:
         """The stored KV under ``key``, encoded now if the store does not hold it (``count``: this
         lookup counts in the store's statistics; False when the caller has looked already)."""
-        module = self.store.get(key, count=count)
+        module = self.store.get(key, positions, count=count)
         if module is not None:
             return module
         with self._lock:
-            module = self.store.get(key, count=False)  # another thread may have encoded it meanwhile
+            module = self.store.get(key, positions, count=False)  # another thread may have encoded it meanwhile
             if module is None:
                 module = self.forward.encode(token_ids, positions, context)
                 module = self.store.put(key, module, info)
@@ -228,7 +241,7 @@ class ModuleEncoder:
             return prefix
         # the prefix and the lead: a few tokens, computed once per process and kept here
         total = layout.document_start
-        key = self.key(list(prefix_info.token_ids) + list(layout.lead), range(total), schema.keys[layout.prefix])
+        key = self.key(schema.name, list(prefix_info.token_ids) + list(layout.lead), range(total), schema.keys[layout.prefix])
         module = self._contexts.get(key)
         if module is None:
             with self._lock:
@@ -243,12 +256,12 @@ class ModuleEncoder:
 
     def fetch(self, schema: Any, name: str, key: str) -> ModuleKV:
         """A planned segment's KV: from the store, or encoded again from the schema the plan pinned."""
-        module = self.store.get(key)
+        info = schema.layout.modules[name]
+        module = self.store.get(key, info.positions)
         if module is not None:
             return module
         if name in schema.joint:
             return self._encode_joint(schema, name, key)
-        info = schema.layout.modules[name]
         context = self.context(schema) if name != schema.layout.prefix else None
         return self.ensure(key, info.token_ids, info.positions, context, _info(schema, name), count=False)
 
@@ -257,7 +270,7 @@ class ModuleEncoder:
         module of the path is stored, each the slice of the path's KV at its own tokens."""
         path = schema.joint[name].token_ids
         with self._lock:
-            module = self.store.get(key, count=False)
+            module = self.store.get(key, schema.layout.modules[name].positions, count=False)
             if module is not None:
                 return module
             joint = schema.joint[name]

@@ -26,7 +26,7 @@ import torch
 from . import planner
 from .assemble import Ape, Assembler, Assembly, choose_assembly
 from .constrained import Vocabulary
-from .documents import DEFAULT_SCHEMA, SEPARATOR
+from .documents import DEFAULT_SCHEMA, SEPARATOR, check_name
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
 from .generate import Rows, decode, prefill, prefill_in_order, prefill_recovered
@@ -37,7 +37,7 @@ from .model import ModelSpec, RopeRotator, inspect_model, load_model, render_cha
 from .recovery import SCORED, Recovery, Strategy, check_ape, check_recovery, entries
 from .registry import Registry, Schema
 from .remote import RemoteTier
-from .store import open_store
+from .store import KVShape, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,10 @@ class PromptCache:
         remote_store: str | None = None,
         remote_timeout_ms: float = 50.0,
         remote_sync: bool = True,
+        remote_key: str | bytes | Sequence[str | bytes] | None = None,
+        remote_ttl_s: float | None = None,
+        remote_collections: Sequence[str] | None = None,
+        remote_sync_interval_s: float | None = 1.0,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
         if encoding not in ENCODINGS:
@@ -137,23 +141,33 @@ class PromptCache:
             scale=float(attention_scale),
         )
         self.assembly: Assembly = choose_assembly(assembly, DEFAULT_ASSEMBLY, self.spec)
-        self.fingerprint = hashlib.sha256(f"{self.spec.fingerprint}|{encoding}".encode()).hexdigest()[:32]
+        kv_dtype = store_dtype or self.spec.dtype
+        # every tier holds KV in kv_dtype: it is part of what an entry is, so of every key
+        self.fingerprint = hashlib.sha256(f"{self.spec.fingerprint}|{encoding}|{kv_dtype}".encode()).hexdigest()[:32]
         kv_dir = _kv_dir(kv_dir, cache_dir)
         self.kv_dir = Path(kv_dir) if kv_dir is not None else None
         store_device = self.spec.device if kv_location == "device" else torch.device("cpu")
-        kv_dtype = store_dtype or self.spec.dtype
         self._kv_bytes_per_token = self.spec.kv_bytes_per_token(kv_dtype)
-        self.remote = RemoteTier(remote_store, self.fingerprint, timeout_ms=remote_timeout_ms) if remote_store else None
+        if remote_sync_interval_s is not None and not remote_sync_interval_s >= 0:
+            raise PromptCacheError(f"remote_sync_interval_s must be a number of seconds >= 0 or None, got {remote_sync_interval_s!r}")
+        if remote_collections is not None:
+            remote_collections = [check_name(c, "collection name") for c in planner.scope(remote_collections) or ()]
+        self.remote = RemoteTier(remote_store, self.fingerprint, key=remote_key, timeout_ms=remote_timeout_ms,
+                                 ttl_s=remote_ttl_s) if remote_store else None
+        self.remote_sync_interval_s = remote_sync_interval_s
+        self._synced_at = time.monotonic()
         self.store = open_store(
             fingerprint=self.fingerprint, kv_dir=self.kv_dir, memory_budget=memory_budget, device=store_device,
             kv_dtype=kv_dtype, pin=store_device.type == "cpu" and self.spec.device.type == "cuda", remote=self.remote,
+            shape=KVShape(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, kv_dtype),
         )
         self.forward = Forward(model)
         self.encoder = ModuleEncoder(self.forward, self.store, self.spec, encoding, self.fingerprint)
         # verbatim module texts, for drop-in reuse in plain prompts (only where modules can move)
         # (aligned through character offsets: a fast tokenizer's)
         self.drop_in = drop_in and self.spec.movable and bool(getattr(tokenizer, "is_fast", False))
-        self.registry = Registry(self.spec, self.encoder, encoding=encoding, drop_in=self.drop_in, remote=self.remote)
+        self.registry = Registry(self.spec, self.encoder, encoding=encoding, drop_in=self.drop_in, remote=self.remote,
+                                 remote_collections=remote_collections)
         self.buffers = BufferPool(model)
         self.assembler = Assembler(self.spec, self.encoder, self.buffers)
         # tokens that end an answer (EOS, end of turn); empty it for fixed-length generations
@@ -176,6 +190,8 @@ class PromptCache:
                         recovery_budget: float | int | None = None, attention_temperature: float | None = None,  # noqa: PYI041
                         attention_scale: float | None = None, cache_dir: str | os.PathLike | None = None,
                         remote_store: str | None = None, remote_timeout_ms: float = 50.0, remote_sync: bool = True,
+                        remote_key: str | bytes | Sequence[str | bytes] | None = None, remote_ttl_s: float | None = None,
+                        remote_collections: Sequence[str] | None = None, remote_sync_interval_s: float | None = 1.0,
                         **model_kwargs: Any) -> PromptCache:
         """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct).
 
@@ -184,7 +200,13 @@ class PromptCache:
         ``remote_store`` (``redis://HOST:PORT/DB``, ``rediss://``, ``valkey://``) adds a tier
         shared by every replica (:mod:`pc_rag.remote`): module KV and document records;
         ``remote_timeout_ms`` bounds each of its commands; ``remote_sync=False`` skips taking in
-        its documents at start (an encoding worker needs none).
+        its documents at start (an encoding worker needs none); ``remote_key`` (default: the
+        ``PC_RAG_REMOTE_KEY`` environment variable) authenticates every record with an HMAC
+        (a list: the first key signs, all verify, for rotation); ``remote_ttl_s`` expires KV
+        entries; ``remote_collections`` confines this replica to those collections of the shared
+        registry (for Redis ACLs per tenant); ``remote_sync_interval_s`` is how stale this
+        replica's view of the shared registry may get before a request reads it again (None:
+        only at start, on an unknown name and on :meth:`sync_documents`).
         """
         kv_dir = _kv_dir(kv_dir, cache_dir)
         lm, tokenizer = load_model(model, device=device, dtype=dtype, **model_kwargs)
@@ -192,7 +214,8 @@ class PromptCache:
                    kv_location=kv_location, drop_in=drop_in, recompute=recompute, recompute_tail=recompute_tail, assembly=assembly,
                    recovery=recovery, recovery_budget=recovery_budget, attention_temperature=attention_temperature,
                    attention_scale=attention_scale, remote_store=remote_store, remote_timeout_ms=remote_timeout_ms,
-                   remote_sync=remote_sync)
+                   remote_sync=remote_sync, remote_key=remote_key, remote_ttl_s=remote_ttl_s,
+                   remote_collections=remote_collections, remote_sync_interval_s=remote_sync_interval_s)
 
     @property
     def cache_dir(self) -> Path | None:
@@ -294,17 +317,43 @@ class PromptCache:
         return self.registry.add_documents(texts, ids=ids, metadatas=metadatas, schema=schema, system=system,
                                            progress=progress, batch_tokens=batch_tokens)
 
+    def delete_documents(self, names: str | Sequence[str], *, schema: str = DEFAULT_SCHEMA) -> list[str]:
+        """Remove documents (by name, i.e. id) from collection ``schema`` everywhere they live: the
+        registry and the drop-in index (no request planned from now on imports or matches them),
+        memory, ``kv_dir``, the remote tier's KV and registry (other replicas drop them at their
+        next sync), and every :class:`~pc_rag.retrievers.FaissModuleRetriever` bound to this
+        engine. Returns the names removed; names the collection does not hold are ignored. A
+        request planned before the call finishes on the KV it was planned with."""
+        return self.registry.delete_documents(names, schema=schema)
+
     def sync_documents(self) -> int:
-        """Take in the documents and PML schemas that other processes published to the remote
-        tier (run at start and when a prompt names a module or schema this process does not
-        know); their KV stays remote until a prompt needs it. Returns the number of documents and
-        schemas new here (0 without a remote tier)."""
+        """Take in the documents, deletions and PML schemas that other processes published to the
+        remote tier (run at start, when a prompt names a module or schema this process does not
+        know, and before a request once ``remote_sync_interval_s`` has passed); their KV stays
+        remote until a prompt needs it. Returns the number of documents and schemas changed here
+        (0 without a remote tier)."""
+        self._synced_at = time.monotonic()
         return self.registry.sync_remote()
 
+    def sync_if_due(self) -> None:
+        """:meth:`sync_documents` when ``remote_sync_interval_s`` has passed since the last one
+        (before every request and retriever search): deletions and additions by other replicas
+        reach this one within the interval. A sync another thread is running is not waited for."""
+        interval = self.remote_sync_interval_s
+        if self.remote is not None and interval is not None and time.monotonic() - self._synced_at >= interval:
+            self._synced_at = time.monotonic()
+            self.registry.sync_remote(wait=False)
+
     # -- serving ------------------------------------------------------------------------------------
-    def plan(self, prompt: str) -> Plan:
-        """Which tokens of ``prompt`` are cached and which computed, at which positions."""
-        planned = planner.plan(prompt, self.registry.snapshot(), self.spec, encoding=self.encoding, drop_in=self.drop_in)
+    def plan(self, prompt: str, *, collections: str | Sequence[str] | None = None) -> Plan:
+        """Which tokens of ``prompt`` are cached and which computed, at which positions.
+
+        ``collections``: the collections (document schemas and PML schemas) this request may
+        read; None (the default) is all of them, for single-user use. A scoped request imports,
+        matches (drop-in) and names nothing outside them: see :func:`pc_rag.planner.plan`.
+        """
+        planned = planner.plan(prompt, self.registry.snapshot(), self.spec, encoding=self.encoding, drop_in=self.drop_in,
+                               collections=planner.scope(collections))
         return planner.recover(planned, head=self.recovery.head, tail=self.recovery.tail, encoding=self.encoding)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
@@ -319,17 +368,20 @@ class PromptCache:
         """
         return render_chat(self.tokenizer, self.spec.markers, messages, tools)
 
-    def next_token_logits(self, prompt: str, *, use_cache: bool = True) -> torch.Tensor:
+    def next_token_logits(self, prompt: str, *, use_cache: bool = True, collections: str | Sequence[str] | None = None) -> torch.Tensor:
         """Logits of the first generated token: the quantity cached inference must reproduce."""
-        plans = self._prepare([prompt], use_cache)
+        plans = self._prepare([prompt], use_cache, planner.scope(collections))
         prefilled = self._prefill(plans, 0, use_cache, share=False)
         self.buffers.release(prefilled.rows.buffer)
         return prefilled.logits[0]
 
     def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
-                 use_cache: bool = True, seed: int | None = None, **generation: Any) -> Generation:
+                 use_cache: bool = True, seed: int | None = None, collections: str | Sequence[str] | None = None,
+                 **generation: Any) -> Generation:
         """Generate a completion; ``use_cache=False`` runs full prefill of the same token sequence.
+
+        ``collections`` scopes the request to those collections (see :meth:`plan`; None: all).
 
         ``generation`` takes transformers' names, with its meaning: ``do_sample``,
         ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``,
@@ -342,7 +394,7 @@ class PromptCache:
         given without ``do_sample`` decides alone: 0 is greedy, more samples.
         """
         stream = self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             stop=stop, use_cache=use_cache, seed=seed, **generation)
+                             stop=stop, use_cache=use_cache, seed=seed, collections=collections, **generation)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -350,7 +402,8 @@ class PromptCache:
 
     def stream(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
                top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
-               use_cache: bool = True, seed: int | None = None, **generation: Any) -> StreamingGeneration:
+               use_cache: bool = True, seed: int | None = None, collections: str | Sequence[str] | None = None,
+               **generation: Any) -> StreamingGeneration:
         """Like :meth:`generate`, yielding text as it is decoded; ``.result`` holds the Generation.
 
         The prompt is planned (and refused, if it cannot be served) now; it is prefilled on the
@@ -359,12 +412,13 @@ class PromptCache:
         started = time.perf_counter()
         params = self._sampling(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                      stop=stop, seed=seed, **generation))
-        plans = self._prepare([prompt], use_cache)
+        plans = self._prepare([prompt], use_cache, planner.scope(collections))
         return StreamingGeneration(self._run(plans, params, use_cache, started, share=False))
 
     def generate_batch(self, prompts: Sequence[str], *, max_new_tokens: int | None = None, temperature: float | None = None,
                        top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
-                       use_cache: bool = True, seed: int | None = None, share_modules: bool = True, **generation: Any) -> list[Generation]:
+                       use_cache: bool = True, seed: int | None = None, share_modules: bool = True,
+                       collections: str | Sequence[str] | None = None, **generation: Any) -> list[Generation]:
         """Generate completions for several prompts together: one forward pass per step for all.
 
         Every prompt is planned first, so every error surfaces before any work. With
@@ -373,17 +427,19 @@ class PromptCache:
         attention, see :mod:`pc_rag.shared_attention`); what each prompt computes is prefilled in
         one batched pass. Greedy outputs equal those of :meth:`generate` called on each prompt.
         Models whose attention cannot take per-row masks (ALiBi, learned positions, flash/flex
-        attention) are served one prompt after another.
+        attention) are served one prompt after another. ``collections`` scopes every prompt
+        (see :meth:`plan`); rows share only KV they may all read.
         """
         if isinstance(prompts, str):
             raise PromptCacheError("generate_batch takes a sequence of prompts; use generate() for one")
         prompts = list(prompts)
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
         params = self._sampling({**kwargs, **generation})  # bad arguments fail first
+        scope = planner.scope(collections)
         if len(prompts) <= 1 or not self.spec.one_pass:
-            return [self.generate(p, use_cache=use_cache, **kwargs, **generation) for p in prompts]  # type: ignore[arg-type]
+            return [self.generate(p, use_cache=use_cache, collections=scope, **kwargs, **generation) for p in prompts]  # type: ignore[arg-type]
         started = time.perf_counter()
-        plans = self._prepare(prompts, use_cache)
+        plans = self._prepare(prompts, use_cache, scope)
         run = self._run(plans, params, use_cache, started, share=share_modules and self.spec.split)
         try:
             while True:
@@ -417,18 +473,19 @@ class PromptCache:
         settings.setdefault("max_new_tokens", 256)
         return SamplingParams.build(**settings)
 
-    def _prepare(self, prompts: Sequence[str], use_cache: bool) -> list[Plan]:
+    def _prepare(self, prompts: Sequence[str], use_cache: bool, collections: frozenset[str] | None) -> list[Plan]:
         """Plan every prompt and refuse, before any work, what cannot be served."""
+        self.sync_if_due()
         plans = []
         for index, prompt in enumerate(prompts):
             try:
                 try:
-                    plans.append(self.plan(prompt))
+                    plans.append(self.plan(prompt, collections=collections))
                 except PromptCacheError:
                     # a module another replica added since this one started: take the registry in, plan again
                     if self.remote is None or not self.sync_documents():
                         raise
-                    plans.append(self.plan(prompt))
+                    plans.append(self.plan(prompt, collections=collections))
             except PromptCacheError as err:
                 if len(prompts) > 1:
                     raise PromptCacheError(f"prompt {index}: {err}") from err

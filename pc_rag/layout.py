@@ -28,8 +28,8 @@ Two position policies:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import PromptCacheError
@@ -309,6 +309,24 @@ def add_document(layout: SchemaLayout, info: ModuleInfo) -> None:
     layout.pieces.append(Piece(info.name, 0, len(info.token_ids), start))
     layout.modules[info.name] = info
     layout.length = max(layout.length, start + len(info.token_ids))
+
+
+def remove_documents(layout: SchemaLayout, names: Iterable[str]) -> SchemaLayout:
+    """A copy of document layout ``layout`` without the documents ``names`` (``layout`` itself is
+    left as it is: plans made against it keep reading it)."""
+    gone = set(names)
+    out = replace(layout, modules={}, pieces=[], anonymous_pieces=[], length=layout.prefix_length)
+    for piece in layout.pieces:
+        if piece.owner in gone:
+            continue
+        index = len(out.pieces)
+        info = replace(layout.modules[piece.owner], first_piece=index, last_piece=index)
+        if info.anonymous:
+            out.anonymous_pieces.append(index)
+        out.pieces.append(piece)
+        out.modules[info.name] = info
+        out.length = max(out.length, piece.start + piece.length)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

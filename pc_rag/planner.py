@@ -14,8 +14,9 @@ here, so a request finishes on the KV it was planned with whatever is registered
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 from .documents import split_references
@@ -26,14 +27,38 @@ from .pml import PML, parse_prompt
 from .registry import Schema, Snapshot
 
 
-def plan(prompt: str, snapshot: Snapshot, spec: ModelSpec, *, encoding: str, drop_in: bool) -> Plan:
+def scope(collections: str | Iterable[str] | None) -> frozenset[str] | None:
+    """A request's ``collections=`` as a set of names (None: every collection, single-user use)."""
+    if collections is None:
+        return None
+    names = [collections] if isinstance(collections, str) else list(collections) if isinstance(collections, Iterable) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise PromptCacheError(f"collections must be a collection name or a list of them, got {collections!r:.120}")
+    return frozenset(names)
+
+
+def visible(snapshot: Snapshot, collections: frozenset[str] | None) -> Snapshot:
+    """The part of ``snapshot`` a request scoped to ``collections`` may read."""
+    if collections is None:
+        return snapshot
+    return Snapshot(MappingProxyType({n: s for n, s in snapshot.schemas.items() if n in collections}), snapshot.index)
+
+
+def plan(prompt: str, snapshot: Snapshot, spec: ModelSpec, *, encoding: str, drop_in: bool,
+         collections: frozenset[str] | None = None) -> Plan:
     """Which tokens of ``prompt`` are cached (and where their KV is stored) and which computed, at which positions.
 
     A :class:`~pc_rag.pml.PML` prompt is read as markup; any other ``str`` is plain text, even one
     that looks like markup (untrusted text never becomes structure).
+
+    ``collections`` scopes the request: nothing outside those collections is imported, matched
+    by drop-in or named in an error (a schema or reference outside them reads exactly as one
+    that does not exist), so the plan, its statistics and its timing are those of an engine
+    that holds only these collections.
     """
     if not isinstance(prompt, str):
         raise PromptCacheError(f"prompt must be a str (plain text) or a PML prompt, got {type(prompt).__name__}")
+    snapshot = visible(snapshot, collections)
     if isinstance(prompt, PML):  # markup only when the caller says so: a plain str is always text
         planned = _plan_pml(prompt, snapshot, spec, encoding)
     else:
@@ -48,8 +73,8 @@ def _plan_pml(prompt: str, snapshot: Snapshot, spec: ModelSpec, encoding: str) -
     doc = parse_prompt(prompt)
     schema = snapshot.schemas.get(doc.schema)
     if schema is None:
-        known = ", ".join(sorted(snapshot.schemas)) or "none; call add_schema() first"
-        raise PromptCacheError(f"unknown schema {doc.schema!r} (schemas: {known})", line=doc.line, column=doc.column)
+        known = ", ".join(sorted(snapshot.schemas)) or "none"
+        raise PromptCacheError(f"unknown schema {doc.schema!r} (schemas this request may read: {known})", line=doc.line, column=doc.column)
     return plan_prompt(schema.layout, doc, spec.tokenize, spec.markers, compact=spec.movable,
                        cache_anonymous=encoding in ("isolated", "scaffold"))
 
@@ -148,7 +173,8 @@ def _aligned_runs(start: int, stop: int, ids: list[int], offsets: list[tuple[int
 def _referenced(ref: ModuleSpan, snapshot: Snapshot, spec: ModelSpec) -> Any:
     schema = snapshot.schemas.get(ref.schema)
     if schema is None:
-        raise PromptCacheError(f"module reference to unknown schema {ref.schema!r} (schemas: {', '.join(sorted(snapshot.schemas)) or 'none'})")
+        raise PromptCacheError(f"module reference to unknown schema {ref.schema!r} "
+                               f"(schemas this request may read: {', '.join(sorted(snapshot.schemas)) or 'none'})")
     info = schema.layout.modules.get(ref.name)
     if info is None or info.anonymous:
         raise PromptCacheError(

@@ -15,6 +15,7 @@ Whitespace rules (so that indentation in a schema file does not reach the model)
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Union
 
@@ -48,7 +49,21 @@ class Element:
     column: int
 
 
+class _Lines:
+    """Line and column of any offset of one source, found by bisection over its line starts
+    (counted once): parsing stays linear in the input, however many elements it has."""
+
+    def __init__(self, source: str) -> None:
+        self.starts = [0]
+        self.starts.extend(m.end() for m in re.finditer("\n", source))
+
+    def at(self, offset: int) -> tuple[int, int]:
+        line = bisect_right(self.starts, offset)
+        return line, offset - self.starts[line - 1] + 1
+
+
 def _line_col(source: str, offset: int) -> tuple[int, int]:
+    """Line and column of ``offset`` (for one-off error messages; parsing uses :class:`_Lines`)."""
     line = source.count("\n", 0, offset) + 1
     return line, offset - (source.rfind("\n", 0, offset) + 1) + 1
 
@@ -105,6 +120,7 @@ def parse_markup(source: str) -> Element:
     # skip a leading XML declaration, comments and whitespace
     stack: list[Element] = []
     root: Element | None = None
+    lines = _Lines(source)
 
     def add_text(text: str, offset: int) -> None:
         if not stack:
@@ -115,7 +131,7 @@ def parse_markup(source: str) -> Element:
         if children and isinstance(children[-1], Text):
             children[-1].text += text
         else:
-            line, column = _line_col(source, offset)
+            line, column = lines.at(offset)
             children.append(Text(text, line, column))
 
     while pos < n:
@@ -182,7 +198,7 @@ def parse_markup(source: str) -> Element:
             end = re.compile(r"\s*(/?)>").match(source, cursor)
             if not end:
                 raise _error(source, cursor, f"malformed tag <{tag}>: expected attributes name=\"value\" then '>' or '/>'")
-            line, column = _line_col(source, pos)
+            line, column = lines.at(pos)
             element = Element(tag, attrs, [], line, column)
             if stack:
                 stack[-1].children.append(element)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -24,7 +25,7 @@ from .documents import DEFAULT_SCHEMA, DocumentRecord
 from .dropin import IndexSnapshot, ModuleTextIndex
 from .encoder import ModuleEncoder
 from .errors import PromptCacheError
-from .layout import SchemaLayout, add_document, document_layout, document_module, layout_schema, scaffold_paths
+from .layout import SchemaLayout, add_document, document_layout, document_module, layout_schema, remove_documents, scaffold_paths
 from .model import ModelSpec
 from .pml import parse_schema
 
@@ -82,7 +83,8 @@ class Snapshot:
 class Registry:
     """Schemas and documents behind one lock, published as immutable snapshots (module docstring)."""
 
-    def __init__(self, spec: ModelSpec, encoder: ModuleEncoder, *, encoding: str, drop_in: bool, remote: Any = None) -> None:
+    def __init__(self, spec: ModelSpec, encoder: ModuleEncoder, *, encoding: str, drop_in: bool, remote: Any = None,
+                 remote_collections: Sequence[str] | None = None) -> None:
         self.spec = spec
         self.encoder = encoder
         self.encoding = encoding
@@ -92,7 +94,12 @@ class Registry:
         self._snapshot = Snapshot(MappingProxyType({}), IndexSnapshot())
         self._lock = threading.RLock()
         self.remote = remote  # pc_rag.remote.RemoteTier: document records shared with other processes
-        self._remote_seen: dict[str, int] = {}  # records of each remote collection read so far
+        self.remote_collections = remote_collections  # None: every collection published there
+        self._remote_seen: dict[str, int] = {}  # log entries of each remote collection read so far
+        self._remote_meta: dict[str, dict[str, Any]] = {}  # what each remote collection is (read once)
+        self._unpublished: list[tuple[str, str, Any, Any]] = []  # registry writes the remote tier has not taken yet, in order
+        self._sync_lock = threading.Lock()
+        self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()  # indexes to tell about deletions
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
@@ -127,7 +134,7 @@ class Registry:
             keys: dict[str, str] = {}
             if prefix is not None:
                 info = layout.modules[prefix]
-                keys[prefix] = encoder.key(info.token_ids, info.positions, None)
+                keys[prefix] = encoder.key(doc.name, info.token_ids, info.positions, None)
             # shared_prefix computes the always-included text after the prefix at serve time (see
             # plan_prompt); cache="false" modules are always computed at serve time
             todo = [name for name, info in layout.modules.items()
@@ -136,7 +143,7 @@ class Registry:
             for name in todo:
                 info = layout.modules[name]
                 context_key = joint[name].context_key if name in joint else keys.get(prefix) if prefix else None
-                keys[name] = encoder.key(info.token_ids, info.positions, context_key)
+                keys[name] = encoder.key(doc.name, info.token_ids, info.positions, context_key)
             schema = Schema(doc.name, pml, layout, MappingProxyType(keys),
                             joint=MappingProxyType({n: p.path for n, p in joint.items() if n in keys}))
             missing = [n for n in todo if keys[n] not in encoder.store]
@@ -155,7 +162,7 @@ class Registry:
                         self.index.add(doc.name, name, info.text)
             self._publish(schema)
             if self.remote is not None and publish:
-                self.remote.publish_schema(doc.name, pml)
+                self._publish_remote("schema", doc.name, pml, None)
             logger.info("schema %r: %d modules, %d tokens, %d encoded", doc.name, len(schema.modules), layout.length, len(missing))
             return schema
 
@@ -171,11 +178,14 @@ class Registry:
         progress: bool = True,
         batch_tokens: int | None = None,
         publish: bool = True,
+        encode: bool = True,
     ) -> list[str]:
         """Store documents as movable modules of the document schema ``schema`` (see
         :meth:`pc_rag.PromptCache.add_documents`); returns their names. With a remote tier, the
         new documents' records are published to it (once per call) after their KV is stored
-        there; ``publish=False`` when they come from it."""
+        there; ``publish=False`` when they come from it. ``encode=False`` registers them
+        without looking for their KV: a prompt that imports one finds it in a tier or encodes
+        it then (records taken in from the remote tier, whose KV is there)."""
         records = docs_mod.normalize(texts, ids, metadatas)
         spec = self.spec
         if not spec.movable:
@@ -204,13 +214,14 @@ class Registry:
             if self.encoding != "isolated" and layout.prefix:  # scaffold: documents behind the prefix too
                 context_key = f"{target.keys[layout.prefix]}+{layout.lead}"
             built = {name: document_module(layout, name, text, text_ids, spec.separator_ids) for name, (text, text_ids, _) in fresh.items()}
-            keys = {name: self.encoder.key(info.token_ids, info.positions, context_key) for name, info in built.items()}
+            keys = {name: self.encoder.key(schema, info.token_ids, info.positions, context_key) for name, info in built.items()}
             if batch_tokens is None:
                 # on CPU a 2-core machine is compute-bound at batch 1 and padding only adds work
                 batch_tokens = 512 if spec.device.type == "cpu" else 8192
             # encode first, publish after: a prompt served meanwhile never sees a document whose
             # KV is not stored yet (it would encode it a second time)
-            self.encoder.encode_documents(target, [(keys[n], built[n]) for n in built], progress=progress, batch_tokens=batch_tokens)
+            if encode:
+                self.encoder.encode_documents(target, [(keys[n], built[n]) for n in built], progress=progress, batch_tokens=batch_tokens)
             if built:
                 # copy on write: plans made against the old Schema keep reading it unchanged
                 new_layout = replace(layout, modules=dict(layout.modules), pieces=list(layout.pieces))
@@ -223,55 +234,172 @@ class Registry:
                 target = replace(target, layout=new_layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents))
                 self._publish(target)
             if self.remote is not None and publish and fresh:
-                self.remote.publish_documents(schema, target.system, [
+                self._publish_remote("documents", schema, target.system, [
                     {"name": name, "text": text, "metadata": meta} for name, (text, _, meta) in fresh.items()])
             logger.info("documents %r: %d added (%d new), %d held", schema, len(names), len(fresh), len(target.documents))
             return names
 
-    def sync_remote(self) -> int:
-        """Add the PML schemas and document records published to the remote tier since the last
-        call (their KV is found there, not encoded); returns how many were new here. A record that contradicts one
-        held here (same name, other text) is logged and skipped."""
+    # -----------------------------------------------------------------------------------------
+    def delete_documents(self, names: Iterable[str], *, schema: str = DEFAULT_SCHEMA, publish: bool = True) -> list[str]:
+        """Remove documents from collection ``schema``: from the registry and the drop-in index
+        (no plan made from now on sees them), from every store tier (memory, disk and, when
+        ``publish``, the remote tier), from the indexes watching this registry, and, when
+        ``publish``, from every replica (a deletion appended to the collection's remote log).
+        Returns the names removed (names the collection does not hold are not an error)."""
+        wanted = [docs_mod.check_name(n) for n in ([names] if isinstance(names, str) else names)]
+        with self._lock:
+            target = self._schemas.get(schema)
+            if target is None:
+                return []
+            if not target.layout.documents:
+                raise PromptCacheError(f"schema {schema!r} is a PML schema, not a document collection: documents are deleted from collections")
+            removed = [n for n in dict.fromkeys(wanted) if n in target.documents]
+            if not removed:
+                return []
+            gone = set(removed)
+            keys = {n: k for n, k in target.keys.items() if n not in gone}
+            dead = sorted({target.keys[n] for n in removed} - set(keys.values()))  # two ids may share one text's entry
+            documents = {n: r for n, r in target.documents.items() if n not in gone}
+            self.index.remove(schema, removed)
+            self._publish(replace(target, layout=remove_documents(target.layout, removed), keys=MappingProxyType(keys),
+                                  documents=MappingProxyType(documents)))
+            # a replica replaying a deletion leaves the shared entries to the replica that deleted
+            # them (the log may add the same text again after it)
+            self.encoder.store.delete(dead, remote=publish)
+            if self.remote is not None and publish:
+                self._publish_remote("delete", schema, None, removed)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener.forget(schema, removed)
+        logger.info("documents %r: %d deleted, %d held", schema, len(removed), len(documents))
+        return removed
+
+    def watch(self, listener: Any) -> None:
+        """Tell ``listener.forget(schema, names)`` about every deletion (held weakly)."""
+        self._listeners.add(listener)
+
+    # -- the remote registry ------------------------------------------------------------------
+    def _publish_remote(self, op: str, collection: str, meta: Any, payload: Any) -> None:
+        """Queue one registry write and send the queue in order (a later deletion never overtakes
+        the addition it deletes); what Redis does not take now is sent at the next sync."""
+        with self._lock:
+            self._unpublished.append((op, collection, meta, payload))
+        self.flush_unpublished()
+
+    def flush_unpublished(self) -> int:
+        """Send the registry writes the remote tier has not taken yet; returns how many are left."""
+        with self._lock:
+            while self._unpublished:
+                op, collection, meta, payload = self._unpublished[0]
+                if op == "documents":
+                    sent = self.remote.publish_documents(collection, meta, payload)
+                elif op == "delete":
+                    sent = self.remote.publish_deletion(collection, payload)
+                else:
+                    sent = self.remote.publish_schema(collection, meta)
+                if not sent:
+                    break
+                self._unpublished.pop(0)
+            return len(self._unpublished)
+
+    def sync_remote(self, *, wait: bool = True) -> int:
+        """Take in what other processes published to the remote tier since the last call: PML
+        schemas, document additions (registered; their KV stays remote until a prompt needs it)
+        and deletions, in log order. Every record is validated on its own: a bad one is skipped
+        with a warning and the rest is taken. Returns how many documents and schemas changed here.
+        ``wait=False`` returns 0 at once when another thread is syncing."""
         if self.remote is None:
             return 0
-        added = 0
-        with self._lock:
-            seen = dict(self._remote_seen)
-        collections = self.remote.document_collections(seen)  # Redis I/O outside the writers' lock
-        for name, source in self.remote.pml_schemas().items():
-            held = self._schemas.get(name)
-            if held is None:
-                try:
-                    self.add_schema(source, progress=False, publish=False)
-                    added += 1
-                except PromptCacheError as err:
-                    logger.warning("remote schema %r not taken in: %s", name, err)
-            elif held.source != source:
-                logger.warning("remote schema %r differs from the one this process holds; keeping this process's", name)
-        for schema, (system, records, read) in collections.items():
-            held = self._schemas.get(schema)
-            known = held.documents if held is not None else {}
-            todo: dict[str, dict[str, Any]] = {}
-            for record in records:
-                name, text = record.get("name"), record.get("text")
-                if not isinstance(name, str) or not isinstance(text, str):
-                    logger.warning("remote document record in %r is malformed; skipped", schema)
-                elif name in known and known[name].text != text:
-                    logger.warning("remote document %r in %r holds another text than this process; skipped", name, schema)
-                elif name not in known:
-                    todo.setdefault(name, record)
+        if not self._sync_lock.acquire(blocking=wait):
+            return 0
+        try:
+            if self._unpublished:
+                self.flush_unpublished()
+            names = list(self.remote_collections) if self.remote_collections is not None else self.remote.collection_names()
+            if not names:
+                return 0
+            unknown = [n for n in names if n not in self._remote_meta]
+            if unknown:
+                self._remote_meta.update(self.remote.collection_meta(unknown))
+            lengths = self.remote.log_lengths([n for n in names if self._remote_meta.get(n, {}).get("kind") == "documents"])
+            changed = 0
+            for name in names:
+                meta = self._remote_meta.get(name)
+                if meta is None:
+                    continue
+                if meta["kind"] == "pml":
+                    changed += self._take_schema(name, meta["source"])
+                elif lengths.get(name, 0) > self._remote_seen.get(name, 0):
+                    read = self.remote.read_log(name, self._remote_seen.get(name, 0))
+                    changed += self._replay(name, meta.get("system"), read.entries)
+                    with self._lock:
+                        self._remote_seen[name] = max(read.next, self._remote_seen.get(name, 0))
+            if changed:
+                logger.info("took in %d changes from the remote store", changed)
+            return changed
+        finally:
+            self._sync_lock.release()
+
+    def _take_schema(self, name: str, source: str) -> int:
+        held = self._schemas.get(name)
+        if held is None:
             try:
-                if todo:
-                    self.add_documents([r["text"] for r in todo.values()], ids=list(todo), metadatas=[r.get("metadata") for r in todo.values()],
-                                       schema=schema, system=system, progress=False, publish=False)
-                    added += len(todo)
+                self.add_schema(source, progress=False, publish=False)
+                return 1
             except PromptCacheError as err:
-                logger.warning("remote documents of %r not taken in: %s", schema, err)
-            with self._lock:
-                self._remote_seen[schema] = max(read, self._remote_seen.get(schema, 0))
-        if added:
-            logger.info("took in %d documents from the remote store", added)
-        return added
+                logger.warning("remote schema %r not taken in: %s", name, err)
+                self._remote_meta[name] = {"kind": "skipped"}  # not tried again by this process
+        elif held.source != source and self._remote_meta.get(name, {}).get("warned") is None:
+            logger.warning("remote schema %r differs from the one this process holds; keeping this process's", name)
+            self._remote_meta[name] = {**self._remote_meta[name], "warned": True}
+        return 0
+
+    def _replay(self, collection: str, system: str | None, entries: list[dict[str, Any]]) -> int:
+        """Apply a collection's log entries in order (runs of additions together)."""
+        changed = 0
+        run: list[dict[str, Any]] = []
+        for entry in [*entries, None]:
+            if entry is not None and entry["op"] == "add":
+                run.append(entry)
+                continue
+            if run:
+                changed += self._take_documents(collection, system, run)
+                run = []
+            if entry is not None:
+                changed += len(self.delete_documents(entry["names"], schema=collection, publish=False))
+        return changed
+
+    def _take_documents(self, collection: str, system: str | None, records: list[dict[str, Any]]) -> int:
+        """Register remote document records (their KV stays remote); one that contradicts what is
+        held here, or that cannot be a document here, is logged and skipped, the rest taken."""
+        held = self._schemas.get(collection)
+        if held is not None and (not held.layout.documents or held.system != (docs_mod.DEFAULT_SYSTEM if system is None else system)):
+            logger.warning("remote collection %r: %d documents not taken in: this process holds %r as %s", collection, len(records),
+                           collection, "a PML schema" if not held.layout.documents else "documents behind another system prompt")
+            return 0
+        known = held.documents if held is not None else {}
+        todo: dict[str, dict[str, Any]] = {}
+        for record in records:
+            name, text = record["name"], record["text"]
+            have = known[name].text if name in known else todo[name]["text"] if name in todo else None
+            if have is not None and have != text:
+                logger.warning("remote document %r in %r holds another text than this process; skipped", name, collection)
+            elif have is None:
+                todo[name] = record
+        batches = [list(todo.values())]
+        taken = 0
+        while batches:
+            batch = batches.pop()
+            try:
+                self.add_documents([r["text"] for r in batch], ids=[r["name"] for r in batch], metadatas=[r["metadata"] for r in batch],
+                                   schema=collection, system=system, progress=False, publish=False, encode=False)
+                taken += len(batch)
+            except PromptCacheError as err:
+                if len(batch) == 1:
+                    logger.warning("remote document %r of %r not taken in: %s", batch[0]["name"], collection, err)
+                else:  # find the bad ones by halving: the good ones are taken
+                    batches.extend([batch[: len(batch) // 2], batch[len(batch) // 2 :]])
+        return taken
 
     @staticmethod
     def _joint_paths(layout: SchemaLayout) -> dict[str, "_Joint"]:
@@ -312,7 +440,7 @@ class Registry:
         keys: dict[str, str] = {}
         if layout.prefix is not None:
             info = layout.modules[layout.prefix]
-            keys[layout.prefix] = self.encoder.key(info.token_ids, info.positions, None)
+            keys[layout.prefix] = self.encoder.key(name, info.token_ids, info.positions, None)
             self.encoder.ensure(keys[layout.prefix], info.token_ids, info.positions, None, {"schema": name, "module": layout.prefix, "tokens": len(info.token_ids)})
             if self.drop_in and turn and not spec.bos_ids:
                 # a chat prompt that opens with this very system turn reuses its KV too

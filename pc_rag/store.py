@@ -6,8 +6,13 @@ Disk format, one entry per module: ``<key>.safetensors`` (tensors ``kv`` and ``p
 written to a temporary file and renamed into place, data first, so a manifest only ever describes
 a complete data file; a process killed mid-write leaves at most an orphaned temporary file.
 On load the manifest must name the same key and fingerprint and the data file must have the
-recorded size and checksum; anything else is logged, deleted and reported as a miss, so the
-caller re-encodes it. Nothing is unpickled: safetensors holds only raw tensors.
+recorded size and checksum, and the tensors must be what this module is on this model (layers,
+KV heads, head dim, dtype, one position per token and exactly the module's positions:
+:class:`KVShape`); anything else is logged, deleted and reported as a miss, so the caller
+re-encodes it. Nothing is unpickled: safetensors holds only raw tensors.
+
+Keys are ``<collection>/<sha-256>`` (:func:`pc_rag.encoder.entry_key`); on disk each collection
+is a folder of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +41,32 @@ from .kvcache import ModuleKV
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: keys carry their collection; every tier holds the store dtype; records may be authenticated
+FORMAT_VERSION = 2
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What every module KV of one engine must look like: ``[layers, 2, kv_heads, tokens,
+    head_dim]`` in ``dtype``. Entries read back from disk or a shared tier are checked against
+    it and against the module's own positions before use: a payload of another model, another
+    module or another length (well-formed, with a good checksum) is rejected, never served."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def problem(self, module: ModuleKV, positions: Sequence[int]) -> str | None:
+        """Why ``module`` is not the KV of a module at ``positions`` on this model (None: it is)."""
+        expected = (self.layers, 2, self.kv_heads, len(positions), self.head_dim)
+        if tuple(module.kv.shape) != expected:
+            return f"KV of shape {tuple(module.kv.shape)} where this module on this model is {expected}"
+        if module.kv.dtype != self.dtype:
+            return f"KV in {module.kv.dtype} where this engine stores {self.dtype}"
+        if module.positions.tolist() != list(positions):
+            return "positions other than this module's"
+        return None
 
 
 def serialize(module: ModuleKV) -> bytes:
@@ -68,7 +100,7 @@ class DiskTier:
         within seconds, so only files older than ``age_s`` are taken; another process may be
         writing the younger ones right now."""
         cutoff = time.time() - age_s
-        for path in self.root.glob("*/.*.tmp"):
+        for path in self.root.glob("*/*/.*.tmp"):
             try:
                 if path.stat().st_mtime < cutoff:
                     path.unlink()
@@ -77,8 +109,9 @@ class DiskTier:
                 pass
 
     def _paths(self, key: str) -> tuple[Path, Path]:
-        folder = self.root / key[:2]
-        return folder / f"{key}.safetensors", folder / f"{key}.json"
+        collection, _, digest = key.rpartition("/")
+        folder = self.root / (collection or "_") / digest[:2]
+        return folder / f"{digest}.safetensors", folder / f"{digest}.json"
 
     def __contains__(self, key: str) -> bool:
         return self._paths(key)[1].is_file()
@@ -137,7 +170,7 @@ class DiskTier:
     def size_bytes(self) -> int:
         """Bytes of the KV files under this tier's folder (a scan: for statistics, not hot paths)."""
         total = 0
-        for path in self.root.glob("*/*.safetensors"):
+        for path in self.root.glob("*/*/*.safetensors"):
             try:
                 total += path.stat().st_size
             except FileNotFoundError:  # removed meanwhile
@@ -171,8 +204,10 @@ class ModuleStore:
         disk: DiskTier | None = None,
         pin: bool = False,
         remote: Any = None,
+        shape: KVShape | None = None,
     ) -> None:
         self.device = device
+        self.shape = shape  # what entries read back from disk or the remote tier must be
         self.kv_dtype = kv_dtype
         self.memory_budget = memory_budget
         self.disk = disk
@@ -206,10 +241,12 @@ class ModuleStore:
     def in_memory(self, key: str) -> bool:
         return key in self._memory
 
-    def get(self, key: str, *, count: bool = True) -> ModuleKV | None:
+    def get(self, key: str, positions: Sequence[int] | None = None, *, count: bool = True) -> ModuleKV | None:
         """The module under ``key`` from memory, else disk, else the remote tier (kept in memory
         then), else None; ``count=False`` leaves the hit/miss statistics alone (a second look by
-        the same caller)."""
+        the same caller). An entry read from disk or the remote tier must be the KV of a module
+        at ``positions`` on this model (:class:`KVShape`); one that is not is logged, deleted
+        from its tier and passed over, so the caller encodes the module again."""
         if self._remote_pending and self.remote is not None and self.remote.available:
             self._flush_remote()
         with self._lock:
@@ -222,10 +259,16 @@ class ModuleStore:
                 self.hits_memory += count
                 return module
         device = self.device if not self.pin else "cpu"
-        module = self.disk.load(key, device) if self.disk is not None else None
-        tier = "disk"
-        if module is None and self.remote is not None:
-            module, tier = self.remote.load(key, device), "remote"
+        module, tier = None, None
+        for tier, source in (("disk", self.disk), ("remote", self.remote)):
+            module = source.load(key, device) if source is not None else None
+            problem = self._problem(module, positions) if module is not None else None
+            if problem is None and module is not None:
+                break
+            if problem is not None:
+                logger.warning("discarding %s entry %s: %s; it will be re-encoded", tier, key[:48], problem)
+                source.discard(key)  # type: ignore[union-attr]
+                module = None
         if module is None:
             if count:
                 with self._lock:
@@ -237,12 +280,25 @@ class ModuleStore:
             else:
                 self.remote_loads += 1
             # a remote entry stays in Redis: evicting it from memory loses nothing
-            module, victims = self._remember(key, module, saved=True)
+            module, victims = self._remember(key, self._stored_form(module), saved=True)
         self._write_out(victims)
         return module
 
+    def _problem(self, module: ModuleKV, positions: Sequence[int] | None) -> str | None:
+        if self.shape is None:
+            return None
+        return self.shape.problem(module, positions if positions is not None else module.positions.tolist())
+
+    def _stored_form(self, module: ModuleKV) -> ModuleKV:
+        """``module`` on the store's device, in its dtype (what every tier holds)."""
+        return module.to(self.device, self.kv_dtype, pin=self.pin)
+
     def put(self, key: str, module: ModuleKV, info: dict[str, Any] | None = None, *, persist: bool = True) -> ModuleKV:
+        """Store ``module`` under ``key``: in memory and, with ``persist``, in the durable disk tier
+        and the remote tier, every tier holding the same bytes (the store dtype); what the remote
+        tier could not take now is written back when it answers again."""
         info = info or {}
+        module = self._stored_form(module)
         durable = persist and self.disk is not None and self.disk.durable
         if durable:
             self.disk.save(key, module, info)  # type: ignore[union-attr]
@@ -255,9 +311,30 @@ class ModuleStore:
         self._write_out(victims)
         return module
 
+    def delete(self, keys: Sequence[str], *, remote: bool = True) -> None:
+        """Remove the entries under ``keys`` from memory, disk and (``remote``) the remote tier."""
+        with self._lock:
+            for key in keys:
+                module = self._memory.pop(key, None)
+                if module is not None:
+                    self._bytes -= module.nbytes
+                self._writing.pop(key, None)
+                self._unsaved.discard(key)
+                self._remote_pending.discard(key)
+                self._info.pop(key, None)
+        for key in keys:
+            if self.disk is not None:
+                self.disk.discard(key)
+        if self.remote is not None and remote:
+            self.remote.delete_entries(keys)
+
+    def unshared(self) -> list[str]:
+        """Keys stored while the remote tier was unavailable and not written back yet."""
+        with self._lock:
+            return sorted(self._remote_pending)
+
     def _remember(self, key: str, module: ModuleKV, *, saved: bool) -> tuple[ModuleKV, list[tuple[str, ModuleKV]]]:
-        """Hold ``module`` in memory (lock held); returns the evicted entries that need writing out."""
-        module = module.to(self.device, self.kv_dtype, pin=self.pin)
+        """Hold ``module`` (in its stored form) in memory (lock held); returns the evicted entries that need writing out."""
         old = self._memory.pop(key, None)
         if old is not None:
             self._bytes -= old.nbytes
@@ -348,6 +425,7 @@ def open_store(
     kv_dtype: torch.dtype,
     pin: bool,
     remote: Any = None,
+    shape: KVShape | None = None,
 ) -> ModuleStore:
     """The store an engine uses: memory, over ``kv_dir`` (durable) or, with a memory budget and
     no kv_dir, over a private spill folder that evicted modules go to (removed at exit); over
@@ -359,4 +437,4 @@ def open_store(
         spill = tempfile.mkdtemp(prefix="pc-rag-spill-")
         atexit.register(shutil.rmtree, spill, True)
         disk = DiskTier(Path(spill), fingerprint, durable=False)
-    return ModuleStore(device=device, kv_dtype=kv_dtype, memory_budget=memory_budget, disk=disk, pin=pin, remote=remote)
+    return ModuleStore(device=device, kv_dtype=kv_dtype, memory_budget=memory_budget, disk=disk, pin=pin, remote=remote, shape=shape)

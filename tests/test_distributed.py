@@ -68,9 +68,9 @@ def test_two_ray_workers_encode_a_corpus_a_fresh_process_serves_it(saved_model, 
     assert served["stats"]["encoded"] == 0 and served["stats"]["hits_remote"] == len(probe) + 1
     assert served["answers"] == {n: single.generate(build_prompt(QUESTION, [n]), max_new_tokens=6).token_ids for n in probe}
     # the registry holds each document once, though two workers published batches side by side
-    records = redis_server.client().lrange(f"pcrag:{single.fingerprint}:docs:docs", 0, -1)
-    assert sorted(json.loads(r)["name"] for r in records) == sorted(names)
-    assert {json.loads(r)["name"]: json.loads(r)["metadata"]["n"] for r in records}["p007"] == 7
+    records = [json.loads(r.decode().partition(" ")[2]) for r in redis_server.client().lrange(f"pcrag:{single.fingerprint}:v2:docs:log", 0, -1)]
+    assert sorted(r["name"] for r in records) == sorted(names)
+    assert {r["name"]: r["metadata"]["n"] for r in records}["p007"] == 7
 
 
 def test_bad_input_fails_before_any_worker_starts(redis_server):
@@ -80,3 +80,27 @@ def test_bad_input_fails_before_any_worker_starts(redis_server):
         encode_documents(["a", "b"], ids=["x", "x"], remote_store=redis_server.url)
     with pytest.raises(PromptCacheError, match="empty"):
         encode_documents(["a", ""], remote_store=redis_server.url)
+    for workers in (0, -1, 1.5):
+        with pytest.raises(PromptCacheError, match="num_workers must be an int >= 1 or None"):
+            encode_documents(["a"], remote_store=redis_server.url, num_workers=workers)
+
+
+def test_an_unreachable_redis_fails_the_encoding_with_a_clear_error(saved_model, redis_server, ray_runtime):
+    """Before: the actor's check read a tier never tried yet as available, the entries were kept
+    for a write-back that died with the actor, and encode_documents returned the names."""
+    from pc_rag.distributed import encode_documents
+
+    url = redis_server.url
+    redis_server.stop()
+    with pytest.raises(PromptCacheError, match="not reachable"):
+        encode_documents(hotpot_paragraphs(3), model=str(saved_model), remote_store=url, num_workers=1, progress=False)
+
+
+def test_entries_redis_refuses_fail_the_encoding(saved_model, redis_server, ray_runtime):
+    from pc_rag.distributed import encode_documents
+
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", "1")  # every write refused (OOM)
+    with pytest.raises(PromptCacheError, match="could not be written"):
+        encode_documents(hotpot_paragraphs(3), model=str(saved_model), remote_store=redis_server.url, num_workers=1, progress=False)

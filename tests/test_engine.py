@@ -92,7 +92,7 @@ def test_bad_generation_arguments(engine, kwargs, message):
 
 
 def test_unknown_schema_lists_the_known_ones(engine):
-    with pytest.raises(PromptCacheError, match=r"unknown schema 'kbb' \(schemas: kb\)"):
+    with pytest.raises(PromptCacheError, match=r"unknown schema 'kbb' \(schemas this request may read: kb\)"):
         engine.generate(PML('<prompt schema="kbb"><a/></prompt>'))
 
 

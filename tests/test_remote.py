@@ -79,10 +79,18 @@ def test_engines_of_another_model_share_the_redis_but_never_an_entry(make_engine
     assert qwen.store_stats()["encoded"] == 3 and qwen.store_stats()["hits_remote"] == 0
 
 
+def kv_records(client, engine: PromptCache) -> list[str]:
+    """The Redis keys of the engine's module records (``...:<collection>:kv:<digest>``, not their chunks)."""
+    return [k.decode() for k in client.keys(engine.remote.prefix + "*:kv:*") if len(k.decode().rsplit(":", 1)[1]) == 64]
+
+
+def record_body(client, record_key: str) -> dict:
+    return json.loads(client.get(record_key).decode().partition(" ")[2])
+
+
 def corrupt(redis_server, engine: PromptCache, how: str) -> None:
     client = redis_server.client()
-    prefix = f"pcrag:{engine.fingerprint}:kv:"
-    records = [k.decode() for k in client.keys(prefix + "*") if k.decode().count(":") == 3]
+    records = kv_records(client, engine)
     assert records
     for record_key in records:
         if how == "bit flip":
@@ -90,9 +98,9 @@ def corrupt(redis_server, engine: PromptCache, how: str) -> None:
             position = len(chunk) // 2
             client.setrange(record_key + ":0", position, bytes([chunk[position] ^ 0x01]))
         elif how == "foreign fingerprint":
-            record = json.loads(client.get(record_key))
+            record = record_body(client, record_key)
             record["fingerprint"] = "0" * 32
-            client.set(record_key, json.dumps(record))
+            client.set(record_key, "- " + json.dumps(record))
         elif how == "missing chunk":
             client.delete(record_key + ":0")
         elif how == "truncated":
@@ -110,7 +118,7 @@ def test_a_bad_entry_is_rejected_re_encoded_and_replaced(make_engine, redis_serv
     with caplog.at_level("WARNING", logger="pc_rag.remote"):
         got = [reader.generate(p, max_new_tokens=6).token_ids for p in prompts(names)]
     assert got == expected
-    assert "discarding remote entry" in caplog.text
+    assert "rejected" in caplog.text and "re-encoded" in caplog.text
     assert reader.store_stats()["hits_remote"] == 0 and reader.store_stats()["encoded"] == 3  # prefix + 2 documents
     # the re-encoded entries replaced the bad ones: a third engine reads them
     third = make_engine(remote_store=redis_server.url)
@@ -121,11 +129,13 @@ def test_a_bad_entry_is_rejected_re_encoded_and_replaced(make_engine, redis_serv
 def test_large_values_are_chunked_and_read_back_whole(redis_server):
     tier = RemoteTier(redis_server.url, "f" * 32, chunk_bytes=1000)
     module = ModuleKV(torch.randn(2, 2, 2, 37, 8), torch.arange(5, 42))
-    assert tier.save("k" * 64, module, {"tokens": 37})
+    key = "docs/" + "a" * 64
+    assert tier.save(key, module, {"tokens": 37})
     client = redis_server.client()
-    record = json.loads(client.get(f"pcrag:{'f' * 32}:kv:{'k' * 64}"))
-    assert record["chunks"] > 5 and all(len(client.get(f"pcrag:{'f' * 32}:kv:{'k' * 64}:{i}")) <= 1000 for i in range(record["chunks"]))
-    back = tier.load("k" * 64)
+    record_key = f"pcrag:{'f' * 32}:v2:docs:kv:{'a' * 64}"
+    record = record_body(client, record_key)
+    assert record["chunks"] > 5 and all(len(client.get(f"{record_key}:{i}")) <= 1000 for i in range(record["chunks"]))
+    back = tier.load(key)
     assert torch.equal(back.kv, module.kv) and torch.equal(back.positions, module.positions)
 
 

@@ -83,7 +83,7 @@ def test_llama_index_query_engine_question_is_text(engine, embedder, monkeypatch
     index.add([PUBLIC], ids=["public"], progress=False)
     plans = []
     original = engine.plan
-    monkeypatch.setattr(engine, "plan", lambda prompt: plans.append(original(prompt)) or plans[-1])
+    monkeypatch.setattr(engine, "plan", lambda prompt, **scope: plans.append(original(prompt, **scope)) or plans[-1])
     query_engine = RetrieverQueryEngine.from_args(
         PromptCacheRetriever(index, k=1, references=references), llm=PromptCacheLLM(engine=engine, max_new_tokens=2)
     )

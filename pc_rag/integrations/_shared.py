@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import Generation
+from ..planner import scope
 from ..pml import PML, is_pml_prompt
 
 _engines: dict[tuple[str | None, str], PromptCache] = {}
@@ -49,12 +50,23 @@ SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache",
 _DEFAULTED = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache")  # fields every adapter has
 
 
+def narrow(field: Sequence[str] | str | None, call: Sequence[str] | str | None) -> list[str] | None:
+    """The collections a call may read: its own ``collections=`` within the adapter's field (None:
+    no limit). A call can narrow what the adapter was built to read, never widen it."""
+    allowed = [scope(x) for x in (field, call) if x is not None]
+    if not allowed:
+        return None
+    return sorted(frozenset.intersection(*allowed))
+
+
 def engine_kwargs(adapter: Any, kwargs: dict[str, Any], stop: list[str] | None, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
     """``generate`` arguments: per-call ``kwargs`` over the adapter's fields; unknown names are an error.
 
-    ``max_tokens`` (the LangChain/OpenAI name) is accepted for ``max_new_tokens``.
+    ``max_tokens`` (the LangChain/OpenAI name) is accepted for ``max_new_tokens``;
+    ``collections`` narrows the adapter's (see :func:`narrow`).
     """
     kwargs = dict(kwargs)
+    collections = narrow(getattr(adapter, "collections", None), kwargs.pop("collections", None))
     if "max_tokens" in kwargs:
         kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
     # HuggingFacePipeline's output switches: pc-rag returns the completion alone, as they ask by default
@@ -66,6 +78,8 @@ def engine_kwargs(adapter: Any, kwargs: dict[str, Any], stop: list[str] | None, 
         raise PromptCacheError(f"unknown generation arguments: {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING_KEYS)})")
     params = {key: kwargs.get(key, getattr(adapter, key)) for key in _DEFAULTED}
     params["stop"] = stop
+    if collections is not None:
+        params["collections"] = collections
     for key in set(SAMPLING_KEYS) - set(_DEFAULTED):  # per call, else the adapter's field when it has one
         value = kwargs[key] if key in kwargs else getattr(adapter, key, None)
         if value is not None:

