@@ -198,18 +198,20 @@ class Registry:
             target = self._document_schema(schema, system)
             layout = target.layout
             names: list[str] = []
-            fresh: dict[str, tuple[str, list[int], dict[str, Any]]] = {}
+            new: dict[str, tuple[str, dict[str, Any]]] = {}
             for doc_id, text, meta in records:  # validate everything before changing anything
                 name = doc_id or docs_mod.default_name(text)
                 known = target.documents.get(name)
-                held = known.text if known is not None else fresh[name][0] if name in fresh else None
+                held = known.text if known is not None else new[name][0] if name in new else None
                 if held is not None and held != text:
                     raise PromptCacheError(f"document id {name!r} already holds a different text in schema {schema!r}")
                 if held is None:
-                    text_ids = spec.tokenize(text)
-                    self._check_window(layout.document_start + len(text_ids) + len(spec.separator_ids), f"document {name!r}")
-                    fresh[name] = (text, text_ids, meta)
+                    new[name] = (text, meta)
                 names.append(name)
+            fresh: dict[str, tuple[str, list[int], dict[str, Any]]] = {}
+            for (name, (text, meta)), text_ids in zip(new.items(), spec.tokenize_many([text for text, _ in new.values()])):
+                self._check_window(layout.document_start + len(text_ids) + len(spec.separator_ids), f"document {name!r}")
+                fresh[name] = (text, text_ids, meta)
             context_key = None
             if self.encoding != "isolated" and layout.prefix:  # scaffold: documents behind the prefix too
                 context_key = f"{target.keys[layout.prefix]}+{layout.lead}"
