@@ -203,7 +203,12 @@ def cmd_encode(args: argparse.Namespace) -> int:
         names = encode_documents(texts, model=args.model, remote_store=args.remote_store, ids=ids, metadatas=metadatas,
                                  num_workers=args.workers, system=DEMO_SYSTEM, device=args.device, encoding=args.encoding)
     else:
-        names = _engine(args).add_documents(texts, ids=ids, metadatas=metadatas, system=DEMO_SYSTEM)
+        engine = _engine(args)
+        names = engine.add_documents(texts, ids=ids, metadatas=metadatas, system=DEMO_SYSTEM)
+        unwritten = len(engine.store.unshared()) + (engine.registry.flush_unpublished() if engine.remote is not None else 0)
+        if engine.remote is None or unwritten:
+            raise PromptCacheError(f"{unwritten} entries or registry records could not be written to {args.remote_store} "
+                                   "(is it reachable, and not full?)")
     print(f"encoded {len(names)} documents into {args.remote_store} in {time.perf_counter() - started:.1f} s "
           f"({args.workers or 'no'} Ray workers); serve them with: pc-rag ask --remote-store {args.remote_store} QUESTION")
     return 0

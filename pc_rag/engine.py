@@ -153,7 +153,7 @@ class PromptCache:
         if remote_collections is not None:
             remote_collections = [check_name(c, "collection name") for c in planner.scope(remote_collections) or ()]
         self.remote = RemoteTier(remote_store, self.fingerprint, key=remote_key, timeout_ms=remote_timeout_ms,
-                                 ttl_s=remote_ttl_s) if remote_store else None
+                                 ttl_s=remote_ttl_s, announce=remote_collections is None) if remote_store else None
         self.remote_sync_interval_s = remote_sync_interval_s
         self._synced_at = time.monotonic()
         self.store = open_store(
@@ -291,8 +291,13 @@ class PromptCache:
     def store_stats(self) -> dict[str, int]:
         """Where module KV came from since this engine started: ``encoded`` (modules encoded by
         this process), ``hits_memory``, ``hits_disk``, ``hits_remote`` (read from ``remote_store``),
-        ``misses`` (lookups no tier could answer), ``evictions``, ``bytes_memory``, ``bytes_disk``."""
-        return {"encoded": self.forward.encoded, **self.store.stats()}
+        ``misses`` (lookups no tier could answer), ``evictions``, ``bytes_memory``, ``bytes_disk``;
+        with a remote tier, ``remote_errors`` (commands that failed: the tier was skipped) and
+        ``remote_rejected`` (records and entries read back and refused)."""
+        stats = {"encoded": self.forward.encoded, **self.store.stats()}
+        if self.remote is not None:
+            stats.update(remote_errors=self.remote.errors, remote_rejected=self.remote.rejected)
+        return stats
 
     # -- registration ---------------------------------------------------------------------------
     def add_schema(self, pml: str, *, progress: bool = True) -> Schema:

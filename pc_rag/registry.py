@@ -96,6 +96,7 @@ class Registry:
         self.remote = remote  # pc_rag.remote.RemoteTier: document records shared with other processes
         self.remote_collections = remote_collections  # None: every collection published there
         self._remote_seen: dict[str, int] = {}  # log entries of each remote collection read so far
+        self._remote_epoch: dict[str, str | None] = {}  # ... in the log of this epoch
         self._remote_meta: dict[str, dict[str, Any]] = {}  # what each remote collection is (read once)
         self._unpublished: list[tuple[str, str, Any, Any]] = []  # registry writes the remote tier has not taken yet, in order
         self._sync_lock = threading.Lock()
@@ -331,11 +332,15 @@ class Registry:
                     continue
                 if meta["kind"] == "pml":
                     changed += self._take_schema(name, meta["source"])
-                elif lengths.get(name, 0) > self._remote_seen.get(name, 0):
+                    continue
+                length, epoch = lengths.get(name, (0, None))
+                if epoch != self._remote_epoch.get(name):  # a log begun again: replay it from its start
+                    self._remote_epoch[name] = epoch
+                    self._remote_seen[name] = 0
+                if length > self._remote_seen.get(name, 0):
                     read = self.remote.read_log(name, self._remote_seen.get(name, 0))
                     changed += self._replay(name, meta.get("system"), read.entries)
-                    with self._lock:
-                        self._remote_seen[name] = max(read.next, self._remote_seen.get(name, 0))
+                    self._remote_seen[name] = read.next
             if changed:
                 logger.info("took in %d changes from the remote store", changed)
             return changed
@@ -374,6 +379,10 @@ class Registry:
     def _take_documents(self, collection: str, system: str | None, records: list[dict[str, Any]]) -> int:
         """Register remote document records (their KV stays remote); one that contradicts what is
         held here, or that cannot be a document here, is logged and skipped, the rest taken."""
+        if not self.spec.movable:
+            logger.warning("remote collection %r: %d documents not taken in: documents are movable modules, and this model has %s",
+                           collection, len(records), self.spec.pinned_reason)
+            return 0
         held = self._schemas.get(collection)
         if held is not None and (not held.layout.documents or held.system != (docs_mod.DEFAULT_SYSTEM if system is None else system)):
             logger.warning("remote collection %r: %d documents not taken in: this process holds %r as %s", collection, len(records),

@@ -19,7 +19,9 @@ replicas to its own collections:
 - ``<collection>:meta``: what the collection is (documents and their system prompt, or a PML
   schema's source); ``<collection>:log``: the collection's document records, in order: ``add``
   (name, text, metadata) and ``delete`` (names). A replica replays the log from where it last
-  read, in pages, so a deletion reaches every replica and a restarted one ends where the others did.
+  read, in pages, so a deletion reaches every replica and a restarted one ends where the others
+  did; ``<collection>:epoch`` tells a log begun again (Redis restarted empty) from the one a
+  reader's position counts in.
 - ``collections``: the set of collection names, for discovery (a replica confined to some
   collections is given their names instead: ``remote_collections=``).
 
@@ -47,6 +49,7 @@ import hmac
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 import zlib
@@ -157,7 +160,7 @@ class RemoteTier:
 
     def __init__(self, url: str, fingerprint: str, *, key: str | bytes | Sequence[str | bytes] | None = None,
                  timeout_ms: float = 50.0, retry_s: float = 2.0, chunk_bytes: int = 64 << 20, ttl_s: float | None = None,
-                 page_size: int = 2000, registry_timeout_ms: float = 2000.0) -> None:
+                 page_size: int = 2000, registry_timeout_ms: float = 2000.0, announce: bool = True) -> None:
         if ttl_s is not None and not ttl_s > 0:
             raise PromptCacheError(f"remote_ttl_s must be a number of seconds > 0 or None, got {ttl_s!r}")
         self.url = url
@@ -168,6 +171,9 @@ class RemoteTier:
         self.chunk_bytes = chunk_bytes
         self.ttl_ms = int(ttl_s * 1000) if ttl_s is not None else None
         self.page_size = page_size
+        # add written collections to the global set of names; off for a replica confined to its
+        # collections (remote_collections=), whose ACL may allow nothing outside them
+        self.announce = announce
         self.client = connect(url, timeout_ms=timeout_ms)
         # payload chunks travel on a second connection with room for their size: the small
         # commands before them (the record, EXISTS) already told a slow or absent Redis apart
@@ -377,14 +383,21 @@ class RemoteTier:
     def _log_key(self, collection: str) -> str:
         return f"{self.prefix}{collection}:log"
 
+    def _epoch_key(self, collection: str) -> str:
+        return f"{self.prefix}{collection}:epoch"
+
     def _publish(self, collection: str, meta: dict[str, Any] | None, entries: Sequence[dict[str, Any]]) -> bool:
         log_key = self._log_key(collection)
 
         def run() -> bool:
             pipe = self.client.pipeline(transaction=True)
-            pipe.sadd(f"{self.prefix}collections", collection)
+            if self.announce:
+                pipe.sadd(f"{self.prefix}collections", collection)
             if meta is not None:
                 pipe.set(self._meta_key(collection), self._signed(self._meta_key(collection), meta))
+            # the log's epoch: drawn by the first writer, so a log begun again (a Redis that came
+            # back empty) is told apart from the one a reader's position counts in
+            pipe.set(self._epoch_key(collection), secrets.token_hex(8), nx=True)
             if entries:
                 pipe.rpush(log_key, *[self._signed(log_key, entry) for entry in entries])
             pipe.execute()
@@ -440,14 +453,19 @@ class RemoteTier:
                 self._reject(f"record of collection {name!r}", str(err))
         return out
 
-    def log_lengths(self, names: Sequence[str]) -> dict[str, int]:
-        """How many entries each collection's log holds (one round trip; {} when unavailable)."""
-        def run() -> dict[str, int]:
+    def log_lengths(self, names: Sequence[str]) -> dict[str, tuple[int, str | None]]:
+        """How many entries each collection's log holds, and its epoch (one round trip; {} when unavailable)."""
+        def run() -> dict[str, tuple[int, str | None]]:
             pipe = self.registry.pipeline(transaction=False)
             for name in names:
                 pipe.llen(self._log_key(name))
-            lengths = pipe.execute(raise_on_error=False)
-            return {n: length for n, length in zip(names, lengths) if isinstance(length, int)}  # a wrong-type key: no log
+                pipe.get(self._epoch_key(name))
+            replies = pipe.execute(raise_on_error=False)
+            out = {}
+            for name, length, epoch in zip(names, replies[::2], replies[1::2]):
+                if isinstance(length, int):  # a key of the wrong type: no log
+                    out[name] = (length, epoch.decode(errors="replace") if isinstance(epoch, bytes) else None)
+            return out
 
         return self._registry_call("log lengths", run, {}) if names else {}
 

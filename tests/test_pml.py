@@ -122,3 +122,17 @@ def test_wrong_root_elements():
         parse_prompt('<schema name="s"/>')
     with pytest.raises(PromptCacheError, match="needs a 'schema' attribute"):
         parse_prompt("<prompt><a/></prompt>")
+
+
+def test_positions_stay_exact_in_a_large_schema():
+    """Lines and columns come from one table of line starts (parsing was quadratic: a 200 KB
+    schema took 9.7 s); every element of a 20,000-line schema still knows where it is."""
+    body = "".join(f'<module name="m{i}">Line {i} &amp; more.\n</module>\n' for i in range(10_000))
+    doc = parse_schema(f'<schema name="big">\n{body}</schema>')
+    modules = [c for c in doc.children if isinstance(c, ModuleNode)]
+    assert len(modules) == 10_000
+    assert (modules[0].line, modules[0].column) == (2, 1) and (modules[-1].line, modules[-1].column) == (20_000, 1)
+    assert modules[-1].children[0].text == "Line 9999 & more.\n"
+    with pytest.raises(PromptCacheError) as info:
+        parse_schema(f'<schema name="big">\n{body}   <oops a=b c></schema>')
+    assert (info.value.line, info.value.column) == (20_002, 13) and "malformed tag <oops>" in str(info.value)

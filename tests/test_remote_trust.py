@@ -208,3 +208,37 @@ def test_entries_can_expire(make_engine, redis_server):
     assert 0 < redis_server.client().pttl(entry) <= 600_000 and 0 < redis_server.client().pttl(entry + ":0") <= 600_000
     with pytest.raises(PromptCacheError, match="remote_ttl_s"):
         make_engine(remote_store=redis_server.url, remote_ttl_s=0)
+
+
+def test_a_redis_acl_confines_a_tenants_replica_to_its_collections(make_engine, redis_server, local):
+    admin = make_engine(remote_store=redis_server.url)
+    admin.add_documents(DOCS[2:], ids=["river", "ferry"], schema="globex", progress=False)
+    client = redis_server.client()
+    client.execute_command("ACL", "SETUSER", "acme", "on", ">acme-password", "~pcrag:*:v2:acme:*", "+@all", "-@dangerous")
+    url = redis_server.url.replace("redis://", "redis://acme:acme-password@")
+    tenant = make_engine(remote_store=url, remote_collections=["acme"])
+    names = tenant.add_documents(DOCS[:2], ids=["bell", "keepers"], schema="acme", progress=False)
+    assert tenant.remote.errors == 0 and not tenant.store.unshared() and not tenant.registry.flush_unpublished()
+    peer = make_engine(remote_store=url, remote_collections=["acme"])  # another replica of the same tenant
+    assert sorted(peer.schemas) == ["acme"] and peer.store_stats()["encoded"] == 0
+    expected = [local.generate(build_prompt(QUESTION, [n]), max_new_tokens=6).token_ids for n in names]
+    assert [peer.generate(build_prompt(QUESTION, [n], schema="acme"), max_new_tokens=6).token_ids for n in names] == expected
+    assert peer.store_stats()["encoded"] == 0 and peer.store_stats()["hits_remote"] == 3
+    # the tenant's credentials cannot read another tenant's collection
+    snooper = make_engine(remote_store=url, remote_collections=["globex"])
+    assert "globex" not in snooper.schemas and snooper.remote.rejected >= 1
+
+
+def test_a_log_begun_again_after_redis_comes_back_empty_is_read_from_its_start(make_engine, redis_server, local):
+    writer = make_engine(remote_store=redis_server.url)
+    writer.add_documents(DOCS[:3], ids=["bell", "keepers", "river"], progress=False)
+    replica = make_engine(remote_store=redis_server.url)  # has read 3 entries of the log
+    replica.remote.retry_s = 0.0
+    redis_server.stop()
+    redis_server.start()  # empty
+    make_engine(remote_store=redis_server.url).add_documents(DOCS[3:], ids=["ferry"], progress=False)  # a log of one entry
+    for _ in range(3):  # the replica's old connection may fail once before it reconnects
+        if replica.sync_documents():
+            break
+    assert "ferry" in replica.schemas["docs"].documents
+    assert answers(replica, ["ferry"]) == answers(local, ["ferry"])

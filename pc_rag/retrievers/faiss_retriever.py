@@ -266,6 +266,7 @@ class FaissModuleRetriever:
         keep = metadata_filter(filter)
         if self.engine is not None:
             self._drop_deleted()
+        vector = self._embed([query])  # outside the lock: searches embed their queries side by side
         with self._lock:
             if filter is None and allowed is None:
                 rows = None
@@ -277,7 +278,7 @@ class FaissModuleRetriever:
             if not total:
                 return []
             params = None if rows is None else faiss.SearchParameters(sel=faiss.IDSelectorBatch(np.asarray(rows, dtype=np.int64)))
-            scores, found = self.index.search(self._embed([query]), min(k, total), params=params)
+            scores, found = self.index.search(vector, min(k, total), params=params)
             records = [(float(score), self._records.get(int(row))) for score, row in zip(scores[0], found[0]) if row >= 0]
         return [Hit(r.name, score, r.text, dict(r.metadata), r.schema) for score, r in records if r is not None]
 
