@@ -478,7 +478,7 @@ class PromptCache:
         settings.setdefault("max_new_tokens", 256)
         return SamplingParams.build(**settings)
 
-    def _prepare(self, prompts: Sequence[str], use_cache: bool, collections: frozenset[str] | None) -> list[Plan]:
+    def _prepare(self, prompts: Sequence[str], use_cache: bool, collections: frozenset[str] | None = None) -> list[Plan]:
         """Plan every prompt and refuse, before any work, what cannot be served."""
         self.sync_if_due()
         plans = []
