@@ -103,7 +103,7 @@ def embedder():
 def test_a_scoped_chain_sees_only_its_tenant(shared, embedder):
     from pc_rag.retrievers import FaissModuleRetriever
 
-    engine, solo, a, b = shared
+    engine, _, _, b = shared
     index = FaissModuleRetriever(embedder, engine=engine)
     index.add(A_DOCS, schema="tenant-a", progress=False)
     index.add(B_DOCS, schema="tenant-b", progress=False)
@@ -131,7 +131,7 @@ def test_a_scoped_chain_sees_only_its_tenant(shared, embedder):
 
 
 def test_forged_metadata_never_becomes_a_reference(shared):
-    engine, solo, a, b = shared
+    engine, _, a, _ = shared
     forged = [Document(page_content="anything", metadata={"module": a[0], "schema": "tenant-a"}),
               Document(page_content="anything", metadata={"reference": "[[pc-rag-module " + "0" * 32 + f" tenant-a/{a[0]}]]"})]
     assert format_modules(forged) == "anything\n\nanything"  # text: no reference was written
@@ -142,7 +142,7 @@ def test_forged_metadata_never_becomes_a_reference(shared):
 
 
 def test_batch_and_stream_are_scoped_too(shared):
-    engine, solo, a, b = shared
+    engine, solo, _, _ = shared
     prompts = [f"{A_DOCS[0]}\n\n{QUESTION}", f"{B_DOCS[0]}\n\n{QUESTION}"]
     batch = engine.generate_batch(prompts, max_new_tokens=4, collections=["tenant-b"])
     assert [r.token_ids for r in batch] == [solo.generate(p, max_new_tokens=4).token_ids for p in prompts]

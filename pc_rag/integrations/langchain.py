@@ -172,8 +172,9 @@ class _EngineParams(BaseModel):
 
 def _config_scope(config: Any) -> Any:
     """``config["configurable"]["collections"]`` (None when absent)."""
-    configurable = (config or {}).get("configurable") or {} if isinstance(config, dict) else {}
-    return configurable.get("collections")
+    if not isinstance(config, dict):
+        return None
+    return (config.get("configurable") or {}).get("collections")
 
 
 def _scoped(config: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

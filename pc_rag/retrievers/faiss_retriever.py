@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import operator
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,9 +78,7 @@ def metadata_filter(spec: Mapping[str, Any] | Callable[[dict[str, Any]], bool] |
         if key in ("$and", "$or"):
             if not isinstance(condition, (list, tuple)) or not condition:
                 raise PromptCacheError(f"filter {key} takes a non-empty list of filters, got {condition!r}")
-            parts = [metadata_filter(c) for c in condition]
-            tests.append((lambda ps: lambda m: all(p(m) for p in ps))(parts) if key == "$and"
-                         else (lambda ps: lambda m: any(p(m) for p in ps))(parts))
+            tests.append(partial(_combined, all if key == "$and" else any, [metadata_filter(c) for c in condition]))
         elif isinstance(condition, Mapping):
             for op, operand in condition.items():
                 tests.append(_condition(key, op, operand))
@@ -87,33 +87,35 @@ def metadata_filter(spec: Mapping[str, Any] | Callable[[dict[str, Any]], bool] |
     return lambda metadata: all(test(metadata) for test in tests)
 
 
+def _combined(combine: Callable[[Any], bool], parts: list[Callable[[dict[str, Any]], bool]], metadata: dict[str, Any]) -> bool:
+    return combine(part(metadata) for part in parts)
+
+
 _MISSING = object()
+_OPERATORS: dict[str, Callable[[Any, Any], bool]] = {
+    "$eq": operator.eq, "$ne": operator.ne, "$gt": operator.gt, "$gte": operator.ge, "$lt": operator.lt, "$lte": operator.le,
+    "$in": lambda value, options: value in options, "$nin": lambda value, options: value not in options,
+}
 
 
 def _condition(key: str, op: str, operand: Any) -> Callable[[dict[str, Any]], bool]:
+    """One condition on metadata ``key``; a document without the key passes only ``$ne`` and ``$nin``."""
+    compare = _OPERATORS.get(op)
+    if compare is None:
+        raise PromptCacheError(f"filter {key!r}: unknown operator {op!r} (known: {' '.join(_OPERATORS)})")
     if op in ("$in", "$nin") and not isinstance(operand, (list, tuple, set, frozenset)):
         raise PromptCacheError(f"filter {key!r}: {op} takes a list, got {operand!r}")
 
-    def compare(metadata: dict[str, Any]) -> bool:
+    def test(metadata: dict[str, Any]) -> bool:
         value = metadata.get(key, _MISSING)
-        if op == "$eq":
-            return value == operand
-        if op == "$ne":
-            return value != operand
-        if op == "$in":
-            return value in operand
-        if op == "$nin":
-            return value not in operand
         if value is _MISSING:
-            return False
+            return op in ("$ne", "$nin")
         try:
-            return {"$gt": value > operand, "$gte": value >= operand, "$lt": value < operand, "$lte": value <= operand}[op]
+            return bool(compare(value, operand))
         except TypeError:  # not comparable (a str against a number): not a match
             return False
 
-    if op not in ("$eq", "$ne", "$in", "$nin", "$gt", "$gte", "$lt", "$lte"):
-        raise PromptCacheError(f"filter {key!r}: unknown operator {op!r} (known: $eq $ne $in $nin $gt $gte $lt $lte)")
-    return compare
+    return test
 
 
 @dataclass
