@@ -137,3 +137,19 @@ def test_retriever_delete_and_filters(make_engine, embedder, tmp_path):
     assert {h.module for h in index.search("river", k=4, collections=["docs"])} == {"bell"}
     loaded = FaissModuleRetriever.load(index.save(tmp_path / "idx"), embedding=embedder)
     assert sorted(loaded.names) == ["bell", "foundry"] and loaded.search("bell", k=1, collections="other")[0].module == "foundry"
+
+
+def test_llama_index_retriever_takes_metadata_filters(make_engine, embedder):
+    from llama_index.core.vector_stores.types import FilterCondition, FilterOperator, MetadataFilter, MetadataFilters
+
+    from pc_rag.integrations.llama_index import PromptCacheRetriever
+    from pc_rag.retrievers import FaissModuleRetriever
+
+    index = FaissModuleRetriever(embedder, engine=make_engine())
+    index.add(DOCS, ids=["bell", "keepers", "river"], metadatas=[{"year": 1822}, {"year": 1890}, {"year": 1990}], progress=False)
+    filters = MetadataFilters(filters=[MetadataFilter(key="year", value=1822),
+                                       MetadataFilter(key="year", value=1950, operator=FilterOperator.GT)], condition=FilterCondition.OR)
+    nodes = PromptCacheRetriever(index, k=3, filter=filters).retrieve("bell")
+    assert {n.node.metadata["module"] for n in nodes} == {"bell", "river"}
+    with pytest.raises(PromptCacheError, match="not supported"):
+        PromptCacheRetriever(index, filter=MetadataFilters(filters=[MetadataFilter(key="t", value="x", operator=FilterOperator.TEXT_MATCH)]))

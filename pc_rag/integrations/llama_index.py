@@ -28,6 +28,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from llama_index.core.vector_stores.types import MetadataFilters
 from pydantic import Field
 
 from ..documents import module_reference
@@ -170,6 +171,31 @@ class PromptCacheLLM(CustomLLM):
         return responses()
 
 
+_OPERATORS = {"==": "$eq", "!=": "$ne", ">": "$gt", ">=": "$gte", "<": "$lt", "<=": "$lte", "in": "$in", "nin": "$nin"}
+
+
+def as_filter(filters: Any) -> Any:
+    """LlamaIndex's ``MetadataFilters`` as the filter :meth:`FaissModuleRetriever.search` takes
+    (``==``, ``!=``, ``>``, ``>=``, ``<``, ``<=``, ``in``, ``nin``; ``and``/``or``, nested);
+    anything else is passed on as it is (a dict of conditions or a callable)."""
+    if not isinstance(filters, MetadataFilters):
+        return filters
+    parts = []
+    for item in filters.filters:
+        if isinstance(item, MetadataFilters):
+            parts.append(as_filter(item))
+            continue
+        op = _OPERATORS.get(getattr(item.operator, "value", item.operator))
+        if op is None:
+            raise PromptCacheError(f"metadata filter on {item.key!r}: operator {item.operator!r} is not supported "
+                                   f"(supported: {', '.join(_OPERATORS)})")
+        parts.append({item.key: {op: item.value}})
+    condition = getattr(filters.condition, "value", filters.condition) or "and"
+    if condition not in ("and", "or"):
+        raise PromptCacheError(f"metadata filters: condition {condition!r} is not supported (and, or)")
+    return {f"${condition}": parts} if parts else None
+
+
 def _as_chat(response: CompletionResponse) -> ChatResponse:
     return ChatResponse(
         message=ChatMessage(role="assistant", content=response.text),
@@ -185,7 +211,8 @@ class PromptCacheRetriever(BaseRetriever):
     Nodes carry ``metadata["module"]``; with ``references=True`` (default) their LLM rendering is
     a reference to the module, so the synthesizer's prompt imports the KV instead of the text.
     ``collections`` limits the search to those collections, ``filter`` to documents whose
-    metadata passes it (:func:`pc_rag.retrievers.faiss_retriever.metadata_filter`).
+    metadata passes it: LlamaIndex's ``MetadataFilters``, or the conditions of
+    :func:`pc_rag.retrievers.metadata_filter`.
     """
 
     def __init__(self, retriever: FaissModuleRetriever | None = None, k: int = 4, *, references: bool = True,
@@ -201,7 +228,8 @@ class PromptCacheRetriever(BaseRetriever):
         self.k = k
         self.references = references
         self.collections = list(collections) if collections is not None else None
-        self.filter = filter  # metadata conditions, as FaissModuleRetriever.search takes them
+        # metadata conditions, as FaissModuleRetriever.search takes them, or LlamaIndex's MetadataFilters
+        self.filter = as_filter(filter)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         nodes = []
