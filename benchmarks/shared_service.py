@@ -29,9 +29,9 @@ import redis
 import torch
 
 from pc_rag import PromptCache, build_prompt, parse_schema
+from scaling import hotpot_paragraphs  # benchmarks/ is on the path of a script run from it
 
 ROOT = Path(__file__).resolve().parents[1]
-HOTPOT = ROOT.parent / "shared/data/hotpotqa_dev_distractor_more.jsonl"
 SQUAD = ROOT.parent / "shared/data/squad_v1.1_dev_super_bowl_50.json"
 KEY = "benchmark-key"
 
@@ -53,12 +53,8 @@ def redis_server(folder: str) -> tuple[subprocess.Popen, str]:
 
 
 def paragraphs(count: int) -> list[str]:
-    base: list[str] = []
-    for line in HOTPOT.read_text().splitlines():
-        for passage in json.loads(line)["passages"]:
-            text = f"{passage['title']}: {passage['text'].strip()}"
-            if text not in base:
-                base.append(text)
+    """``count`` distinct documents: every HotpotQA paragraph scaling.py reads, again and again, each numbered."""
+    base = hotpot_paragraphs(1 << 30)
     return [f"{base[i % len(base)]} (record {i})" for i in range(count)]
 
 

@@ -205,7 +205,7 @@ def cmd_encode(args: argparse.Namespace) -> int:
     else:
         engine = _engine(args)
         names = engine.add_documents(texts, ids=ids, metadatas=metadatas, system=DEMO_SYSTEM)
-        unwritten = len(engine.store.unshared()) + (engine.registry.flush_unpublished() if engine.remote is not None else 0)
+        unwritten = engine.remote_backlog()
         if engine.remote is None or unwritten:
             raise PromptCacheError(f"{unwritten} entries or registry records could not be written to {args.remote_store} "
                                    "(is it reachable, and not full?)")

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from . import documents as docs_mod
 from .documents import DEFAULT_SCHEMA
 from .errors import PromptCacheError
+from .remote import RemoteTier, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class _Encoder:
         # a worker adds documents; it does not serve the ones already there
         self.engine = PromptCache.from_pretrained(model, remote_store=remote_store, remote_sync=False, remote_sync_interval_s=None,
                                                   **engine_kwargs)
-        _check_reachable(self.engine, remote_store)
+        if not self.engine.remote.ping():  # type: ignore[union-attr]
+            raise PromptCacheError(f"remote store {redact_url(remote_store)!r} is not reachable from this worker")
 
     def encode(self, batch: list[tuple[str, str, dict[str, Any]]], schema: str, system: str | None) -> tuple[int, int]:
         """Encode one batch into the remote tier; a PromptCacheError unless every entry and the
@@ -52,18 +54,12 @@ class _Encoder:
         names = [name for name, _, _ in batch]
         self.engine.add_documents([text for _, text, _ in batch], ids=names, metadatas=[meta for _, _, meta in batch],
                                   schema=schema, system=system, progress=False)
-        unwritten = len(self.engine.store.unshared()) + self.engine.registry.flush_unpublished()
+        unwritten = self.engine.remote_backlog()
         if unwritten:
             raise PromptCacheError(f"{unwritten} entries or registry records could not be written to the remote store "
                                    f"({self.engine.remote.errors} errors; is it reachable, and not full?)")
         return len(batch), self.engine.store_stats()["encoded"] - before
 
-
-def _check_reachable(engine: Any, url: str) -> None:
-    if engine.remote is None or not engine.remote.ping():
-        from .remote import _redact
-
-        raise PromptCacheError(f"remote store {_redact(url)!r} is not reachable from this worker")
 
 
 def encode_documents(
@@ -104,10 +100,8 @@ def encode_documents(
         raise PromptCacheError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if num_workers is not None and (not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1):
         raise PromptCacheError(f"num_workers must be an int >= 1 or None (the cluster's CPUs), got {num_workers!r}")
-    from .remote import RemoteTier, _redact
-
     if not RemoteTier(remote_store, "reachability-check").ping():  # fail here, before Ray starts any worker
-        raise PromptCacheError(f"remote store {_redact(remote_store)!r} is not reachable")
+        raise PromptCacheError(f"remote store {redact_url(remote_store)!r} is not reachable")
     if not ray.is_initialized():
         # RAY_ADDRESS joins a cluster; without it a local runtime with this machine's CPUs
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
@@ -126,7 +120,7 @@ def encode_documents(
         except ray.exceptions.RayError as err:
             cause = getattr(err, "cause", None)
             if isinstance(cause, PromptCacheError):  # a worker's own verdict: the remote store did not take its batch
-                raise PromptCacheError(f"encoding into {_redact(remote_store)!r} failed: {cause}") from err
+                raise PromptCacheError(f"encoding into {redact_url(remote_store)!r} failed: {cause}") from err
             raise
     logger.info("encoded %d of %d documents on %d Ray workers into %s", encoded, len(unique), workers, remote_store)
     return names

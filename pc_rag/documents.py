@@ -129,12 +129,11 @@ def module_reference(name: str, schema: str = DEFAULT_SCHEMA) -> str:
     return f"[[pc-rag-module {_tag(schema, name)} {schema}/{name}]]"
 
 
-def is_reference(text: Any, name: str | None = None, schema: str | None = None) -> bool:
-    """Whether ``text`` is exactly one genuine reference (to ``schema``/``name`` when given):
-    what adapters check before passing a reference found in untrusted metadata on."""
+def is_reference(text: Any) -> bool:
+    """Whether ``text`` is exactly one genuine reference: what adapters check before passing a
+    reference found in untrusted metadata on."""
     m = _REFERENCE.fullmatch(text) if isinstance(text, str) else None
-    return (m is not None and hmac.compare_digest(m.group(1), _tag(m.group(2), m.group(3)))
-            and (name is None or m.group(3) == name) and (schema is None or m.group(2) == schema))
+    return m is not None and hmac.compare_digest(m.group(1), _tag(m.group(2), m.group(3)))
 
 
 def split_references(text: str) -> list[str | ModuleSpan]:

@@ -188,11 +188,6 @@ def entry_key(fingerprint: str, encoding: str, collection: str, token_ids: Seque
     return f"{collection}/{h.hexdigest()}"
 
 
-def key_collection(key: str) -> str:
-    """The collection a store key belongs to (see :func:`entry_key`)."""
-    return key.partition("/")[0]
-
-
 class ModuleEncoder:
     """Encodes modules into the store, each once: the KV of a module's tokens at its positions,
     behind its schema's encoding context (nothing for ``isolated``; the schema's prefix, and for

@@ -340,6 +340,14 @@ class PromptCache:
         self._synced_at = time.monotonic()
         return self.registry.sync_remote()
 
+    def remote_backlog(self) -> int:
+        """Module entries and registry records the remote tier has not taken yet (the registry's
+        are sent again first): 0 means everything this engine stored is shared. An encoding job
+        checks it before reporting success."""
+        if self.remote is None:
+            return 0
+        return self.registry.flush_unpublished() + len(self.store.unshared())
+
     def sync_if_due(self) -> None:
         """:meth:`sync_documents` when ``remote_sync_interval_s`` has passed since the last one
         (before every request and retriever search): deletions and additions by other replicas

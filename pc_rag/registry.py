@@ -13,8 +13,9 @@ import hashlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -98,7 +99,7 @@ class Registry:
         self._remote_seen: dict[str, int] = {}  # log entries of each remote collection read so far
         self._remote_epoch: dict[str, str | None] = {}  # ... in the log of this epoch
         self._remote_meta: dict[str, dict[str, Any]] = {}  # what each remote collection is (read once)
-        self._unpublished: list[tuple[str, str, Any, Any]] = []  # registry writes the remote tier has not taken yet, in order
+        self._unpublished: list[Callable[[], bool]] = []  # registry writes the remote tier has not taken yet, in order
         self._sync_lock = threading.Lock()
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()  # indexes to tell about deletions
 
@@ -163,7 +164,7 @@ class Registry:
                         self.index.add(doc.name, name, info.text)
             self._publish(schema)
             if self.remote is not None and publish:
-                self._publish_remote("schema", doc.name, pml, None)
+                self._publish_remote(partial(self.remote.publish_schema, doc.name, pml))
             logger.info("schema %r: %d modules, %d tokens, %d encoded", doc.name, len(schema.modules), layout.length, len(missing))
             return schema
 
@@ -237,8 +238,8 @@ class Registry:
                 target = replace(target, layout=new_layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents))
                 self._publish(target)
             if self.remote is not None and publish and fresh:
-                self._publish_remote("documents", schema, target.system, [
-                    {"name": name, "text": text, "metadata": meta} for name, (text, _, meta) in fresh.items()])
+                self._publish_remote(partial(self.remote.publish_documents, schema, target.system, [
+                    {"name": name, "text": text, "metadata": meta} for name, (text, _, meta) in fresh.items()]))
             logger.info("documents %r: %d added (%d new), %d held", schema, len(names), len(fresh), len(target.documents))
             return names
 
@@ -270,7 +271,7 @@ class Registry:
             # them (the log may add the same text again after it)
             self.encoder.store.delete(dead, remote=publish)
             if self.remote is not None and publish:
-                self._publish_remote("delete", schema, None, removed)
+                self._publish_remote(partial(self.remote.publish_deletion, schema, removed))
             listeners = list(self._listeners)
         for listener in listeners:
             listener.forget(schema, removed)
@@ -282,26 +283,18 @@ class Registry:
         self._listeners.add(listener)
 
     # -- the remote registry ------------------------------------------------------------------
-    def _publish_remote(self, op: str, collection: str, meta: Any, payload: Any) -> None:
-        """Queue one registry write and send the queue in order (a later deletion never overtakes
-        the addition it deletes); what Redis does not take now is sent at the next sync."""
+    def _publish_remote(self, write: Callable[[], bool]) -> None:
+        """Queue one registry write (a call that says whether Redis took it) and send the queue in
+        order (a later deletion never overtakes the addition it deletes); what Redis does not
+        take now is sent at the next sync."""
         with self._lock:
-            self._unpublished.append((op, collection, meta, payload))
+            self._unpublished.append(write)
         self.flush_unpublished()
 
     def flush_unpublished(self) -> int:
         """Send the registry writes the remote tier has not taken yet; returns how many are left."""
         with self._lock:
-            while self._unpublished:
-                op, collection, meta, payload = self._unpublished[0]
-                if op == "documents":
-                    sent = self.remote.publish_documents(collection, meta, payload)
-                elif op == "delete":
-                    sent = self.remote.publish_deletion(collection, payload)
-                else:
-                    sent = self.remote.publish_schema(collection, meta)
-                if not sent:
-                    break
+            while self._unpublished and self._unpublished[0]():
                 self._unpublished.pop(0)
             return len(self._unpublished)
 

@@ -37,8 +37,8 @@ milliseconds (payload transfers, on their own connection, get room for their siz
 error marks the tier down for ``retry_s`` seconds (logged once), during which it is skipped and
 modules come from the local tiers or are encoded; afterwards it is tried again and hits resume.
 Registry reads run in pages on a connection with their own, longer timeout: a page that fails
-stops the read there (what was read is taken, nothing is skipped past), and never marks the KV
-tier down. Eviction is Redis' own (``maxmemory-policy allkeys-lru``): a record whose chunk was
+stops the read there (what was read is taken, nothing is skipped past); a registry key of the
+wrong type is a rejected value, logged once, and never marks the KV tier down. Eviction is Redis' own (``maxmemory-policy allkeys-lru``): a record whose chunk was
 evicted fails its check and is rebuilt.
 """
 
@@ -64,7 +64,7 @@ from safetensors.torch import load as load_safetensors
 from .documents import check_name
 from .errors import PromptCacheError
 from .kvcache import ModuleKV
-from .store import FORMAT_VERSION, header_problem, serialize
+from .store import FORMAT_VERSION, header_problem, serialize, split_key
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def connect(url: str, *, timeout_ms: float) -> Any:
         raise PromptCacheError('remote_store needs the redis client: pip install "pc-rag[distributed]"') from err
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES:
-        raise PromptCacheError(f"remote_store must be a redis://, rediss://, valkey:// or unix:// URL, got {_redact(url)!r}")
+        raise PromptCacheError(f"remote_store must be a redis://, rediss://, valkey:// or unix:// URL, got {redact_url(url)!r}")
     # Valkey speaks the Redis protocol: its URL schemes are Redis' under another name
     scheme = {"valkey": "redis", "valkeys": "rediss"}.get(parts.scheme, parts.scheme)
     return redis.Redis.from_url(urlunsplit((scheme, *parts[1:])), socket_timeout=timeout_ms / 1000,
@@ -146,13 +146,12 @@ def _canonical(body: dict[str, Any]) -> str:
 
 @dataclass
 class LogRead:
-    """What one read of a collection's log gave: its entries in order, where the next read starts,
-    and how many entries were skipped as malformed or unauthenticated."""
+    """What one read of a collection's log gave: its valid entries in order, and the index the
+    next read starts at (past every entry read, skipped ones included; not past a page that
+    could not be read)."""
 
     entries: list[dict[str, Any]] = field(default_factory=list)
     next: int = 0
-    skipped: int = 0
-    complete: bool = True  # False: a page could not be read; the next read starts there
 
 
 class RemoteTier:
@@ -178,12 +177,13 @@ class RemoteTier:
         # payload chunks travel on a second connection with room for their size: the small
         # commands before them (the record, EXISTS) already told a slow or absent Redis apart
         self.bulk = connect(url, timeout_ms=timeout_ms + 1000 * chunk_bytes / BULK_BYTES_PER_S)
-        # registry pages: their own timeout, and a failure there never marks the KV tier down
+        # registry pages: their own, longer timeout (a page of 2,000 records is not a 50 ms command)
         self.registry = connect(url, timeout_ms=registry_timeout_ms)
         self._down_until = 0.0
         self._lock = threading.Lock()
         self.errors = 0
         self.rejected = 0  # values read back and refused (malformed, unauthenticated, foreign)
+        self._rejections: set[tuple[str, str]] = set()  # what was refused already: a bad record read at every sync is logged once
 
     # -- availability -------------------------------------------------------------------------
     @property
@@ -201,24 +201,13 @@ class RemoteTier:
             self._down_until = time.monotonic() + self.retry_s
         if announce:
             logger.warning("remote store %s unavailable (%s: %s); serving from local tiers, retrying in %.1f s",
-                           _redact(self.url), what, exc, self.retry_s)
+                           redact_url(self.url), what, exc, self.retry_s)
 
-    def _call(self, what: str, fn: Any, default: Any) -> Any:
-        """``fn()`` unless the tier is down; any Redis or socket error marks it down and gives ``default``."""
-        if not self.available:
-            return default
-        import redis
-
-        try:
-            return fn()
-        except (redis.RedisError, OSError) as exc:
-            self._failed(what, exc)
-            return default
-
-    def _registry_call(self, what: str, fn: Any, default: Any) -> Any:
-        """``fn()`` on the registry connection: a server that does not answer marks the tier down
-        like any KV command; a refused command (a key of the wrong type, written by someone else)
-        is logged and gives ``default``, and leaves the KV tier alone."""
+    def _call(self, what: str, fn: Any, default: Any, *, refused_is_data: bool = False) -> Any:
+        """``fn()`` unless the tier is down; a Redis or socket error marks it down and gives
+        ``default``. With ``refused_is_data`` (registry reads), a command the server refuses (a
+        key of the wrong type, written by someone else) is a rejected value instead: logged, and
+        the tier stays up."""
         if not self.available:
             return default
         import redis
@@ -226,14 +215,24 @@ class RemoteTier:
         try:
             return fn()
         except redis.ResponseError as exc:
-            self._reject(what, f"{exc}")
+            if not refused_is_data:
+                self._failed(what, exc)
+            else:
+                self._reject(what, str(exc), once=True)
             return default
         except (redis.RedisError, OSError) as exc:
             self._failed(what, exc)
             return default
 
-    def _reject(self, what: str, problem: str) -> None:
+    def _reject(self, what: str, problem: str, *, once: bool = False) -> None:
+        """Count and log a value that cannot be used; ``once``: a value read again at every sync
+        (a collection's record, a key of the wrong type), counted and logged the first time only."""
         with self._lock:
+            if once:
+                if (what, problem) in self._rejections:
+                    return
+                if len(self._rejections) < 100_000:
+                    self._rejections.add((what, problem))
             self.rejected += 1
         logger.warning("remote store: %s rejected: %s", what, problem)
 
@@ -260,8 +259,8 @@ class RemoteTier:
 
     # -- module KV ----------------------------------------------------------------------------
     def _record_key(self, key: str) -> str:
-        collection, _, digest = key.rpartition("/")
-        return f"{self.prefix}{collection or '_'}:kv:{digest}"
+        collection, digest = split_key(key)
+        return f"{self.prefix}{collection}:kv:{digest}"
 
     def __contains__(self, key: str) -> bool:
         return bool(self._call("exists", lambda: self.client.exists(self._record_key(key)), False))
@@ -420,7 +419,8 @@ class RemoteTier:
 
     def collection_names(self) -> list[str] | None:
         """Every collection published under this fingerprint (None when Redis could not be read)."""
-        raw = self._registry_call("the set of collections", lambda: self.registry.smembers(f"{self.prefix}collections"), None)
+        raw = self._call("the set of collections", lambda: self.registry.smembers(f"{self.prefix}collections"), None,
+                         refused_is_data=True)
         if raw is None:
             return None
         names = []
@@ -428,13 +428,15 @@ class RemoteTier:
             try:
                 names.append(check_name(value.decode(), "collection name"))
             except (PromptCacheError, UnicodeDecodeError):
-                self._reject("collection name", f"{value[:64]!r} is not a valid name")
+                self._reject("collection name", f"{value[:64]!r} is not a valid name", once=True)
         return sorted(names)
 
     def collection_meta(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
         """What each of ``names`` is (``kind`` "documents" with ``system``, or "pml" with ``source``);
         collections whose record is absent or invalid are left out (invalid ones with a warning)."""
-        raw = self._registry_call("collection records", lambda: self.registry.mget([self._meta_key(n) for n in names]), None) if names else None
+        if not names:
+            return {}
+        raw = self._call("collection records", lambda: self.registry.mget([self._meta_key(n) for n in names]), None, refused_is_data=True)
         out: dict[str, dict[str, Any]] = {}
         for name, value in zip(names, raw or []):
             if value is None:
@@ -450,7 +452,7 @@ class RemoteTier:
                 else:
                     raise PromptCacheError("neither a document collection nor a PML schema")
             except (PromptCacheError, UnicodeDecodeError) as err:
-                self._reject(f"record of collection {name!r}", str(err))
+                self._reject(f"record of collection {name!r}", str(err), once=True)
         return out
 
     def log_lengths(self, names: Sequence[str]) -> dict[str, tuple[int, str | None]]:
@@ -467,7 +469,7 @@ class RemoteTier:
                     out[name] = (length, epoch.decode(errors="replace") if isinstance(epoch, bytes) else None)
             return out
 
-        return self._registry_call("log lengths", run, {}) if names else {}
+        return self._call("log lengths", run, {}, refused_is_data=True) if names else {}
 
     def read_log(self, collection: str, start: int = 0) -> LogRead:
         """The log entries of ``collection`` from index ``start`` on, read in pages of
@@ -477,22 +479,18 @@ class RemoteTier:
         read = LogRead(next=start)
         while self.available:
             end = read.next + self.page_size - 1
-            page = self._registry_call(f"log of {collection!r} from entry {read.next}",
-                                       lambda: self.registry.lrange(log_key, read.next, end), None)  # noqa: B023 - called at once
+            page = self._call(f"log of {collection!r} from entry {read.next}",
+                              lambda: self.registry.lrange(log_key, read.next, end), None, refused_is_data=True)  # noqa: B023 - called at once
             if page is None:  # logged; the next sync goes on from here
-                read.complete = False
                 break
             for offset, raw in enumerate(page):
                 try:
                     read.entries.append(self._log_entry(log_key, raw))
                 except (PromptCacheError, UnicodeDecodeError) as err:
-                    read.skipped += 1
                     self._reject(f"log entry {read.next + offset} of {collection!r}", f"{err}; skipped")
             read.next += len(page)
             if len(page) < self.page_size:
                 break
-        else:
-            read.complete = False
         return read
 
     def _log_entry(self, log_key: str, raw: Any) -> dict[str, Any]:
@@ -515,7 +513,7 @@ class RemoteTier:
         raise PromptCacheError(f"unknown operation {op!r}")
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
     """``url`` without its password (for logs)."""
     parts = urlsplit(url)
     if parts.password:

@@ -45,6 +45,13 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 
 
+def split_key(key: str) -> tuple[str, str]:
+    """A store key's collection and digest (keys are ``<collection>/<sha-256>``; see
+    :func:`pc_rag.encoder.entry_key`); every tier lays its entries out by them."""
+    collection, _, digest = key.rpartition("/")
+    return collection or "_", digest
+
+
 @dataclass(frozen=True)
 class KVShape:
     """What every module KV of one engine must look like: ``[layers, 2, kv_heads, tokens,
@@ -109,8 +116,8 @@ class DiskTier:
                 pass
 
     def _paths(self, key: str) -> tuple[Path, Path]:
-        collection, _, digest = key.rpartition("/")
-        folder = self.root / (collection or "_") / digest[:2]
+        collection, digest = split_key(key)
+        folder = self.root / collection / digest[:2]
         return folder / f"{digest}.safetensors", folder / f"{digest}.json"
 
     def __contains__(self, key: str) -> bool:

@@ -256,8 +256,8 @@ class FaissModuleRetriever:
                collections: str | Sequence[str] | None = None) -> list[Hit]:
         """The ``k`` modules most similar to ``query``, best first, among the documents of
         ``collections`` (None: all this index holds) whose metadata passes ``filter`` (see
-        :func:`metadata_filter`). Bound to an engine, documents it no longer holds (deleted on
-        another replica) are dropped from the index, never returned."""
+        :func:`metadata_filter`). Bound to an engine, its due sync runs first, so documents
+        deleted on another replica have left the index (:meth:`forget`)."""
         import faiss
 
         if not isinstance(query, str):
@@ -267,7 +267,8 @@ class FaissModuleRetriever:
         allowed = scope(collections)
         keep = metadata_filter(filter)
         if self.engine is not None:
-            self._drop_deleted()
+            # deletions other replicas made reach this index through the engine's sync (registry.watch)
+            self.engine.sync_if_due()
         vector = self._embed([query])  # outside the lock: searches embed their queries side by side
         with self._lock:
             if filter is None and allowed is None:
@@ -283,21 +284,6 @@ class FaissModuleRetriever:
             scores, found = self.index.search(vector, min(k, total), params=params)
             records = [(float(score), self._records.get(int(row))) for score, row in zip(scores[0], found[0]) if row >= 0]
         return [Hit(r.name, score, r.text, dict(r.metadata), r.schema) for score, r in records if r is not None]
-
-    def _drop_deleted(self) -> None:
-        """Forget the documents the bound engine no longer holds (deleted through another replica,
-        taken in at the engine's last sync of the shared registry)."""
-        engine = self.engine
-        engine.sync_if_due()  # type: ignore[union-attr]
-        schemas = engine.schemas  # type: ignore[union-attr]
-        stale: dict[str, list[str]] = {}
-        with self._lock:
-            for r in self._records.values():
-                held = schemas.get(r.schema)
-                if held is not None and held.layout.documents and r.name not in held.documents:
-                    stale.setdefault(r.schema, []).append(r.name)
-        for schema, names in stale.items():
-            self.forget(schema, names)
 
     # -----------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike | None = None) -> Path:
