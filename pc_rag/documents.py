@@ -55,6 +55,35 @@ def default_name(text: str) -> str:
     return "doc-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+_ID_CHARS = re.compile(r"[A-Za-z0-9_.\-]{1,200}", re.ASCII)
+
+
+def module_name(doc_id: Any, text: str) -> str:
+    """The module name of a document with id ``doc_id`` (a Document's ``id``, a node's ``node_id``,
+    a vector store's key): the id itself when it is a valid module name, else an escaped form of it
+    (``"1"`` -> ``"id.1"``, a UUID ``"3f2a-..."`` -> ``"id.3f2a-..."``, other characters hex-coded
+    behind ``"idx."``), so every id names exactly one module and :func:`document_id` gives it back.
+    Without an id (None or ""), a name derived from the text (:func:`default_name`)."""
+    if doc_id is None or doc_id == "":
+        return default_name(text)
+    if not isinstance(doc_id, str):
+        raise PromptCacheError(f"a document id must be a str, got {type(doc_id).__name__}")
+    if _valid(doc_id) and not doc_id.startswith(("id.", "idx.")):
+        return doc_id
+    if _ID_CHARS.fullmatch(doc_id):
+        return "id." + doc_id
+    return "idx." + doc_id.encode("utf-8").hex()
+
+
+def document_id(name: str) -> str:
+    """The id :func:`module_name` made ``name`` from (a name it did not escape is its own id)."""
+    if name.startswith("idx."):
+        return bytes.fromhex(name[4:]).decode("utf-8")
+    if name.startswith("id."):
+        return name[3:]
+    return name
+
+
 def check_name(name: str, what: str = "document id") -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise PromptCacheError(f"invalid {what} {name!r}: use letters, digits, '_', '-', '.', starting with a letter or '_'")
@@ -68,7 +97,10 @@ def normalize(
     ids: Sequence[str] | None = None,
     metadatas: Sequence[Mapping[str, Any] | None] | None = None,
 ) -> list[tuple[str | None, str, dict[str, Any]]]:
-    """``(id or None, text, metadata)`` for strings, LangChain ``Document``s and LlamaIndex nodes."""
+    """``(name or None, text, metadata)`` for strings, LangChain ``Document``s and LlamaIndex nodes.
+
+    ``ids`` must be module names; a Document's or node's own id may be anything (a vector store's
+    UUID): it becomes a name through :func:`module_name`."""
     if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
         raise PromptCacheError(f"documents must be a list (of str, LangChain Documents or LlamaIndex nodes), got {type(items).__name__}")
     items = list(items)
@@ -93,15 +125,16 @@ def _unpack(item: Any, index: int) -> tuple[str, str | None, Mapping[str, Any] |
         return item, None, None
     if hasattr(item, "page_content"):  # langchain_core.documents.Document
         doc_id = getattr(item, "id", None)
-        return item.page_content, doc_id if _valid(doc_id) else None, getattr(item, "metadata", None)
+        return item.page_content, module_name(doc_id, item.page_content) if doc_id else None, getattr(item, "metadata", None)
     if hasattr(item, "get_content") and hasattr(item, "node_id"):  # llama_index BaseNode
         # MetadataMode is a str enum: "none" is the node's text without its metadata header
-        return item.get_content(metadata_mode="none"), item.node_id if _valid(item.node_id) else None, getattr(item, "metadata", None)
+        text = item.get_content(metadata_mode="none")
+        return text, module_name(item.node_id, text) if item.node_id else None, getattr(item, "metadata", None)
     raise PromptCacheError(f"document {index}: expected str, LangChain Document or LlamaIndex node, got {type(item).__name__}")
 
 
 def _valid(doc_id: Any) -> bool:
-    """Ids that work as module names are kept; others (e.g. UUIDs starting with a digit) get a text-derived name."""
+    """Whether an id works as a module name as it is."""
     return isinstance(doc_id, str) and _NAME.fullmatch(doc_id) is not None and doc_id not in _RESERVED
 
 

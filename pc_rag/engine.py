@@ -25,8 +25,9 @@ import torch
 
 from . import planner
 from .assemble import Ape, Assembler, Assembly, choose_assembly
+from .background import BackgroundEncoder
 from .constrained import Vocabulary
-from .documents import DEFAULT_SCHEMA, SEPARATOR, check_name
+from .documents import DEFAULT_SCHEMA, SEPARATOR, check_name, default_name, normalize
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
 from .generate import Rows, decode, prefill, prefill_in_order, prefill_recovered
@@ -168,6 +169,8 @@ class PromptCache:
         self.drop_in = drop_in and self.spec.movable and bool(getattr(tokenizer, "is_fast", False))
         self.registry = Registry(self.spec, self.encoder, encoding=encoding, drop_in=self.drop_in, remote=self.remote,
                                  remote_collections=remote_collections)
+        # documents added with background=True: encoded between requests (pc_rag.background)
+        self.background = BackgroundEncoder(self.registry.add_documents)
         self.buffers = BufferPool(model)
         self.assembler = Assembler(self.spec, self.encoder, self.buffers)
         # tokens that end an answer (EOS, end of turn); empty it for fixed-length generations
@@ -291,10 +294,11 @@ class PromptCache:
     def store_stats(self) -> dict[str, int]:
         """Where module KV came from since this engine started: ``encoded`` (modules encoded by
         this process), ``hits_memory``, ``hits_disk``, ``hits_remote`` (read from ``remote_store``),
-        ``misses`` (lookups no tier could answer), ``evictions``, ``bytes_memory``, ``bytes_disk``;
+        ``misses`` (lookups no tier could answer), ``evictions``, ``bytes_memory``, ``bytes_disk``,
+        ``background_pending`` (documents queued by ``add_documents(background=True)``);
         with a remote tier, ``remote_errors`` (commands that failed: the tier was skipped) and
         ``remote_rejected`` (records and entries read back and refused)."""
-        stats = {"encoded": self.forward.encoded, **self.store.stats()}
+        stats = {"encoded": self.forward.encoded, **self.store.stats(), "background_pending": self.background.pending}
         if self.remote is not None:
             stats.update(remote_errors=self.remote.errors, remote_rejected=self.remote.rejected)
         return stats
@@ -306,7 +310,8 @@ class PromptCache:
 
     def add_documents(self, texts: Sequence[Any], *, ids: Sequence[str] | None = None,
                       metadatas: Sequence[dict[str, Any] | None] | None = None, schema: str = DEFAULT_SCHEMA,
-                      system: str | None = None, progress: bool = True, batch_tokens: int | None = None) -> list[str]:
+                      system: str | None = None, progress: bool = True, batch_tokens: int | None = None,
+                      replace_changed: bool = False, background: bool = False) -> list[str]:
         """Store documents as movable modules of the document schema ``schema``; return their names.
 
         ``texts`` holds strings, LangChain ``Document``s or LlamaIndex nodes. A document's name is
@@ -318,9 +323,28 @@ class PromptCache:
         on accelerators), and persisted through ``kv_dir``. A prompt places the documents it
         imports one after another, right after the system turn and the user marker, at the
         positions full prefill would give them.
+
+        An id that already holds another text is an error, unless ``replace_changed=True``: then
+        the old document is deleted (:meth:`delete_documents`) and the new text stored under the id.
+
+        ``background=True`` returns the names at once and encodes the documents later, between
+        requests (after the request being served, never during one: :mod:`pc_rag.background`).
+        Until a document is encoded, a prompt reads it as text. :meth:`wait_for_documents`
+        waits for the queue.
         """
+        if background:
+            records = normalize(texts, ids, metadatas)
+            check_name(schema, "schema name")
+            named = [(doc_id or default_name(text), text, meta) for doc_id, text, meta in records]
+            self.background.submit(schema, system, named, replace_changed=replace_changed)
+            return [name for name, _, _ in named]
         return self.registry.add_documents(texts, ids=ids, metadatas=metadatas, schema=schema, system=system,
-                                           progress=progress, batch_tokens=batch_tokens)
+                                           progress=progress, batch_tokens=batch_tokens, replace_changed=replace_changed)
+
+    def wait_for_documents(self, timeout: float | None = None) -> bool:
+        """Encode the documents queued by ``add_documents(background=True)`` now (still between
+        requests) and wait for them; False if ``timeout`` seconds passed first."""
+        return self.background.join(timeout)
 
     def delete_documents(self, names: str | Sequence[str], *, schema: str = DEFAULT_SCHEMA) -> list[str]:
         """Remove documents (by name, i.e. id) from collection ``schema`` everywhere they live: the
@@ -384,7 +408,8 @@ class PromptCache:
     def next_token_logits(self, prompt: str, *, use_cache: bool = True, collections: str | Sequence[str] | None = None) -> torch.Tensor:
         """Logits of the first generated token: the quantity cached inference must reproduce."""
         plans = self._prepare([prompt], use_cache, planner.scope(collections))
-        prefilled = self._prefill(plans, 0, use_cache, share=False)
+        with self.background.serving():
+            prefilled = self._prefill(plans, 0, use_cache, share=False)
         self.buffers.release(prefilled.rows.buffer)
         return prefilled.logits[0]
 
@@ -540,6 +565,11 @@ class PromptCache:
              ) -> Generator[str, None, Any]:
         """Prefill and decode ``plans`` together; yields the text of a single request as it is
         decoded, and returns its Generation (a list of them for a batch)."""
+        with self.background.serving():  # documents queued for encoding wait until no request is served
+            return (yield from self._serve(plans, params, use_cache, started, share=share))
+
+    def _serve(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool
+               ) -> Generator[str, None, Any]:
         spec = self.spec
         requests = [
             RequestState(params=params, tokenizer=self.tokenizer, device=spec.device, stop_token_ids=frozenset(self.stop_token_ids),

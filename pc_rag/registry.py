@@ -181,13 +181,17 @@ class Registry:
         batch_tokens: int | None = None,
         publish: bool = True,
         encode: bool = True,
+        replace_changed: bool = False,
     ) -> list[str]:
         """Store documents as movable modules of the document schema ``schema`` (see
         :meth:`pc_rag.PromptCache.add_documents`); returns their names. With a remote tier, the
         new documents' records are published to it (once per call) after their KV is stored
         there; ``publish=False`` when they come from it. ``encode=False`` registers them
         without looking for their KV: a prompt that imports one finds it in a tier or encodes
-        it then (records taken in from the remote tier, whose KV is there)."""
+        it then (records taken in from the remote tier, whose KV is there).
+        ``replace_changed=True``: a name that holds another text or metadata (a document edited
+        under the same id) is deleted first (:meth:`delete_documents`) and added anew; without
+        it, another text is an error (and other metadata is ignored)."""
         records = docs_mod.normalize(texts, ids, metadatas)
         spec = self.spec
         if not spec.movable:
@@ -198,6 +202,13 @@ class Registry:
         docs_mod.check_name(schema, "schema name")
         with self._lock:
             target = self._document_schema(schema, system)
+            if replace_changed:
+                held = target.documents
+                changed = [name for doc_id, text, meta in records
+                           if (name := doc_id or docs_mod.default_name(text)) in held and (held[name].text, held[name].metadata) != (text, meta)]
+                if changed:
+                    self.delete_documents(changed, schema=schema, publish=publish)
+                    target = self._document_schema(schema, system)
             layout = target.layout
             names: list[str] = []
             new: dict[str, tuple[str, dict[str, Any]]] = {}

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
+from ..documents import DEFAULT_SCHEMA, check_name, module_name, module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import Generation
 from ..planner import scope
 from ..pml import PML, is_pml_prompt
+
+logger = logging.getLogger(__name__)
 
 _engines: dict[tuple[str | None, str], PromptCache] = {}
 _lock = threading.Lock()
@@ -141,3 +145,68 @@ async def iterate_in_thread(items: Iterator[T]) -> AsyncIterator[T]:
             yield item
     finally:
         stop.set()
+
+
+# -- hits of a user's own retriever as modules ------------------------------------------------------
+Encode = Literal["background", "eager", "off"]
+ENCODE_MODES: tuple[str, ...] = ("background", "eager", "off")
+
+
+def check_encode(encode: Any) -> Encode:
+    if encode not in ENCODE_MODES:
+        raise PromptCacheError(f"encode must be one of {', '.join(map(repr, ENCODE_MODES))}, got {encode!r}")
+    return encode  # type: ignore[no-any-return]
+
+
+def target_collection(collection: str | None, allowed: Sequence[str] | None) -> str:
+    """The collection a wrapped retriever's hits become modules of: ``collection`` (which must be
+    one the request may read), else the request's only collection, else the default one."""
+    if collection is not None:
+        check_name(collection, "collection name")
+        if allowed is not None and collection not in allowed:
+            raise PromptCacheError(f"this request may read collections {', '.join(allowed) or '(none)'}; "
+                                   f"the retriever stores its documents in {collection!r}")
+        return collection
+    if allowed is None:
+        return DEFAULT_SCHEMA
+    if len(allowed) == 1:
+        return allowed[0]
+    raise PromptCacheError(f"this request may read {len(allowed)} collections ({', '.join(allowed)}): give the retriever "
+                           "collection= to say which one its documents belong to")
+
+
+def _held(engine: PromptCache, collection: str) -> dict[str, str]:
+    """name -> text of the documents ``collection`` holds now (empty for a PML schema or none)."""
+    schema = engine.schemas.get(collection)
+    if schema is None or not schema.layout.documents:
+        return {}
+    return {name: record.text for name, record in schema.documents.items()}
+
+
+def as_modules(engine: PromptCache, collection: str, hits: Sequence[tuple[Any, str, Mapping[str, Any]]],
+               encode: Encode) -> list[tuple[str, str | None]]:
+    """``(module name, reference or None)`` for each hit ``(id, text, metadata)`` of a user's own
+    retriever. A hit is named by its id (:func:`pc_rag.documents.module_name`), else by its text.
+    The reference is set when ``collection`` holds exactly this text under that name (so an
+    edited document is never served from its old KV); the others are encoded, ``"eager"`` now,
+    ``"background"`` after the request (:mod:`pc_rag.background`), and read as text meanwhile. A
+    document that cannot be encoded is logged and read as text: retrieval never fails for it."""
+    names = [module_name(doc_id, text) for doc_id, text, _ in hits]
+    held = _held(engine, collection)
+    missing = {name: (text, dict(meta or {})) for name, (_, text, meta) in zip(names, hits) if text and held.get(name) != text}
+    if missing and encode != "off":
+        batches = [list(missing.items())]
+        while batches:  # a document that cannot be encoded (too long, ...) leaves the others encoded
+            batch = batches.pop()
+            try:
+                engine.add_documents([text for _, (text, _) in batch], ids=[name for name, _ in batch],
+                                     metadatas=[meta for _, (_, meta) in batch], schema=collection, progress=False,
+                                     replace_changed=True, background=encode == "background")
+            except PromptCacheError as err:
+                if len(batch) == 1:
+                    logger.warning("retrieved document %r not stored in %r (read as text): %s", batch[0][0], collection, err)
+                else:
+                    batches.extend([batch[: len(batch) // 2], batch[len(batch) // 2 :]])
+        if encode == "eager":
+            held = _held(engine, collection)
+    return [(name, module_reference(name, collection) if held.get(name) == text else None) for name, (_, text, _) in zip(names, hits)]

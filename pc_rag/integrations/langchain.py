@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
+    AsyncCallbackManagerForRetrieverRun,
     CallbackManagerForLLMRun,
     CallbackManagerForRetrieverRun,
 )
@@ -42,19 +43,33 @@ from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
+from langchain_core.vectorstores import VectorStore
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
 
 from ..constrained import closed
-from ..documents import is_reference, module_reference
+from ..documents import document_id, is_reference, module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import Generation as EngineGeneration
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
 from ..tools import call_schema, parse_calls, tool_names
-from ._shared import as_prompt, engine_kwargs, generation_info, iterate_in_thread, model_name, narrow, shared_engine
+from ._shared import (
+    as_modules,
+    as_prompt,
+    check_encode,
+    engine_kwargs,
+    generation_info,
+    iterate_in_thread,
+    model_name,
+    narrow,
+    shared_engine,
+    target_collection,
+)
+from .langchain_vectorstore import PromptCacheVectorStore, SentenceTransformerEmbeddings
 
-__all__ = ["ChatPromptCache", "PromptCacheLLM", "PromptCacheRetriever", "format_modules"]
+__all__ = ["ChatPromptCache", "PromptCacheLLM", "PromptCacheRetriever", "PromptCacheVectorStore", "SentenceTransformerEmbeddings",
+           "format_modules"]
 
 
 class _EngineParams(BaseModel):
@@ -580,35 +595,84 @@ def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
 
 
 class PromptCacheRetriever(BaseRetriever):
-    """A LangChain retriever over a :class:`~pc_rag.retrievers.FaissModuleRetriever`.
+    """A LangChain retriever whose documents are pre-encoded modules.
 
-    Returned documents carry ``metadata["module"]``, ``"schema"``, ``"score"`` and
-    ``"reference"`` (a genuine module reference: what :func:`format_modules` puts into the
-    prompt). ``search_kwargs`` as LangChain's vector-store retrievers take them (``k``,
-    ``filter`` on metadata); ``collections`` limits what is searched (per call:
-    ``config={"configurable": {"collections": [...]}}``, which narrows it, never widens it).
+    Over pc-rag's own index (a :class:`~pc_rag.retrievers.FaissModuleRetriever`, the default:
+    one over the shared default engine's documents), or over any LangChain retriever the user
+    already has: ``PromptCacheRetriever(retriever=chroma.as_retriever())`` or
+    :meth:`from_vectorstore`. A hit of a user's retriever becomes a module of ``collection``,
+    named by its id (else by its text); one the engine has not encoded yet (or whose text changed
+    under its id) is encoded ``encode="background"`` after the request (the default: a first
+    request is never slower than full prefill, the next reuses it), ``"eager"`` before returning,
+    or ``"off"`` never, and read as text until then.
+
+    Returned documents carry ``metadata["module"]``, ``"schema"`` and, for every document the
+    engine holds, ``"reference"`` (a genuine module reference: what :func:`format_modules` puts
+    into the prompt); pc-rag's index adds ``"score"``. ``collections`` limits what a request may
+    read (per call: ``config={"configurable": {"collections": [...]}}``, which narrows it, never
+    widens it).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     retriever: Any = Field(default=None, exclude=True)
-    """The FAISS module retriever; by default one over the shared default engine's documents."""
+    """A :class:`~pc_rag.retrievers.FaissModuleRetriever` or any LangChain ``BaseRetriever``;
+    by default pc-rag's index over the shared default engine's documents."""
+    engine: Any = Field(default=None, exclude=True)
+    """The :class:`~pc_rag.PromptCache` whose store holds the modules: the FAISS index's own
+    engine, else the shared default engine."""
     k: int = Field(default=4, ge=1)
-    """How many documents to return (``search_kwargs["k"]`` and a per-call ``k`` win)."""
+    """pc-rag's index: how many documents to return (``search_kwargs["k"]`` and a per-call ``k`` win)."""
     search_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """``k`` and ``filter`` (a dict of metadata conditions: ``{"source": "a"}``, ``{"year": {"$gte": 2020}}``,
-    ``$in``/``$nin``/``$ne``/``$lt``..., ``$and``/``$or``; or a callable over the metadata)."""
+    """pc-rag's index: ``k`` and ``filter`` (a dict of metadata conditions: ``{"source": "a"}``,
+    ``{"year": {"$gte": 2020}}``, ``$in``/``$nin``/``$ne``/``$lt``..., ``$and``/``$or``; or a
+    callable over the metadata). A user's retriever keeps its own search settings."""
     collections: list[str] | None = None
-    """The collections this retriever may search (None: every collection its index holds)."""
+    """The collections this retriever's requests may read (None: all of them)."""
+    collection: str | None = None
+    """A user's retriever: the collection its hits become modules of (default: the request's only
+    collection, else ``"docs"``)."""
+    encode: Literal["background", "eager", "off"] = "background"
+    """A user's retriever: when hits the engine has not encoded are encoded (see the class docstring)."""
 
     def model_post_init(self, context: Any) -> None:
+        if self.engine is not None and not isinstance(self.engine, PromptCache):
+            raise PromptCacheError(f"engine must be a pc_rag.PromptCache, got {type(self.engine).__name__}")
         if self.retriever is None:
-            self.retriever = FaissModuleRetriever.from_engine(shared_engine())
-        elif not isinstance(self.retriever, FaissModuleRetriever):
-            raise PromptCacheError(f"retriever must be a pc_rag.retrievers.FaissModuleRetriever, got {type(self.retriever).__name__}")
-        unknown = set(self.search_kwargs) - {"k", "filter"}
-        if unknown:
-            raise PromptCacheError(f"unknown search_kwargs: {', '.join(sorted(unknown))} (known: k, filter)")
+            self.retriever = FaissModuleRetriever.from_engine(self.engine or shared_engine())
+        if isinstance(self.retriever, FaissModuleRetriever):
+            if self.engine is not None and self.retriever.engine is not None and self.retriever.engine is not self.engine:
+                raise PromptCacheError("engine= is not the engine the FaissModuleRetriever is bound to")
+            self.engine = self.engine or self.retriever.engine
+            unknown = set(self.search_kwargs) - {"k", "filter"}
+            if unknown:
+                raise PromptCacheError(f"unknown search_kwargs: {', '.join(sorted(unknown))} (known: k, filter)")
+        elif isinstance(self.retriever, BaseRetriever):
+            if self.search_kwargs or "k" in self.model_fields_set:
+                raise PromptCacheError("k and search_kwargs apply to pc-rag's own index; set them on your retriever "
+                                       "(e.g. vectorstore.as_retriever(search_kwargs={'k': 4}))")
+            self.engine = self.engine or shared_engine()
+        else:
+            raise PromptCacheError(f"retriever must be a LangChain BaseRetriever or a pc_rag.retrievers.FaissModuleRetriever, "
+                                   f"got {type(self.retriever).__name__}")
+        check_encode(self.encode)
+
+    @classmethod
+    def from_vectorstore(cls, vectorstore: VectorStore, *, engine: PromptCache | None = None, collection: str | None = None,
+                         collections: list[str] | None = None, encode: Literal["background", "eager", "off"] = "background",
+                         **search_kwargs: Any) -> "PromptCacheRetriever":
+        """Over any LangChain ``VectorStore`` (Chroma, FAISS, Qdrant, pgvector, ...): ``search_kwargs``
+        go to ``vectorstore.as_retriever`` as you would write them there (``search_type="mmr"``,
+        ``search_kwargs={"k": 4, "filter": {...}}``); ``k``, ``filter`` and ``fetch_k`` given
+        directly are put into its ``search_kwargs``."""
+        if not isinstance(vectorstore, VectorStore):
+            raise PromptCacheError(f"from_vectorstore takes a LangChain VectorStore, got {type(vectorstore).__name__}")
+        inner = dict(search_kwargs.pop("search_kwargs", None) or {})
+        for key in ("k", "filter", "fetch_k", "lambda_mult", "score_threshold"):
+            if key in search_kwargs:
+                inner[key] = search_kwargs.pop(key)
+        retriever = vectorstore.as_retriever(search_kwargs=inner, **search_kwargs)
+        return cls(retriever=retriever, engine=engine, collection=collection, collections=collections, encode=encode)
 
     def invoke(self, input: str, config: Any = None, **kwargs: Any) -> list[Document]:  # noqa: A002 - LangChain's name
         return super().invoke(input, config, **_scoped(config, kwargs))
@@ -619,18 +683,48 @@ class PromptCacheRetriever(BaseRetriever):
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        unknown = set(kwargs) - {"k", "filter", "collections"}
+        allowed = narrow(self.collections, kwargs.pop("collections", None))
+        if isinstance(self.retriever, FaissModuleRetriever):
+            return self._search_index(query, allowed, kwargs)
+        collection = target_collection(self.collection, allowed)
+        found = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        return self._as_modules(found, collection)
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        allowed = narrow(self.collections, kwargs.pop("collections", None))
+        if isinstance(self.retriever, FaissModuleRetriever):
+            return await asyncio.to_thread(self._search_index, query, allowed, kwargs)
+        collection = target_collection(self.collection, allowed)
+        found = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
+        return await asyncio.to_thread(self._as_modules, found, collection)
+
+    def _as_modules(self, found: list[Document], collection: str) -> list[Document]:
+        """A user's retriever's documents, named as modules of ``collection`` (see :func:`as_modules`)."""
+        modules = as_modules(self.engine, collection, [(d.id, d.page_content, d.metadata) for d in found], self.encode)
+        out = []
+        for doc, (name, reference) in zip(found, modules):
+            # "reference" is ours alone: one in a vector store's metadata was written by someone else
+            metadata = {key: value for key, value in (doc.metadata or {}).items() if key != "reference"}
+            metadata.update(module=name, schema=collection)
+            if reference is not None:
+                metadata["reference"] = reference
+            out.append(Document(page_content=doc.page_content, metadata=metadata, id=doc.id))
+        return out
+
+    def _search_index(self, query: str, allowed: list[str] | None, kwargs: dict[str, Any]) -> list[Document]:
+        unknown = set(kwargs) - {"k", "filter"}
         if unknown:
             raise PromptCacheError(f"unknown retriever arguments: {', '.join(sorted(unknown))} (known: k, filter, collections)")
-        search = {"k": self.k, **self.search_kwargs, **{key: kwargs[key] for key in ("k", "filter") if key in kwargs}}
-        hits = self.retriever.search(query, k=search["k"], filter=search.get("filter"),
-                                     collections=narrow(self.collections, kwargs.get("collections")))
+        search = {"k": self.k, **self.search_kwargs, **kwargs}
+        hits = self.retriever.search(query, k=search["k"], filter=search.get("filter"), collections=allowed)
         return [
             Document(
                 page_content=hit.text,
                 metadata={**hit.metadata, "module": hit.module, "schema": hit.schema, "score": hit.score,
                           "reference": module_reference(hit.module, hit.schema)},
-                id=hit.module,
+                id=document_id(hit.module),
             )
             for hit in hits
         ]

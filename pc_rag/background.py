@@ -1,0 +1,162 @@
+"""Documents encoded when the engine has nothing else to do (``add_documents(background=True)``).
+
+A retriever over a user's own vector store meets documents pc-rag has not encoded yet. Encoding
+one costs what prefilling it costs, so doing it inside the request that found it would make that
+request slower than full prefill. Instead the request reads the document as text, and the document
+is queued here: one worker thread encodes it *after* that request (once a request has finished
+since it was queued, or after ``grace_s`` with no request at all) and only while no request is
+being served, one document at a time, so a request that arrives meanwhile waits for at most one
+document's forward pass. The next request that retrieves it imports its KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import PromptCacheError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 2.0
+
+
+@dataclass
+class _Job:
+    schema: str
+    system: str | None
+    name: str
+    text: str
+    metadata: dict[str, Any]
+    replace_changed: bool
+    served: int  # requests the engine had finished when the job was queued
+    deadline: float  # ... and when it may start even if no request finishes
+    key: tuple[str, str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.schema, self.name, hashlib.sha256(self.text.encode()).hexdigest())
+
+
+class BackgroundEncoder:
+    """A queue of documents to add, drained by one daemon thread between requests.
+
+    ``add`` is the registry's ``add_documents``; the engine wraps every request in
+    :meth:`serving`, which is how the worker knows when it may run.
+    """
+
+    def __init__(self, add: Callable[..., list[str]], *, grace_s: float = DEFAULT_GRACE_S) -> None:
+        self._add = add
+        self.grace_s = grace_s
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._queued: set[tuple[str, str, str]] = set()  # keys queued or being encoded
+        self._failed: set[tuple[str, str, str]] = set()  # keys the registry refused: not tried again
+        self._active = 0  # requests being served now
+        self._served = 0  # requests finished since start
+        self._urgent = False  # join() asked for everything now
+        self._running = 0
+        self._worker: threading.Thread | None = None
+        self.encoded = 0  # documents this queue has added
+
+    # -- requests --------------------------------------------------------------------------------
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Around one request: background work waits while any request is being served."""
+        with self._cond:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._served += 1
+                self._cond.notify_all()
+
+    # -- work ------------------------------------------------------------------------------------
+    def submit(self, schema: str, system: str | None, records: list[tuple[str, str, dict[str, Any]]], *,
+               replace_changed: bool = False) -> int:
+        """Queue ``(name, text, metadata)`` records for ``schema``; returns how many were queued
+        (a record already queued, or refused before, is not queued again). ``replace_changed``
+        as :meth:`pc_rag.registry.Registry.add_documents` takes it."""
+        with self._cond:
+            deadline = time.monotonic() + self.grace_s
+            queued = 0
+            for name, text, metadata in records:
+                job = _Job(schema, system, name, text, dict(metadata), replace_changed, self._served, deadline)
+                if job.key in self._queued or job.key in self._failed:
+                    continue
+                self._queue.append(job)
+                self._queued.add(job.key)
+                queued += 1
+            if queued and self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="pc-rag-background-encode", daemon=True)
+                self._worker.start()
+            self._cond.notify_all()
+        if queued:
+            logger.debug("queued %d documents of %r for background encoding", queued, schema)
+        return queued
+
+    @property
+    def pending(self) -> int:
+        """Documents queued or being encoded."""
+        with self._cond:
+            return len(self._queue) + self._running
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Encode everything queued now (still never while a request is being served) and wait for
+        it; True when the queue is empty, False if ``timeout`` seconds passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._urgent = True
+            self._cond.notify_all()
+            try:
+                while self._queue or self._running:
+                    left = None if end is None else end - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self._urgent = False
+
+    def _ready(self, job: _Job) -> float | None:
+        """None when ``job`` may start now, else how long to wait at most before asking again."""
+        if self._active:
+            return 1.0
+        if self._urgent or self._served > job.served:
+            return None
+        left = job.deadline - time.monotonic()
+        return None if left <= 0 else left
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    wait = self._ready(self._queue[0]) if self._queue else 60.0
+                    if wait is None:
+                        break
+                    self._cond.wait(wait)
+                job = self._queue.popleft()
+                self._running += 1
+            try:
+                self._add([job.text], ids=[job.name], metadatas=[job.metadata], schema=job.schema, system=job.system,
+                          progress=False, replace_changed=job.replace_changed)
+                self.encoded += 1
+            except PromptCacheError as err:
+                logger.warning("document %r of %r not encoded in the background: %s", job.name, job.schema, err)
+                with self._cond:
+                    self._failed.add(job.key)
+            except Exception:  # noqa: BLE001 - the worker outlives one bad document; the request it came from was answered
+                logger.exception("document %r of %r: background encoding failed", job.name, job.schema)
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    self._queued.discard(job.key)
+                    self._cond.notify_all()
