@@ -4,13 +4,39 @@ Reusable text is declared as prompt modules in a PML schema; their attention key
 are computed once and reused by every prompt that imports them.
 """
 
-from .engine import DEFAULT_ENCODING, PromptCache
-from .registry import Schema
-from .documents import DocumentRecord, build_prompt, module_reference
-from .errors import PromptCacheError
-from .generation import CacheStats, Generation
-from .layout import Plan, Segment
-from .pml import PML, escape, parse_prompt, parse_schema
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .documents import DocumentRecord, build_prompt, module_reference
+    from .engine import DEFAULT_ENCODING, PromptCache
+    from .errors import PromptCacheError
+    from .generation import CacheStats, Generation
+    from .layout import Plan, Segment
+    from .pml import PML, escape, parse_prompt, parse_schema
+    from .registry import Schema
+
+# imported on first use (PEP 562): `pc-rag --help` and light tools do not pay for torch
+_WHERE = {
+    "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry", "DocumentRecord": "documents",
+    "build_prompt": "documents", "module_reference": "documents", "PromptCacheError": "errors", "CacheStats": "generation",
+    "Generation": "generation", "Plan": "layout", "Segment": "layout", "PML": "pml", "escape": "pml",
+    "parse_prompt": "pml", "parse_schema": "pml",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pc_rag' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
 
 __all__ = [
     "DEFAULT_ENCODING",

@@ -8,13 +8,17 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .engine import ENCODINGS, PromptCache
+# light imports only: `pc-rag --help` answers without loading torch; commands import what they run
 from .errors import PromptCacheError
-from .generation import Generation
-from .model import cache_root
-from .pml import PML
+from .layout import ENCODINGS
+from .paths import expand
+from .pml import PML, is_pml_prompt
+
+if TYPE_CHECKING:
+    from .engine import PromptCache
+    from .generation import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +37,30 @@ DEMO_NO_REPEAT_NGRAM = 0
 DEMO_STOP = ["\n\n"]  # the end of the answer's first paragraph
 
 
-def _read_text(value: str) -> str:
-    """A file's content if ``value`` names an existing file, else ``value`` itself."""
-    path = Path(value)
+_FILE_SUFFIXES = (".xml", ".pml", ".txt", ".md", ".prompt")
+
+
+def _read_text(value: str, what: str, *, text_allowed: bool = True) -> str:
+    """A file's content if ``value`` names an existing file (``~`` and variables expanded), else
+    ``value`` itself as text. A value that can only be meant as a file (``what`` without text
+    allowed, or a single word ending in .xml, .pml, .txt, .md) that names none is an error,
+    raised before any model is loaded."""
+    path = expand(value)
     try:
         if path.is_file():
             return path.read_text(encoding="utf-8")
-    except OSError:
-        pass
+    except OSError as err:
+        raise PromptCacheError(f"{what} {value!r}: {err}") from err
+    meant_as_file = not value.lstrip().startswith("<") if not text_allowed else (
+        value.lower().endswith(_FILE_SUFFIXES) and not any(c.isspace() for c in value))
+    if meant_as_file:
+        raise PromptCacheError(f"{what} file {value!r} not found" + ("" if text_allowed else " (or give PML text starting with '<')"))
     return value
 
 
 def _engine(args: argparse.Namespace) -> PromptCache:
+    from .engine import PromptCache
+
     return PromptCache.from_pretrained(
         args.model, device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store
     )
@@ -60,12 +76,16 @@ def _print_stats(label: str, result: Generation) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = _engine(args)
-    for schema in args.schema:
-        engine.add_schema(_read_text(schema))
-    prompt = _read_text(args.prompt)
+    # every file is read before the model loads: a wrong path fails in a second, not after loading
+    schemas = [_read_text(schema, "schema", text_allowed=False) for schema in args.schema]
+    prompt = _read_text(args.prompt, "prompt")
     if args.pml:  # markup only when asked for: plain text otherwise, whatever it looks like
         prompt = PML(prompt)
+    elif is_pml_prompt(prompt):
+        print("pc-rag: note: the prompt is read as plain text; pass --pml to read it as PML (<prompt schema=...>)", file=sys.stderr)
+    engine = _engine(args)
+    for schema in schemas:
+        engine.add_schema(schema)
     modes = [True, False] if args.compare else [not args.no_cache]
     results = {}
     for use_cache in modes:
@@ -85,6 +105,7 @@ class DemoRAG:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from .corpus import Passage, stdlib_corpus
+        from .model import cache_root
         from .retrievers import FaissModuleRetriever
 
         if args.kv_dir is None:
@@ -134,7 +155,7 @@ class DemoRAG:
     def answer(self, question: str, compare: bool) -> None:
         message = self.chain().invoke(question)
         meta = message.response_metadata
-        print(f"Q: {question}\nA: {message.content.strip()}")
+        print(f"Q: {question}\nA: {_answer_text(message.content)}")
         print(f"   modules: {', '.join(meta['modules'])}")
         line = f"   TTFT cached {meta['ttft_s'] * 1000:.0f} ms ({meta['cached_tokens']} cached / {meta['computed_tokens']} computed tokens)"
         if compare:
@@ -143,6 +164,15 @@ class DemoRAG:
             line += f" | full prefill {full_ttft * 1000:.0f} ms | speedup {full_ttft / max(meta['ttft_s'], 1e-9):.1f}x"
             line += f" | same answer as full prefill: {full.content == message.content}"
         print(line + "\n")
+
+
+def _answer_text(reply: str) -> str:
+    """The reply as printed after "A: " (a reply that starts with its own "A:" or "Answer:" is not labelled twice)."""
+    text = reply.strip()
+    for label in ("A:", "Answer:"):
+        if text.startswith(label):
+            return text[len(label):].strip()
+    return text
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -164,7 +194,7 @@ def read_documents(paths: list[str]) -> list[dict[str, Any]]:
     documents: list[dict[str, Any]] = []
     files: list[Path] = []
     for value in paths:
-        path = Path(value)
+        path = expand(value)
         if path.is_dir():
             files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md", ".jsonl") and p.is_file()))
         elif path.is_file():
@@ -216,17 +246,18 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pc-rag", description="Prompt Cache: reuse attention states of prompt modules.")
-    common = argparse.ArgumentParser(add_help=False)
+    common = argparse.ArgumentParser(add_help=False)  # every command loads a model
     common.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M-Instruct)")
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     common.add_argument("--encoding", choices=ENCODINGS, default=None, help="module encoding mode")
     common.add_argument("--kv-dir", "--cache-dir", dest="kv_dir", default=None, help="persist module KV here (--cache-dir: its old name)")
     common.add_argument("--remote-store", default=None, metavar="URL",
                         help="share module KV and documents through Redis/Valkey (redis://HOST:PORT/DB)")
-    common.add_argument("--max-new-tokens", type=int, default=96)
     common.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    decoding = argparse.ArgumentParser(add_help=False)  # commands that generate
+    decoding.add_argument("--max-new-tokens", type=int, default=96)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", parents=[common], help="answer one prompt (plain text, or PML with --pml)")
+    gen = sub.add_parser("generate", parents=[common, decoding], help="answer one prompt (plain text, or PML with --pml)")
     gen.add_argument("--schema", action="append", default=[], help="schema file or PML text (repeatable)")
     gen.add_argument("--prompt", required=True, help="prompt file or text (plain text unless --pml)")
     gen.add_argument("--pml", action="store_true", help="read --prompt as a PML prompt (<prompt schema=...>)")
@@ -236,9 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     rag = argparse.ArgumentParser(add_help=False)
     rag.add_argument("-k", type=int, default=3, help="documents retrieved per question")
-    demo = sub.add_parser("demo", parents=[common, rag], help="RAG over standard-library documentation: cached vs full prefill")
+    demo = sub.add_parser("demo", parents=[common, decoding, rag], help="RAG over standard-library documentation: cached vs full prefill")
     demo.set_defaults(func=cmd_demo)
-    ask = sub.add_parser("ask", parents=[common, rag], help="answer one question over the demo corpus (or, with --remote-store, its documents)")
+    ask = sub.add_parser("ask", parents=[common, decoding, rag], help="answer one question over the demo corpus (or, with --remote-store, its documents)")
     ask.add_argument("question")
     ask.add_argument("--compare", action="store_true", help="also run full prefill and print the TTFT speedup")
     ask.set_defaults(func=cmd_ask)

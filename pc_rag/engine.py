@@ -33,8 +33,9 @@ from .errors import PromptCacheError
 from .generate import Rows, decode, prefill, prefill_in_order, prefill_recovered
 from .generation import Generation, RequestState, SamplingParams, StreamingGeneration
 from .kvcache import BufferPool
-from .layout import Plan
+from .layout import ENCODINGS, Encoding, Plan
 from .model import ModelSpec, RopeRotator, inspect_model, load_model, render_chat
+from .paths import expand
 from .recovery import SCORED, Recovery, Strategy, check_ape, check_recovery, entries
 from .registry import Registry, Schema
 from .remote import RemoteTier
@@ -42,8 +43,6 @@ from .store import KVShape, open_store
 
 logger = logging.getLogger(__name__)
 
-Encoding = Literal["isolated", "shared_prefix", "scaffold"]
-ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix", "scaffold")
 # shared_prefix: every module sees the schema's system prompt, as it would in full prefill, so the
 # first module after it is exact and no module's first token becomes a spurious attention sink.
 # scaffold: a PML schema is encoded jointly along its paths (the reference implementation's
@@ -146,7 +145,7 @@ class PromptCache:
         # every tier holds KV in kv_dtype: it is part of what an entry is, so of every key
         self.fingerprint = hashlib.sha256(f"{self.spec.fingerprint}|{encoding}|{kv_dtype}".encode()).hexdigest()[:32]
         kv_dir = _kv_dir(kv_dir, cache_dir)
-        self.kv_dir = Path(kv_dir) if kv_dir is not None else None
+        self.kv_dir = expand(kv_dir) if kv_dir is not None else None
         store_device = self.spec.device if kv_location == "device" else torch.device("cpu")
         self._kv_bytes_per_token = self.spec.kv_bytes_per_token(kv_dtype)
         if remote_sync_interval_s is not None and not remote_sync_interval_s >= 0:

@@ -30,10 +30,14 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from .errors import PromptCacheError
 from .pml import ModuleNode, ModuleRef, ParamNode, PromptDoc, PromptRole, RoleNode, SchemaDoc, SchemaNode, TextNode, UnionNode
+
+# how module KV is encoded (see pc_rag.engine): here, where the CLI reads it without loading torch
+Encoding = Literal["isolated", "shared_prefix", "scaffold"]
+ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix", "scaffold")
 
 Tokenize = Callable[[str], list[int]]
 
@@ -448,7 +452,8 @@ def plan_prompt(
                 line=ref.line,
                 column=ref.column,
             )
-        if name in imported:
+        if name in imported and not (compact and layout.documents):
+            # a schema's module has one place; a document placed twice is read twice, as full prefill reads it
             raise PromptCacheError(f"module {ref.name!r} is imported twice", line=ref.line, column=ref.column)
         if info.union is not None:
             other = by_union.get(info.union)

@@ -28,6 +28,7 @@ import torch
 
 from .errors import PromptCacheError
 from .layout import ChatMarkers
+from .paths import expand
 
 logger = logging.getLogger(__name__)
 
@@ -119,19 +120,64 @@ def load_model(
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     elif isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    source = default_model_dir() if model is None else model
     hub: dict[str, Any] = {"revision": revision, "token": token}
     hub = {key: value for key, value in hub.items() if value is not None}
+    source = default_model_dir() if model is None else _model_source(model, hub)
     if trust_remote_code:
         hub["trust_remote_code"] = True
-    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = AutoTokenizer.from_pretrained(source if tokenizer is None else tokenizer, **hub)
     placement = {"device_map": device_map} if device_map is not None else {}
-    lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **placement, **hub, **model_kwargs)
+    try:
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = AutoTokenizer.from_pretrained(source if tokenizer is None else tokenizer, **hub)
+        lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **placement, **hub, **model_kwargs)
+    except OSError as err:  # transformers' "not a local folder and not on the hub" (after its own retries)
+        where = "local folder" if isinstance(source, Path) else "hub id (no such local folder)"
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PromptCacheError(f"cannot load model {str(source)!r} as a {where}: {reason}") from err
     if device_map is None:
         lm.to(device)
     lm.eval()
     return lm, tokenizer
+
+
+def _model_source(model: str | os.PathLike, hub: dict[str, Any]) -> str | os.PathLike:
+    """A local folder (``~`` and variables expanded) or a hub id. A path that names no folder,
+    and a hub id that is neither in the local hub cache nor on a reachable hub, are one-line
+    errors here, at once (not a "Repo id must be in the form ..." or a minute of retries)."""
+    text = os.fspath(model)
+    local = expand(text)
+    if local.is_dir():
+        return local
+    # a hub id is "name" or "owner/name"; anything else that names no folder was meant as a folder
+    looks_local = isinstance(model, os.PathLike) or text.startswith(("/", ".", "~", "$")) or text.count("/") > 1 or "\\" in text
+    if looks_local or local.exists():
+        raise PromptCacheError(f"model folder {str(local)!r} does not exist" if not local.exists()
+                               else f"model {str(local)!r} is a file; give the folder that holds config.json and the weights")
+    _check_hub_id(text, hub)
+    return text
+
+
+def _check_hub_id(repo: str, hub: dict[str, Any]) -> None:
+    """Fail fast on a hub id that cannot be loaded: one metadata request (no retries) unless the
+    model is in the local hub cache or the hub is switched off (``HF_HUB_OFFLINE``)."""
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    revision = hub.get("revision")
+    if isinstance(huggingface_hub.try_to_load_from_cache(repo, "config.json", revision=revision), str):
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise PromptCacheError(f"model {repo!r} is not a local folder, not in the hub cache, and HF_HUB_OFFLINE is set")
+    try:
+        huggingface_hub.model_info(repo, revision=revision, token=hub.get("token"), timeout=10)
+    except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as err:
+        raise PromptCacheError(f"model {repo!r} is not a local folder, and the hub has no model {repo!r}"
+                               f"{' at revision ' + repr(revision) if revision else ''} you may read (private or gated: pass token=): "
+                               f"{type(err).__name__}") from err
+    except huggingface_hub.errors.HfHubHTTPError:
+        return  # the hub answered something else: let transformers say what
+    except Exception as err:  # noqa: BLE001 - the HTTP client's transport errors (no network, DNS, timeout)
+        raise PromptCacheError(f"model {repo!r} is not a local folder or in the hub cache, and the hub cannot be reached: {err}") from err
 
 
 def chat_markers(tokenizer: Any) -> ChatMarkers:

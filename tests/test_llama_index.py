@@ -72,6 +72,9 @@ def test_llm_complete_chat_and_metadata(smollm):
     llm = PromptCacheLLM(engine=smollm, max_new_tokens=8)
     meta = llm.metadata
     assert meta.context_window == smollm.context_window == 8192 and meta.num_output == 8 and meta.is_chat_model
+    # an instruct model completes a question as its user turn (as raw text it ended its turn at once: '')
+    answer = PromptCacheLLM(engine=smollm, max_new_tokens=12).complete("What is the capital of France?")
+    assert "Paris" in answer.text and answer.additional_kwargs["generated_tokens"] > 1
     completion = llm.complete("The capital of France is")
     assert completion.text and {"cached_tokens", "computed_tokens", "ttft_s"} <= set(completion.additional_kwargs)
     streamed = list(llm.stream_complete("The capital of France is"))
@@ -108,8 +111,8 @@ def test_huggingface_llm_prompt_options(make_engine):
     wrapped.complete("why?", max_new_tokens=1)  # a per-call keyword wins over generate_kwargs
     assert prompts[-1][1]["max_new_tokens"] == 1
     system = PromptCacheLLM(engine=engine, max_new_tokens=2, system_prompt="Be brief.")
-    system.complete("why?")
-    assert prompts[-1][0] == "Be brief. why?"
+    system.complete("why?")  # a chat model completes a user turn, behind the system prompt
+    assert prompts[-1][0] == engine.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "why?"}])
     system.chat([ChatMessage(role="user", content="Hi")])  # the system prompt becomes the system turn
     assert prompts[-1][0] == engine.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     custom = PromptCacheLLM(engine=engine, max_new_tokens=2,

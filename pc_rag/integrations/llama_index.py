@@ -35,6 +35,7 @@ from ..documents import document_id, module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import StreamingGeneration
+from ..pml import is_pml_prompt
 from ..retrievers import FaissModuleRetriever
 from ._shared import (
     Encode,
@@ -57,9 +58,10 @@ class PromptCacheLLM(CustomLLM):
     """A LlamaIndex LLM served by Prompt Cache.
 
     ``PromptCacheLLM(engine=engine, max_new_tokens=128)``. ``chat`` renders messages with the
-    model's chat template; ``complete`` uses the prompt as given (after ``completion_to_prompt``
-    when one is set). When the tokenizer has a chat template the LLM reports itself as a chat
-    model, so query engines send it chat messages. Reuse statistics are in each response's
+    model's chat template; ``complete`` sends the prompt as one user turn through it (or through
+    ``completion_to_prompt`` when one is set; as given with ``formatted=True``). When the
+    tokenizer has a chat template the LLM reports itself as a chat model, so query engines send
+    it chat messages. Reuse statistics are in each response's
     ``additional_kwargs``.
     """
 
@@ -102,15 +104,20 @@ class PromptCacheLLM(CustomLLM):
         return engine_kwargs(self, kwargs, kwargs.pop("stop", None))
 
     def _prepare(self, prompt: str, formatted: bool) -> str:
-        """A completion prompt as HuggingFaceLLM builds it: unless ``formatted``, wrapped in
-        ``query_wrapper_prompt``, then through ``completion_to_prompt`` when one is set, else
-        behind ``system_prompt``."""
+        """A completion prompt: unless ``formatted``, wrapped in ``query_wrapper_prompt``, then
+        through ``completion_to_prompt`` when one is set (as HuggingFaceLLM does); else, for a
+        chat model, as one user turn through the chat template (``system_prompt`` as the system
+        turn), as Ollama and OpenAI chat models complete; else behind ``system_prompt``. An
+        instruct model given a bare question as raw text tends to end its turn at once (an empty
+        completion)."""
         text = prompt
-        if not formatted:
+        if not formatted and not (self.pml and is_pml_prompt(text)):
             if self.query_wrapper_prompt is not None:
                 text = self.query_wrapper_prompt.format(query_str=text)
             if self.completion_to_prompt not in (None, default_completion_to_prompt):
                 text = self.completion_to_prompt(text)
+            elif self.metadata.is_chat_model:
+                text = self._chat_prompt([ChatMessage(role="user", content=text)])
             elif self.system_prompt:
                 text = f"{self.system_prompt} {text}"
         return as_prompt(text, self.pml)

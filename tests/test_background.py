@@ -1,0 +1,89 @@
+"""Documents encoded between requests (``add_documents(background=True)``), ids as module names,
+documents edited under their id, and a document placed twice."""
+
+from __future__ import annotations
+
+import pytest
+
+from pc_rag import PromptCacheError, build_prompt
+from pc_rag.documents import default_name, document_id, module_name
+
+
+def test_ids_become_module_names_and_back():
+    for doc_id in ("doc-1", "1", "3f2a0c4e-uuid", "id.x", "idx.y", "has space/and:colons", "ünïcode", "user"):
+        name = module_name(doc_id, "text")
+        assert document_id(name) == doc_id
+        assert build_prompt("q", [name])  # a valid module name
+    assert module_name("doc-1", "t") == "doc-1" and module_name("1", "t") == "id.1"
+    assert module_name(None, "some text") == module_name("", "some text") == default_name("some text")
+    with pytest.raises(PromptCacheError, match="must be a str"):
+        module_name(7, "t")
+
+
+def test_background_documents_wait_for_the_request_and_never_run_during_one(make_engine):
+    engine = make_engine("llama")
+    engine.background.grace_s = 3600.0  # no request finishing: nothing starts on its own
+    engine.add_documents(["Seed document so the collection exists."], progress=False)
+    names = engine.add_documents(["A document queued while a request is served."], background=True)
+    assert engine.store_stats()["background_pending"] == 1 and names[0] not in engine.schemas["docs"].documents
+    stream = engine.stream(build_prompt("Which?", []), max_new_tokens=8)
+    next(stream)  # the request is being served now
+    assert engine.wait_for_documents(timeout=0.5) is False  # not while a request is in flight, even when asked
+    assert names[0] not in engine.schemas["docs"].documents
+    stream.close()  # the request ends: the queue may run
+    assert engine.wait_for_documents(timeout=120)
+    assert engine.schemas["docs"].documents[names[0]].text == "A document queued while a request is served."
+    assert engine.plan(build_prompt("Which?", names)).cached_tokens > 0
+
+
+def test_a_request_finishing_starts_the_queue(make_engine):
+    engine = make_engine("llama")
+    engine.background.grace_s = 3600.0
+    (name,) = engine.add_documents(["Encoded after the next answer."], background=True)
+    engine.generate("an unrelated request", max_new_tokens=2)
+    # the worker may start now without being asked: join() waits for it (asks nothing new)
+    assert engine.wait_for_documents(timeout=120) and name in engine.schemas["docs"].documents
+
+
+def test_a_document_that_cannot_be_encoded_is_logged_and_not_retried(make_engine, caplog):
+    engine = make_engine("llama")
+    engine.add_schema('<schema name="pml"><module name="a">A module.</module></schema>')
+    engine.add_documents(["Cannot go into a PML schema."], schema="pml", background=True)
+    assert engine.wait_for_documents(timeout=120)
+    assert "not encoded in the background" in caplog.text
+    assert engine.background.submit("pml", None, [("doc-x", "Cannot go into a PML schema.", {})]) == 1  # other name: queued
+    engine.wait_for_documents(timeout=120)
+    again = [(default_name("Cannot go into a PML schema."), "Cannot go into a PML schema.", {})]
+    assert engine.background.submit("pml", None, again) == 0  # refused before: not queued again
+
+
+def test_an_edited_document_replaces_its_module_and_kv(make_engine):
+    engine = make_engine("llama")
+    engine.add_documents(["The first text of the policy."], ids=["policy"], progress=False)
+    old_key = engine.schemas["docs"].keys["policy"]
+    with pytest.raises(PromptCacheError, match="already holds a different text"):
+        engine.add_documents(["The second text of the policy."], ids=["policy"], progress=False)
+    engine.add_documents(["The second text of the policy."], ids=["policy"], progress=False, replace_changed=True)
+    held = engine.schemas["docs"]
+    assert held.documents["policy"].text == "The second text of the policy." and held.keys["policy"] != old_key
+    assert old_key not in engine.store
+    plan = engine.plan(build_prompt("What does it say?", ["policy"]))
+    assert plan.cached_tokens >= len(engine.tokenize("The second text of the policy."))
+
+
+def test_a_document_placed_twice_is_read_twice_as_full_prefill_reads_it(make_engine):
+    engine = make_engine("llama")
+    names = engine.add_documents(["Alpha document text here.", "Beta document text here."], progress=False)
+    once = engine.plan(build_prompt("Which?", names))
+    twice = engine.plan(build_prompt("Which?", [names[0], names[1], names[0]]))  # a retriever's duplicate
+    tokens = len(engine.schemas["docs"].layout.modules[names[0]].token_ids)
+    assert len(twice.input_ids) == len(once.input_ids) + tokens
+    # (the separator after the last document is computed with the question, whichever document that is)
+    assert twice.cached_tokens >= once.cached_tokens + tokens - 1 and twice.modules == once.modules
+    cached = engine.generate(build_prompt("Which?", [names[0], names[1], names[0]]), max_new_tokens=4)
+    full = engine.generate(build_prompt("Which?", [names[0], names[1], names[0]]), max_new_tokens=4, use_cache=False)
+    assert cached.stats.cached_tokens == twice.cached_tokens and len(full.token_ids) == 4
+    # a PML schema's module still has one place
+    engine.add_schema('<schema name="s"><module name="m">Some module text.</module></schema>')
+    with pytest.raises(PromptCacheError, match="imported twice"):
+        engine.plan(__import__("pc_rag").PML('<prompt schema="s"><m/><m/></prompt>'))
