@@ -11,10 +11,12 @@ document's forward pass. The next request that retrieves it imports its KV.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +28,15 @@ from .errors import PromptCacheError
 logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 2.0
+_queues: weakref.WeakSet[BackgroundEncoder] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit: start nothing new and let a document being encoded finish, so no
+    forward pass runs on a daemon thread while the interpreter is torn down."""
+    for queue in list(_queues):
+        queue.close(timeout=60.0)
 
 
 @dataclass
@@ -63,7 +74,9 @@ class BackgroundEncoder:
         self._urgent = False  # join() asked for everything now
         self._running = 0
         self._worker: threading.Thread | None = None
+        self._closed = False
         self.encoded = 0  # documents this queue has added
+        _queues.add(self)
 
     # -- requests --------------------------------------------------------------------------------
     @contextmanager
@@ -86,6 +99,8 @@ class BackgroundEncoder:
         (a record already queued, or refused before, is not queued again). ``replace_changed``
         as :meth:`pc_rag.registry.Registry.add_documents` takes it."""
         with self._cond:
+            if self._closed:
+                raise PromptCacheError("this engine's background queue is closed")
             deadline = time.monotonic() + self.grace_s
             queued = 0
             for name, text, metadata in records:
@@ -126,6 +141,28 @@ class BackgroundEncoder:
             finally:
                 self._urgent = False
 
+    def close(self, timeout: float | None = None) -> None:
+        """Start no more documents (those queued are dropped) and wait up to ``timeout`` seconds
+        for the one being encoded."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._closed = True
+            dropped = len(self._queue)
+            self._queue.clear()
+            self._queued.clear()
+            self._cond.notify_all()
+            while self._running:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(left)
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            # the thread ends before the interpreter does (torch's thread state is torn down with it)
+            worker.join(None if end is None else max(0.0, end - time.monotonic()))
+        if dropped:
+            logger.info("%d documents queued for background encoding were dropped at close", dropped)
+
     def _ready(self, job: _Job) -> float | None:
         """None when ``job`` may start now, else how long to wait at most before asking again."""
         if self._active:
@@ -139,6 +176,8 @@ class BackgroundEncoder:
         while True:
             with self._cond:
                 while True:
+                    if self._closed:
+                        return
                     wait = self._ready(self._queue[0]) if self._queue else 60.0
                     if wait is None:
                         break

@@ -87,3 +87,14 @@ def test_a_document_placed_twice_is_read_twice_as_full_prefill_reads_it(make_eng
     engine.add_schema('<schema name="s"><module name="m">Some module text.</module></schema>')
     with pytest.raises(PromptCacheError, match="imported twice"):
         engine.plan(__import__("pc_rag").PML('<prompt schema="s"><m/><m/></prompt>'))
+
+
+def test_close_drops_the_queue_and_ends_the_worker(make_engine):
+    # what runs at interpreter exit: no forward pass left on a daemon thread during teardown
+    engine = make_engine("llama")
+    engine.background.grace_s = 3600.0
+    engine.add_documents(["Queued and never encoded."], background=True)
+    engine.background.close(timeout=60)
+    assert engine.background.pending == 0 and not engine.background._worker.is_alive()  # noqa: SLF001
+    with pytest.raises(PromptCacheError, match="closed"):
+        engine.add_documents(["Too late."], background=True)
