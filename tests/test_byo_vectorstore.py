@@ -80,7 +80,9 @@ def test_every_document_is_reused_from_the_second_request_and_an_edit_is_never_s
         return "\n\n".join(d.page_content for d in docs)
 
     for context in (retriever | format_modules, retriever | stuff):
-        chain = {"context": context, "question": RunnablePassthrough()} | PROMPT | ChatPromptCache(engine=smollm, max_new_tokens=4)
+        # scoped: the session's other tests hold the same paragraphs in other collections (drop-in would find them there)
+        llm = ChatPromptCache(engine=smollm, max_new_tokens=4, collections=[collection])
+        chain = {"context": context, "question": RunnablePassthrough()} | PROMPT | llm
         chain.invoke(QUESTION)
         assert smollm.wait_for_documents(timeout=300)
         names = [d.metadata["module"] for d in retriever.invoke(QUESTION)]
@@ -115,7 +117,7 @@ def test_in_memory_vector_store_with_eager_encoding_and_mmr(smollm, embeddings, 
     assert len(docs) == 2 and all(d.metadata["reference"].startswith("[[pc-rag-module ") for d in docs)
     assert {d.metadata["module"] for d in docs} <= set(smollm.schemas["in-memory"].documents)
     assert all(isinstance(d.metadata["para"], int) for d in docs)  # the store's metadata is kept
-    reply = ChatPromptCache(engine=smollm, max_new_tokens=4).invoke(
+    reply = ChatPromptCache(engine=smollm, max_new_tokens=4, collections=["in-memory"]).invoke(
         PROMPT.format_messages(context=format_modules(docs), question="Who performed at the halftime show?"))
     assert sorted(reply.response_metadata["modules"]) == sorted(d.metadata["module"] for d in docs)
 
