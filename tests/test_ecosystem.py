@@ -84,7 +84,9 @@ def test_store_stats_count_every_tier(make_tiny, tokenizer, tmp_path):
     engine = PromptCache(make_tiny("llama"), tokenizer, kv_dir=tmp_path, recompute=0)
     names = engine.add_documents(DOCS, progress=False)
     stats = engine.store_stats()
-    assert set(stats) == {"encoded", "hits_memory", "hits_disk", "hits_remote", "misses", "evictions", "bytes_memory", "bytes_disk"}
+    assert set(stats) == {"encoded", "hits_memory", "hits_disk", "hits_remote", "misses", "evictions", "bytes_memory", "bytes_disk",
+                          "background_pending"}
+    assert stats["background_pending"] == 0
     assert stats["encoded"] == 3 and stats["bytes_memory"] > 0 and stats["bytes_disk"] > 0  # two documents and the system turn
     prompt = build_prompt("Lighthouse?", names)
     engine.generate(prompt, max_new_tokens=2)
