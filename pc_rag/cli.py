@@ -51,8 +51,10 @@ def _read_text(value: str, what: str, *, text_allowed: bool = True) -> str:
             return path.read_text(encoding="utf-8")
     except OSError as err:
         raise PromptCacheError(f"{what} {value!r}: {err}") from err
-    meant_as_file = not value.lstrip().startswith("<") if not text_allowed else (
-        value.lower().endswith(_FILE_SUFFIXES) and not any(c.isspace() for c in value))
+    if text_allowed:
+        meant_as_file = value.lower().endswith(_FILE_SUFFIXES) and not any(c.isspace() for c in value)
+    else:
+        meant_as_file = not value.lstrip().startswith("<")
     if meant_as_file:
         raise PromptCacheError(f"{what} file {value!r} not found" + ("" if text_allowed else " (or give PML text starting with '<')"))
     return value

@@ -93,6 +93,21 @@ def smollm() -> PromptCache:
     return PromptCache.from_pretrained()
 
 
+@pytest.fixture
+def smollm_streams(smollm, monkeypatch) -> list:
+    """The SmolLM2 engine's streams during the test, in order (a LlamaIndex query engine hides the
+    stats: read each one's ``.result`` after)."""
+    streams = []
+    original = smollm.stream
+
+    def spy(*args, **kwargs):
+        streams.append(original(*args, **kwargs))
+        return streams[-1]
+
+    monkeypatch.setattr(smollm, "stream", spy)
+    return streams
+
+
 @pytest.fixture(scope="session")
 def squad_retriever(smollm, squad_paragraphs):
     """A FAISS retriever bound to the SmolLM2 engine, holding the first 8 SQuAD paragraphs as modules."""

@@ -12,20 +12,6 @@ from pc_rag.integrations.llama_index import PromptCacheLLM, PromptCacheRetriever
 QUESTION = "Who won Super Bowl 50?"
 
 
-@pytest.fixture
-def calls(smollm, monkeypatch):
-    """The engine's streams during the test (the query engine hides the stats); read ``.result`` after."""
-    streams = []
-    original = smollm.stream
-
-    def spy(*args, **kwargs):
-        streams.append(original(*args, **kwargs))
-        return streams[-1]
-
-    monkeypatch.setattr(smollm, "stream", spy)
-    return streams
-
-
 def test_retriever_returns_nodes_with_modules(squad_retriever):
     retriever = PromptCacheRetriever(squad_retriever, k=3)
     nodes = retriever.retrieve(QUESTION)
@@ -41,13 +27,13 @@ def test_retriever_returns_nodes_with_modules(squad_retriever):
 
 @pytest.mark.parametrize("mode", ["compact", "simple_summarize"])
 @pytest.mark.parametrize("references", [True, False])
-def test_query_engine_reuses_module_kv(smollm, squad_retriever, calls, mode, references):
+def test_query_engine_reuses_module_kv(smollm, squad_retriever, smollm_streams, mode, references):
     llm = PromptCacheLLM(engine=smollm, max_new_tokens=24)
     engine = RetrieverQueryEngine.from_args(PromptCacheRetriever(squad_retriever, k=3, references=references), llm=llm, response_mode=mode)
     response = engine.query(QUESTION)
     # answer quality is the quality benchmark's business (a 135M model, approximate KV); here: it answers
     assert str(response).strip() and len(response.source_nodes) == 3
-    (stream,) = calls
+    (stream,) = smollm_streams
     result = stream.result
     retrieved = [n.node.node_id for n in response.source_nodes]
     if references or mode == "compact":
@@ -59,13 +45,13 @@ def test_query_engine_reuses_module_kv(smollm, squad_retriever, calls, mode, ref
         assert set(result.stats.modules) < set(retrieved) and result.stats.cached_tokens > 0
 
 
-def test_streaming_query_engine(smollm, squad_retriever, calls):
+def test_streaming_query_engine(smollm, squad_retriever, smollm_streams):
     llm = PromptCacheLLM(engine=smollm, max_new_tokens=24)
     engine = RetrieverQueryEngine.from_args(PromptCacheRetriever(squad_retriever, k=2), llm=llm, streaming=True)
     response = engine.query("Where was Super Bowl 50 played?")
     pieces = list(response.response_gen)
     assert len(pieces) > 3 and "".join(pieces).strip()
-    assert calls[0].result.stats.cached_tokens > 0
+    assert smollm_streams[0].result.stats.cached_tokens > 0
 
 
 def test_llm_complete_chat_and_metadata(smollm):

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from ..documents import DEFAULT_SCHEMA, check_name, module_name, module_reference
@@ -175,12 +175,17 @@ def target_collection(collection: str | None, allowed: Sequence[str] | None) -> 
                            "collection= to say which one its documents belong to")
 
 
-def _held(engine: PromptCache, collection: str) -> dict[str, str]:
-    """name -> text of the documents ``collection`` holds now (empty for a PML schema or none)."""
+def _held_text(engine: PromptCache, collection: str) -> Callable[[str], str | None]:
+    """The text ``collection`` holds now under a name (None: not held; a PML schema holds none).
+    Reads the registry's snapshot as it is: nothing per document of the collection per request."""
     schema = engine.schemas.get(collection)
-    if schema is None or not schema.layout.documents:
-        return {}
-    return {name: record.text for name, record in schema.documents.items()}
+    documents = schema.documents if schema is not None and schema.layout.documents else {}
+
+    def text(name: str) -> str | None:
+        record = documents.get(name)
+        return record.text if record is not None else None
+
+    return text
 
 
 def as_modules(engine: PromptCache, collection: str, hits: Sequence[tuple[Any, str, Mapping[str, Any]]],
@@ -192,8 +197,8 @@ def as_modules(engine: PromptCache, collection: str, hits: Sequence[tuple[Any, s
     ``"background"`` after the request (:mod:`pc_rag.background`), and read as text meanwhile. A
     document that cannot be encoded is logged and read as text: retrieval never fails for it."""
     names = [module_name(doc_id, text) for doc_id, text, _ in hits]
-    held = _held(engine, collection)
-    missing = {name: (text, dict(meta or {})) for name, (_, text, meta) in zip(names, hits) if text and held.get(name) != text}
+    held = _held_text(engine, collection)
+    missing = {name: (text, dict(meta or {})) for name, (_, text, meta) in zip(names, hits) if text and held(name) != text}
     if missing and encode != "off":
         batches = [list(missing.items())]
         while batches:  # a document that cannot be encoded (too long, ...) leaves the others encoded
@@ -208,5 +213,5 @@ def as_modules(engine: PromptCache, collection: str, hits: Sequence[tuple[Any, s
                 else:
                     batches.extend([batch[: len(batch) // 2], batch[len(batch) // 2 :]])
         if encode == "eager":
-            held = _held(engine, collection)
-    return [(name, module_reference(name, collection) if held.get(name) == text else None) for name, (_, text, _) in zip(names, hits)]
+            held = _held_text(engine, collection)
+    return [(name, module_reference(name, collection) if held(name) == text else None) for name, (_, text, _) in zip(names, hits)]

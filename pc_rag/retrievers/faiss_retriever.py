@@ -220,9 +220,8 @@ class FaissModuleRetriever:
                                               schema=schema, progress=progress, replace_changed=replace_changed)
         elif replace_changed:
             with self._lock:
-                changed = [n for n, (_, text, meta) in zip(names, records)
-                           if (schema, n) in self._ids and (self._records[self._ids[(schema, n)]].text, self._records[self._ids[(schema, n)]].metadata) != (text, meta)]
-            self.forget(schema, changed)
+                held = {n: self._records[self._ids[(schema, n)]] for n in names if (schema, n) in self._ids}
+            self.forget(schema, [n for n, (_, text, meta) in zip(names, records) if n in held and (held[n].text, held[n].metadata) != (text, meta)])
         self._index_records(schema, [(name, text, meta) for name, (_, text, meta) in zip(names, records)], progress)
         return names
 
