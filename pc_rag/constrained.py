@@ -13,6 +13,13 @@ pulls in triton (~1 GB) for a CPU wheel.
 
 The tokenizer's vocabulary is indexed once per engine (~0.7 s) and each schema compiled once
 (a few ms, cached); a matcher per request is cheap.
+
+A document always closes within the token budget when it can: before each token the matcher
+checks that the document could still be completed in the tokens left after it (the *closing*: a
+short completion found by walking the grammar, :meth:`Matcher.closing`); when it could not, the
+first token of today's closing is taken instead. So the model writes freely while the budget
+allows and is steered to close the document when it runs short; only a budget smaller than the
+closing from the start leaves a document incomplete (finish_reason "length").
 """
 
 from __future__ import annotations
@@ -21,11 +28,21 @@ import functools
 import json
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .errors import PromptCacheError
+
+# the closing walk's candidates (those that are one token of the vocabulary, bare and after a
+# space), in its order of preference among equals: what ends a string, array or object; the
+# separators (which also end a number: "1.5" would otherwise grow "1.50000..."); the shortest
+# values; what opens one; a letter for a string that must be longer
+_CLOSING_TEXTS = ('"}', '"]', "}}", "]}", '"', "}", "]", ",", ":", '""', "0", "[]", "{}", "null", "true", "false",
+                  "1", "{", "[", "a")
+# a closing longer than this is not looked for (the document is left to the model and the budget)
+_MAX_CLOSING = 512
 
 # JSON as ``json.dumps`` writes it: one space after separators and no free whitespace, so a small
 # model cannot wander into unbounded runs of spaces and newlines between values
@@ -89,6 +106,7 @@ class Vocabulary:
         self._tokenizer, self._vocab_size, self._stops = tokenizer, vocab_size, sorted(stop_token_ids)
         self._lock = threading.Lock()
         self._built: Any = None
+        self._closing_order: tuple[list[int], list[bytes], torch.Tensor] | None = None
         # bit i of word w allows token 32*w + i: the shifts that unpack a word, made once
         self._bits = torch.arange(32, dtype=torch.int32)
 
@@ -99,6 +117,26 @@ class Vocabulary:
 
                 self._built = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size, eos_token=self._stops or None)
             return self._built
+
+    def closing_order(self) -> tuple[list[int], list[bytes], torch.Tensor]:
+        """What the closing walk needs, built once: the candidate tokens (:data:`_CLOSING_TEXTS`
+        that are single tokens, bare and after a space), every token's bytes, and every token's
+        length in bytes (special tokens: longest)."""
+        tokenizer = self._lltokenizer()
+        with self._lock:
+            if self._closing_order is None:
+                candidates = []
+                for text in (*_CLOSING_TEXTS, *(" " + text for text in _CLOSING_TEXTS)):
+                    ids = tokenizer.tokenize_str(text)
+                    if len(ids) == 1 and ids[0] not in candidates:
+                        candidates.append(ids[0])
+                token_bytes = [tokenizer.decode_bytes([i]) for i in range(self._vocab_size)]
+                lengths = torch.tensor([len(b) or 1 << 20 for b in token_bytes])
+                for special in self._stops:
+                    if special < self._vocab_size:
+                        lengths[special] = 1 << 20
+                self._closing_order = (candidates, token_bytes, lengths)
+            return self._closing_order
 
     def matcher(self, schema: str) -> Matcher:
         """A fresh matcher for one request's output."""
@@ -119,6 +157,10 @@ class Matcher:
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocabulary._vocab_size)
         self._fill = llguidance.torch.fill_next_token_bitmask
         self._forbidden: torch.Tensor | None = None  # this step's mask, computed on first use
+        self._plan: list[int] | None = None  # the closing from the current state, once walked
+        self._nesting = Nesting()
+        self._walked: tuple[int, list[int]] | None = None
+        self._out_of_reach = False  # no closing fits the budget: the document is left to the model
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (one row) with every token the grammar forbids now at -inf (a new tensor)."""
@@ -134,5 +176,126 @@ class Matcher:
 
     def accept(self, token: int) -> None:
         self._forbidden = None
+        if self._plan and self._plan[0] == token:
+            self._plan = self._plan[1:]  # still the closing from the new state: the same walk
+        elif self._walked is not None and self._walked[0] == token:
+            self._plan = self._walked[1]  # walked by within() from the state after this token
+        else:
+            self._plan = None
+        self._walked = None
         if not self._matcher.consume_token(token):
             raise PromptCacheError(f"token {token} does not continue the JSON schema's grammar: {self._matcher.get_error()}")
+        self._nesting = self._nesting.feed(self._token_bytes(token))
+
+    @property
+    def complete(self) -> bool:
+        """The document is whole (the end of turn is allowed)."""
+        return bool(self._matcher.is_accepting())
+
+    def closing(self, limit: int = _MAX_CLOSING) -> list[int] | None:
+        """Tokens that complete the document from here (none when it is whole), or None when the
+        walk needs more than ``limit`` (see :func:`_walk`). Short, not always the shortest."""
+        if self._plan is None and not self._out_of_reach:
+            self._plan = _walk(self._matcher.deep_copy(), self._nesting, self._vocabulary, _MAX_CLOSING)
+            self._out_of_reach = self._plan is None
+        return self._plan if self._plan is not None and len(self._plan) <= limit else None
+
+    def within(self, token: int, remaining: int) -> int:
+        """``token`` when the document can still close in the ``remaining - 1`` tokens after it,
+        else the first token of the closing from here. A budget that cannot hold the closing
+        from the start is left alone: the document ends incomplete (finish_reason "length")."""
+        if self._out_of_reach:
+            return token
+        plan = self.closing(remaining)
+        if plan is None:
+            # the budget cannot hold even the closing from here (only so from the start: the checks
+            # keep it so after): the document is left to the model, and ends incomplete unless it closes
+            self._out_of_reach = True
+            return token
+        if not plan or token == plan[0]:
+            return token
+        after = self._matcher.deep_copy()
+        after.consume_token(token)
+        if len(plan) < remaining:
+            # most tokens (a word inside a string) leave today's closing a closing: one check, no walk
+            probe = after.deep_copy()
+            if probe.validate_tokens(plan) == len(plan) and probe.consume_tokens(plan) and probe.is_accepting():
+                self._walked = (token, plan)
+                return token
+        walked = _walk(after, self._nesting.feed(self._token_bytes(token)), self._vocabulary, remaining - 1)
+        if walked is None:
+            return plan[0]
+        self._walked = (token, walked)  # the next step's closing, if the token is taken
+        return token
+
+    def _token_bytes(self, token: int) -> bytes:
+        token_bytes = self._vocabulary.closing_order()[1]
+        return token_bytes[token] if token < len(token_bytes) else b""
+
+
+@dataclass(frozen=True)
+class Nesting:
+    """How deep a JSON text is open: what the closing walk measures its progress by."""
+
+    depth: int = 0  # open objects and arrays
+    in_string: bool = False
+    escaped: bool = False  # a backslash inside a string, its escape not yet read
+
+    def feed(self, data: bytes) -> Nesting:
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        for byte in data:
+            if escaped:
+                escaped = False
+            elif in_string:
+                escaped, in_string = byte == 0x5C, byte != 0x22
+            elif byte == 0x22:
+                in_string = True
+            elif byte in (0x7B, 0x5B):
+                depth += 1
+            elif byte in (0x7D, 0x5D):
+                depth -= 1
+        return Nesting(depth, in_string, escaped)
+
+    @property
+    def open(self) -> int:
+        """Open containers and strings: each needs at least one more byte to close."""
+        return self.depth + self.in_string + self.escaped
+
+
+def _walk(matcher: Any, nesting: Nesting, vocabulary: Vocabulary, limit: int) -> list[int] | None:
+    """A closing of ``matcher``'s document (consumed as it goes), or None past ``limit`` tokens.
+
+    Each step takes the tokens the grammar forces, else of the candidate tokens the grammar
+    allows the one that leaves the fewest containers and strings open (the first listed in
+    :data:`_CLOSING_TEXTS` among equals), else the shortest token it allows."""
+    import llguidance.torch
+
+    candidates, token_bytes, lengths = vocabulary.closing_order()
+    plan: list[int] = []
+    bitmask = None
+    while not matcher.is_accepting():
+        if len(plan) >= limit or matcher.is_error():
+            return None
+        forced = matcher.compute_ff_tokens()[: limit - len(plan)]
+        if not forced:
+            best: tuple[int, int] | None = None
+            for token in candidates:
+                if matcher.validate_tokens([token]) == 1:
+                    left_open = nesting.feed(token_bytes[token]).open
+                    if best is None or left_open < best[0]:
+                        best = (left_open, token)
+            if best is None:
+                if bitmask is None:
+                    bitmask = llguidance.torch.allocate_token_bitmask(1, vocabulary._vocab_size)
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
+                allowed = ((bitmask[0][:, None] >> vocabulary._bits) & 1).flatten()[: lengths.numel()].bool()
+                if not bool(allowed.any()):
+                    return None
+                best = (0, int(torch.where(allowed, lengths, 1 << 30).argmin()))
+            forced = [best[1]]
+        if not matcher.consume_tokens(forced):
+            return None
+        plan.extend(forced)
+        for token in forced:
+            nesting = nesting.feed(token_bytes[token])
+    return plan

@@ -484,6 +484,15 @@ class PromptCache:
         except StopIteration as done:
             return done.value
 
+    def min_json_tokens(self, json_schema: Any) -> int | None:
+        """Tokens of the shortest document of ``json_schema`` that constrained decoding closes a
+        reply with (its closing walk from an empty reply: short, not always the shortest); None
+        when none is within 512 tokens. A ``max_new_tokens`` below it ends incomplete."""
+        from .constrained import schema_text
+
+        closing = self._vocabulary.matcher(schema_text(json_schema)).closing()
+        return None if closing is None else len(closing)
+
     # -- the chain -----------------------------------------------------------------------------
     @property
     def _vocabulary(self) -> Vocabulary:

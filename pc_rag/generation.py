@@ -305,7 +305,8 @@ class RequestState:
         self.history = list(prompt_ids) if self.processors is not None else []
         self.matcher = matcher  # constrained decoding (pc_rag.constrained.Matcher), or None
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.stops = StopFilter(params.stop)
+        # stop strings do not cut a constrained document: it ends when it is whole
+        self.stops = StopFilter(() if matcher is not None else params.stop)
         self.pieces: list[str] = []
         self.finish = "length"
         self.steps = 0
@@ -333,10 +334,13 @@ class RequestState:
             token = greedy_token
         else:
             token = int(torch.argmax(scores)) if self.greedy else self.sampler(scores)
+        if self.matcher is not None:
+            # near the end of the budget, a token after which the document could not close gives
+            # way to the closing (pc_rag.constrained): a constrained reply parses whenever it can
+            token = self.matcher.within(token, self.budget - self.steps)
+            self.matcher.accept(token)
         if self.processors is not None:
             self.history.append(token)
-        if self.matcher is not None:
-            self.matcher.accept(token)
         if self.steps == 0:
             now = time.perf_counter()
             self.stats.ttft_s = now - self.started
@@ -355,6 +359,8 @@ class RequestState:
             self.finish, self.done = "stop", True
         elif self.steps >= self.budget:
             self.done = True
+            if self.matcher is not None and self.matcher.complete:
+                self.finish = "stop"  # the document closed on the budget's last token: it is whole
         return (None if self.done else token), delta
 
     def close(self) -> tuple[str, Generation]:

@@ -15,6 +15,7 @@ Tools are OpenAI-style function specs (``{"type": "function", "function": {"name
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,28 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
                                    f"({{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}): {tool!r:.120}")
         names.append(function["name"])
     return names
+
+
+def resolve_tool_choice(choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
+    """LangChain's, LlamaIndex's and OpenAI's ``tool_choice`` spellings as "auto", "none",
+    "required" or a bound tool's name (``{"type": "function", "function": {"name": ...}}`` too)."""
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice == "none":
+        return "none"
+    if choice is True or choice in ("any", "required"):
+        return "required"
+    if isinstance(choice, Mapping):
+        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+    if isinstance(choice, str) and choice in tool_names(tools):
+        return choice
+    raise PromptCacheError(f"tool_choice must be 'auto', 'none', 'any'/'required'/True or a bound tool's name "
+                           f"({', '.join(tool_names(tools))}), got {choice!r}")
+
+
+def call_id() -> str:
+    """A fresh id for a tool call, as OpenAI writes them."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def call_schema(tools: Sequence[Mapping[str, Any]], name: str | None = None) -> dict[str, Any]:
@@ -84,9 +107,10 @@ def parse_calls(text: str, tools: Sequence[Mapping[str, Any]]) -> list[dict[str,
         if not isinstance(found, dict):
             return []
         arguments = found.get("arguments", found.get("parameters"))
-        if found.get("name") not in names or not isinstance(arguments, dict):
+        name = found.get("name")
+        if not isinstance(name, str) or name not in names or not isinstance(arguments, dict):
             return []
-        calls.append({"name": found["name"], "arguments": arguments})
+        calls.append({"name": name, "arguments": arguments})
     return calls
 
 

@@ -86,11 +86,6 @@ class TestChatPromptCacheIntegration(ChatModelIntegrationTests):
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
 
-    @pytest.mark.xfail(strict=True, reason="the model's writing, not a broken path: forced to call greeting_generator, "
-                       "SmolLM2-135M loops inside the answer_style string until max_new_tokens (the call is a valid prefix)")
-    def test_bind_runnables_as_tools(self, model: BaseChatModel) -> None:
-        super().test_bind_runnables_as_tools(model)
-
     @pytest.mark.xfail(strict=True, reason="json_mode constrains to a JSON object and leaves its keys to the prompt "
                        "(as LangChain defines it); SmolLM2-135M closes the object before writing 'punchline' "
                        "(method='json_schema' passes: test_structured_output)")

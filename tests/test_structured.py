@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
@@ -82,11 +83,94 @@ def test_the_grammar_wins_over_processors_that_ban_its_only_token(make_engine):
 
 
 def test_any_json_object_with_true(make_engine):
-    result = make_engine("llama").generate("JSON please", max_new_tokens=120, json_schema=True)
-    if result.finish_reason == "stop":
-        assert isinstance(json.loads(result.text), dict)
-    else:  # cut by max_new_tokens: still a prefix of a JSON object
-        assert result.text.startswith("{")
+    engine = make_engine("llama")
+    for budget in (2, 5, 120):  # a random model writes on while it may; the budget closes the object
+        result = engine.generate("JSON please", max_new_tokens=budget, json_schema=True)
+        assert result.finish_reason == "stop" and isinstance(json.loads(result.text), dict)
+
+
+# -- documents that close within the budget ---------------------------------------------------------
+# nothing bounded: a random model left alone writes strings, numbers and arrays without end
+OPEN = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "inner": {"type": "object", "properties": {"note": {"type": "string"}, "n": {"type": "integer"}}, "required": ["note", "n"]},
+    },
+    "required": ["title", "score", "tags", "inner"],
+}
+
+# lower bounds the closing must meet, not just end
+DEMANDING = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "minLength": 3},
+        "kind": {"enum": ["alpha", "beta"]},
+        "n": {"type": "integer", "minimum": 10},
+        "xs": {"type": "array", "items": {"type": "integer"}, "minItems": 2},
+        "flag": {"type": "boolean"},
+    },
+    "required": ["code", "kind", "n", "xs", "flag"],
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("schema", [OPEN, DEMANDING], ids=["open", "demanding"])
+def test_an_unbounded_schema_closes_within_every_budget_that_can_hold_it(make_engine, arch, schema):
+    engine = make_engine(arch)
+    needed = engine.min_json_tokens(schema)
+    assert needed is not None and needed > 10
+    for budget in (needed, needed + 1, needed + 2, needed + 5, needed + 11, needed + 30):
+        for sampling in ({}, {"temperature": 1.3, "seed": budget}):
+            result = engine.generate("JSON:", max_new_tokens=budget, json_schema=schema, **sampling)
+            assert result.finish_reason == "stop" and len(result.token_ids) <= budget, (budget, sampling, result.text)
+            jsonschema.validate(json.loads(result.text), schema)
+    if schema is not OPEN:
+        return
+    # rows of a batch close each within its own budget
+    for result in engine.generate_batch(["JSON:", "Another, longer prompt: JSON"], max_new_tokens=needed + 4, json_schema=OPEN):
+        jsonschema.validate(json.loads(result.text), OPEN)
+    # a budget that cannot hold any document ends at it: finish_reason "length", never a forced early end
+    cut = engine.generate("JSON:", max_new_tokens=3, json_schema=OPEN)
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 3
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.text)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_forced_call_closes_within_a_small_budget(make_engine, arch):
+    engine = make_engine(arch)
+    schema = call_schema([ADD, WEATHER])
+    needed = engine.min_json_tokens(schema)
+    for budget in range(needed, needed + 8):
+        text = engine.generate("call", max_new_tokens=budget, json_schema=schema, temperature=1.2, seed=budget).text
+        (call,) = parse_calls(text, [ADD, WEATHER])
+        assert (call["name"], set(call["arguments"])) in (("add", {"a", "b"}), ("get_weather", {"city"}))
+
+
+def test_stop_strings_do_not_cut_a_constrained_document(make_engine):
+    engine = make_engine("llama")
+    free = engine.generate("JSON:", max_new_tokens=40, json_schema=OPEN)
+    stopped = engine.generate("JSON:", max_new_tokens=40, json_schema=OPEN, stop=['"', "a", "{"])
+    assert stopped.text == free.text and stopped.finish_reason == "stop"
+    jsonschema.validate(json.loads(stopped.text), OPEN)
+
+
+def test_the_closing_walk_completes_partial_documents(make_engine):
+    engine = make_engine("llama")
+    vocabulary = engine._vocabulary
+    from pc_rag.constrained import schema_text
+
+    for prefix in ('{"title": "abc', '{"title": "a\\', '{"title": "", "score": 1.5', '{"title": "", "score": 0, "tags": ["x", "y',
+                   '{"title": "", "score": 0, "tags": [], "inner": {"note": "n'):
+        matcher = vocabulary.matcher(schema_text(OPEN))
+        for token in engine.tokenizer.encode(prefix, add_special_tokens=False):
+            matcher.accept(token)
+        closing = matcher.closing()
+        text = prefix + engine.tokenizer.decode(closing)
+        jsonschema.validate(json.loads(text), OPEN)
 
 
 @pytest.mark.parametrize("bad", [{"type": "no-such-type"}, "{not json", 42])
@@ -136,6 +220,9 @@ def test_parse_calls_reads_calls_and_nothing_else():
     assert parse_calls('{"name": "rm_rf", "arguments": {}}', [ADD]) == []  # not a bound tool
     assert parse_calls('{"name": "add", "arguments": "1, 2"}', [ADD]) == []  # arguments not an object
     assert parse_calls("The answer is 3.", [ADD]) == []
+    # a model's reply is untrusted: a name that is not a string is text, never an error
+    assert parse_calls('{"name": {"description": "add"}, "arguments": {}}', [ADD]) == []
+    assert parse_calls('[{"name": ["add"], "arguments": {}}]', [ADD]) == []
     with pytest.raises(PromptCacheError, match="not a bound tool"):
         call_schema([ADD], "get_weather")
     with pytest.raises(PromptCacheError, match="OpenAI-style"):
@@ -248,3 +335,31 @@ def test_bad_tool_arguments_are_typed_errors(chat):
         chat.with_structured_output(Joke, method="regex")
     with pytest.raises(PromptCacheError, match="needs tools"):
         chat.invoke("hi", tool_choice="any")
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "number"}}, "required": ["answer", "confidence"]}
+
+
+def test_the_embedded_model_closes_its_document_at_small_budgets_and_past_stop_strings(smollm):
+    # the reports: max_new_tokens cut '{"answer": "\\rit PCA', stop='a' cut '{"'
+    prompt = smollm.render_chat([{"role": "user", "content": "What is PCA? Reply in JSON."}])
+    needed = smollm.min_json_tokens(ANSWER)
+    for budget in (needed, needed + 3, needed + 9):
+        result = smollm.generate(prompt, max_new_tokens=budget, json_schema=ANSWER)
+        assert result.finish_reason == "stop" and len(result.token_ids) <= budget
+        jsonschema.validate(json.loads(result.text), ANSWER)
+    stopped = smollm.generate(prompt, max_new_tokens=24, json_schema=ANSWER, stop="a")
+    assert stopped.finish_reason == "stop" and "a" in json.loads(stopped.text)["answer"]
+
+
+def test_langchain_structured_output_and_forced_calls_parse_at_small_budgets(chat, smollm):
+    call_needed = smollm.min_json_tokens(call_schema([WEATHER], "get_weather"))
+    for extra in (0, 4):
+        joke = chat.with_structured_output(Joke).invoke("Tell me a long joke about cats.", max_new_tokens=14 + extra)
+        assert isinstance(joke, Joke)
+        message = chat.bind_tools([add, get_weather], tool_choice="get_weather").invoke(
+            "What is the weather in the city of Llanfairpwllgwyngyll? Use the tool.", max_new_tokens=call_needed + extra)
+        assert [c["name"] for c in message.tool_calls] == ["get_weather"] and set(message.tool_calls[0]["args"]) == {"city"}
+    needed = smollm.min_json_tokens(closed(Joke.model_json_schema()))
+    with pytest.raises(PromptCacheError, match=f"max_new_tokens=3.*the shortest document of the schema takes {needed} tokens"):
+        chat.with_structured_output(Joke).invoke("Tell me a joke about cats.", max_new_tokens=3)

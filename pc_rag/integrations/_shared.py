@@ -91,6 +91,21 @@ def engine_kwargs(adapter: Any, kwargs: dict[str, Any], stop: list[str] | None, 
     return params
 
 
+def check_document(result: Generation, engine: PromptCache, params: Mapping[str, Any]) -> None:
+    """A constrained reply (``json_schema`` in ``params``) that the token budget ended before its
+    document closed: a clear error, never half a document handed to a parser. Constrained
+    decoding closes the document whenever the budget can hold it (:mod:`pc_rag.constrained`), so
+    this happens only when even the shortest document does not fit."""
+    schema = params.get("json_schema")
+    if schema is None or result.finish_reason != "length":
+        return
+    needed = engine.min_json_tokens(schema)
+    raise PromptCacheError(
+        f"the reply ended at its token budget (max_new_tokens={params.get('max_new_tokens')}, or the context window) "
+        f"before its JSON document was complete: the shortest document of the schema takes "
+        f"{needed if needed is not None else 'more than 512'} tokens; raise max_new_tokens (reply so far: {result.text!r:.80})")
+
+
 def as_prompt(text: str, pml: bool) -> str:
     """What an adapter hands the engine: plain text, unless the adapter was built with ``pml=True``
     and the text is a PML prompt (a chain that sends markup says so; nothing it passes becomes

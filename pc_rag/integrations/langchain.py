@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import json
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, Literal
@@ -53,10 +52,11 @@ from ..errors import PromptCacheError
 from ..generation import Generation as EngineGeneration
 from ..generation import StreamingGeneration
 from ..retrievers import FaissModuleRetriever
-from ..tools import call_schema, parse_calls, tool_names
+from ..tools import call_id, call_schema, parse_calls, resolve_tool_choice
 from ._shared import (
     as_modules,
     as_prompt,
+    check_document,
     check_encode,
     engine_kwargs,
     generation_info,
@@ -299,22 +299,6 @@ def _turn(message: BaseMessage) -> dict[str, Any]:
     return turn
 
 
-def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> str:
-    """LangChain's/OpenAI's ``tool_choice`` spellings as "auto", "none", "required" or a tool's name."""
-    if choice is None or choice == "auto":
-        return "auto"
-    if choice == "none":
-        return "none"
-    if choice is True or choice in ("any", "required"):
-        return "required"
-    if isinstance(choice, dict):
-        choice = (choice.get("function") or {}).get("name") or choice.get("name")
-    if isinstance(choice, str) and choice in tool_names(tools):
-        return choice
-    raise PromptCacheError(f"tool_choice must be 'auto', 'none', 'any'/'required'/True or a bound tool's name "
-                           f"({', '.join(tool_names(tools))}), got {choice!r}")
-
-
 def _response_schema(response_format: Any) -> dict[str, Any] | bool:
     """OpenAI's ``response_format`` (``{"type": "json_object"}`` or ``{"type": "json_schema",
     "json_schema": {"schema": ...}}``) as the engine's ``json_schema``."""
@@ -333,13 +317,9 @@ def _ai_message(result: EngineGeneration, engine: PromptCache, tools: list[dict[
     calls = parse_calls(result.text, tools) if tools else []
     if calls:
         info["finish_reason"] = "tool_calls"
-        return AIMessage(content="", tool_calls=[tool_call(name=c["name"], args=c["arguments"], id=_call_id()) for c in calls],
+        return AIMessage(content="", tool_calls=[tool_call(name=c["name"], args=c["arguments"], id=call_id()) for c in calls],
                          response_metadata=info, usage_metadata=_usage(result))
     return AIMessage(content=result.text, response_metadata=info, usage_metadata=_usage(result))
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _usage(result: EngineGeneration) -> UsageMetadata:
@@ -402,7 +382,7 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
         chat template when it takes them, else described in the system turn (:mod:`pc_rag.tools`).
         """
         formatted = [convert_to_openai_tool(tool) for tool in tools]
-        return super().bind(tools=formatted, tool_choice=_tool_choice(tool_choice, formatted), **kwargs)
+        return super().bind(tools=formatted, tool_choice=resolve_tool_choice(tool_choice, formatted), **kwargs)
 
     def with_structured_output(
         self,
@@ -454,7 +434,7 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
         """The prompt, the engine's arguments and the tools in force for one conversation."""
         kwargs = dict(kwargs)
         tools = list(kwargs.pop("tools", None) or [])
-        choice = _tool_choice(kwargs.pop("tool_choice", None), tools)
+        choice = resolve_tool_choice(kwargs.pop("tool_choice", None), tools)
         response_format = kwargs.pop("response_format", None)
         if choice == "none":
             tools = []
@@ -479,6 +459,7 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
             return _chat_result(list(self._stream(messages, stop, run_manager, **kwargs)))
         prompt, params, tools = self._request(messages, stop, kwargs)
         result = _batched(self, prompt) or self.engine.generate(prompt, **params)
+        check_document(result, self.engine, params)
         message = _ai_message(result, self.engine, tools)
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=dict(message.response_metadata))])
 
@@ -499,6 +480,7 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
                 run_manager.on_llm_new_token(text, chunk=chunk)
             yield chunk
         assert stream.result is not None
+        check_document(stream.result, self.engine, params)
         message = _ai_message(stream.result, self.engine, tools)
         if tools:
             chunk = ChatGenerationChunk(message=AIMessageChunk(

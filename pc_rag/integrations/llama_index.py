@@ -1,4 +1,4 @@
-"""LlamaIndex adapters: a ``CustomLLM`` and a retriever over a :class:`~pc_rag.PromptCache`.
+"""LlamaIndex adapters: a function-calling LLM and a retriever over a :class:`~pc_rag.PromptCache`.
 
 The retriever's nodes render, for the LLM, as references to their pre-encoded modules (a node
 ``text_template``), so a query engine's synthesizer stuffs references, not text, into its
@@ -9,7 +9,8 @@ still benefit: their verbatim text is found by the engine's drop-in index.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import json
+from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -23,24 +24,33 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    ToolCallBlock,
 )
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.llm import LLMStructuredPredictEndEvent, LLMStructuredPredictStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
-from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
+from llama_index.core.program.streaming_utils import process_streaming_content_incremental
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.types import PydanticProgramMode
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.core.vector_stores.types import MetadataFilters
 from pydantic import Field
 
+from ..constrained import closed
 from ..documents import document_id, module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import StreamingGeneration
 from ..pml import is_pml_prompt
 from ..retrievers import FaissModuleRetriever
+from ..tools import call_id, call_schema, parse_calls, resolve_tool_choice
 from ._shared import (
     Encode,
     as_modules,
     as_prompt,
+    check_document,
     check_encode,
     engine_kwargs,
     generation_info,
@@ -53,16 +63,22 @@ from ._shared import (
 
 __all__ = ["PromptCacheLLM", "PromptCacheRetriever"]
 
+dispatcher = get_dispatcher(__name__)
 
-class PromptCacheLLM(CustomLLM):
-    """A LlamaIndex LLM served by Prompt Cache.
+
+class PromptCacheLLM(FunctionCallingLLM):
+    """A LlamaIndex LLM served by Prompt Cache, with function calling and constrained structured output.
 
     ``PromptCacheLLM(engine=engine, max_new_tokens=128)``. ``chat`` renders messages with the
     model's chat template; ``complete`` sends the prompt as one user turn through it (or through
     ``completion_to_prompt`` when one is set; as given with ``formatted=True``). When the
-    tokenizer has a chat template the LLM reports itself as a chat model, so query engines send
-    it chat messages. Reuse statistics are in each response's
-    ``additional_kwargs``.
+    tokenizer has a chat template the LLM reports itself as a chat and function-calling model, so
+    query engines send it chat messages and agents (``FunctionAgent``), ``predict_and_call`` and
+    ``FunctionCallingProgram`` hand it tools: a required call (``tool_required=True``,
+    ``tool_choice="required"`` or a tool's name) is decoded under its JSON schema, so it always
+    parses (:mod:`pc_rag.tools`). ``structured_predict`` and ``as_structured_llm`` decode under
+    the output class's JSON schema (:mod:`pc_rag.constrained`). Reuse statistics are in each
+    response's ``additional_kwargs``.
     """
 
     engine: Any = Field(default=None, exclude=True, description="the pc_rag.PromptCache")
@@ -95,9 +111,14 @@ class PromptCacheLLM(CustomLLM):
         return LLMMetadata(
             context_window=self.context_window or self.engine.context_window or 2048,
             num_output=self.max_new_tokens,
-            is_chat_model=bool(getattr(self.engine.tokenizer, "chat_template", None)),
+            is_chat_model=self._has_chat_template,
+            is_function_calling_model=self._has_chat_template,
             model_name=model_name(self.engine),
         )
+
+    @property
+    def _has_chat_template(self) -> bool:
+        return bool(getattr(self.engine.tokenizer, "chat_template", None))
 
     def _engine_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = {**self.generate_kwargs, **kwargs}
@@ -123,11 +144,14 @@ class PromptCacheLLM(CustomLLM):
         return as_prompt(text, self.pml)
 
     def _complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
-        result = self.engine.generate(prompt, **self._engine_kwargs(kwargs))
+        params = self._engine_kwargs(kwargs)
+        result = self.engine.generate(prompt, **params)
+        check_document(result, self.engine, params)
         return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine), raw={"usage": usage(result)})
 
     def _stream_complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseGen:
-        stream: StreamingGeneration = self.engine.stream(prompt, **self._engine_kwargs(kwargs))
+        params = self._engine_kwargs(kwargs)
+        stream: StreamingGeneration = self.engine.stream(prompt, **params)
 
         def responses() -> CompletionResponseGen:
             text = ""
@@ -135,6 +159,7 @@ class PromptCacheLLM(CustomLLM):
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
             assert stream.result is not None
+            check_document(stream.result, self.engine, params)
             yield CompletionResponse(text=text, delta="", additional_kwargs=generation_info(stream.result, self.engine),
                                      raw={"usage": usage(stream.result)})
 
@@ -148,23 +173,42 @@ class PromptCacheLLM(CustomLLM):
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         return self._stream_complete(self._prepare(prompt, formatted), kwargs)
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+    def _chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> str:
         """The messages through ``messages_to_prompt`` when one is set, else the model's chat
-        template (``system_prompt`` first when the messages have no system turn): plain text, never PML."""
+        template (``system_prompt`` first when the messages have no system turn; tool calls,
+        tool results and ``tools`` rendered as :func:`pc_rag.PromptCache.render_chat` does): plain text, never PML."""
         if self.system_prompt and not any(m.role.value == "system" for m in messages):
             messages = [ChatMessage(role="system", content=self.system_prompt), *messages]
         if self.messages_to_prompt not in (None, generic_messages_to_prompt):
+            if tools:
+                raise PromptCacheError("tools are rendered by the chat template; this LLM has a custom messages_to_prompt")
             return str(self.messages_to_prompt(messages))
-        return self.engine.render_chat([{"role": str(m.role.value), "content": m.content or ""} for m in messages])
+        return self.engine.render_chat([_turn(m) for m in messages], tools=list(tools) or None)
+
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+        """The prompt, the call's other keywords and the tools in force: ``tools`` (OpenAI specs,
+        as :meth:`_prepare_chat_with_tools` gives them) and ``tool_choice`` ("auto", "none",
+        "required" or a tool's name: a required call is decoded under its JSON schema)."""
+        kwargs = dict(kwargs)
+        tools = list(kwargs.pop("tools", None) or [])
+        choice = resolve_tool_choice(kwargs.pop("tool_choice", None), tools)
+        if choice == "none":
+            tools = []
+        elif choice != "auto":
+            if "json_schema" in kwargs:
+                raise PromptCacheError("give a required tool call or a json_schema, not both")
+            kwargs["json_schema"] = call_schema(tools, None if choice == "required" else choice)
+        return self._chat_prompt(messages, tools), kwargs, tools
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _as_chat(self._complete(self._chat_prompt(messages), kwargs))
+        prompt, kwargs, tools = self._chat_request(messages, kwargs)
+        return _as_chat(self._complete(prompt, kwargs), tools)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        completions = self._stream_complete(self._chat_prompt(messages), kwargs)
-        return (_as_chat(response) for response in completions)
+        prompt, kwargs, tools = self._chat_request(messages, kwargs)
+        return _stream_as_chat(self._stream_complete(prompt, kwargs), tools)
 
     # async: decoding runs on a worker thread, the event loop never waits on a forward pass
     @llm_completion_callback()
@@ -177,17 +221,140 @@ class PromptCacheLLM(CustomLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _as_chat(await asyncio.to_thread(self._complete, self._chat_prompt(messages), kwargs))
+        prompt, kwargs, tools = self._chat_request(messages, kwargs)
+        return _as_chat(await asyncio.to_thread(self._complete, prompt, kwargs), tools)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        completions = iterate_in_thread(self._stream_complete(self._chat_prompt(messages), kwargs))
+        prompt, kwargs, tools = self._chat_request(messages, kwargs)
+        return iterate_in_thread(_stream_as_chat(self._stream_complete(prompt, kwargs), tools))
 
-        async def responses() -> ChatResponseAsyncGen:
-            async for response in completions:
-                yield _as_chat(response)
+    # -- function calling: what agents, predict_and_call and FunctionCallingProgram call ----------
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """``chat`` keywords for a turn with ``tools`` (LlamaIndex tools, as OpenAI specs): a call
+        is required with ``tool_required`` (or ``tool_choice="required"``/a tool's name)."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role="user", content=user_msg) if isinstance(user_msg, str) else user_msg)
+        if tool_choice is None:
+            tool_choice = "required" if tool_required else "auto"
+        return {"messages": messages, "tools": [tool.metadata.to_openai_tool() for tool in tools], "tool_choice": tool_choice, **kwargs}
 
-        return responses()
+    def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[Any],
+                                           allow_parallel_tool_calls: bool = False, **kwargs: Any) -> ChatResponse:
+        """One call only, unless parallel calls are allowed (as LlamaIndex's OpenAI LLM does)."""
+        if not allow_parallel_tool_calls:
+            calls = [block for block in response.message.blocks if isinstance(block, ToolCallBlock)]
+            if len(calls) > 1:
+                response.message.blocks = [b for b in response.message.blocks if not isinstance(b, ToolCallBlock) or b is calls[0]]
+                response.message.additional_kwargs["tool_calls"] = response.message.additional_kwargs.get("tool_calls", [])[:1]
+        return response
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        """The reply's tool calls (its ``ToolCallBlock``s) as ``ToolSelection``s."""
+        calls = [ToolSelection(tool_id=block.tool_call_id or call_id(), tool_name=block.tool_name,
+                               tool_kwargs=block.tool_kwargs if isinstance(block.tool_kwargs, dict) else _arguments(block.tool_kwargs))
+                 for block in response.message.blocks if isinstance(block, ToolCallBlock)]
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected at least one tool call, got a text reply: {response.message.content!r:.120}")
+        return calls
+
+    # -- structured output: decoded under the output class's JSON schema ---------------------------
+    def _structured_messages(self, prompt: BasePromptTemplate, prompt_args: dict[str, Any]) -> list[ChatMessage]:
+        return self._extend_messages(prompt.format_messages(llm=self, **prompt_args))
+
+    @dispatcher.span
+    def structured_predict(self, output_cls: type[Any], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+                           **prompt_args: Any) -> Any:
+        """An ``output_cls`` (a pydantic model) decoded under its JSON schema (closed: no key it
+        does not name), so the reply always parses; a budget too small for any document of the
+        schema is a :class:`PromptCacheError`. With ``pydantic_program_mode`` other than the
+        default, LlamaIndex's own program for that mode runs instead."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
+        response = self.chat(self._structured_messages(prompt, prompt_args), **_structured_kwargs(output_cls, llm_kwargs))
+        result = output_cls.model_validate_json(response.message.content or "")
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
+    async def astructured_predict(self, output_cls: type[Any], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any) -> Any:
+        """:meth:`structured_predict` on a worker thread."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        return await asyncio.to_thread(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
+
+    @dispatcher.span
+    def stream_structured_predict(self, output_cls: type[Any], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any) -> Generator[Any, None, None]:
+        """Partial objects as the constrained document grows (LlamaIndex's incremental parsing),
+        the last one an ``output_cls``."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        responses = self.stream_chat(self._structured_messages(prompt, prompt_args), **_structured_kwargs(output_cls, llm_kwargs))
+
+        def partials() -> Generator[Any, None, None]:
+            current = None
+            for response in responses:
+                current = process_streaming_content_incremental(response, output_cls, current)
+                yield current
+
+        return partials()
+
+    @dispatcher.span
+    async def astream_structured_predict(self, output_cls: type[Any], prompt: BasePromptTemplate,
+                                         llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> AsyncGenerator[Any, None]:
+        """:meth:`stream_structured_predict`, decoded by a worker thread."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        return iterate_in_thread(self.stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args))
+
+
+def _structured_kwargs(output_cls: type[Any], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    kwargs = dict(llm_kwargs or {})
+    for key in ("tools", "tool_choice", "tool_required", "allow_parallel_tool_calls"):  # what programs pass on
+        kwargs.pop(key, None)
+    kwargs["json_schema"] = closed(output_cls.model_json_schema())
+    return kwargs
+
+
+def _turn(message: ChatMessage) -> dict[str, Any]:
+    """A LlamaIndex message as a chat-template turn: tool calls (``ToolCallBlock``s) and tool
+    results (role "tool", ``additional_kwargs["tool_call_id"]``) included."""
+    turn: dict[str, Any] = {"role": str(message.role.value), "content": message.content or ""}
+    calls = [block for block in message.blocks if isinstance(block, ToolCallBlock)]
+    if calls:
+        turn["tool_calls"] = [{"type": "function", "id": block.tool_call_id, "function": {
+            "name": block.tool_name, "arguments": block.tool_kwargs if isinstance(block.tool_kwargs, dict) else _arguments(block.tool_kwargs)}}
+            for block in calls]
+    if turn["role"] == "tool":
+        if message.additional_kwargs.get("tool_call_id"):
+            turn["tool_call_id"] = message.additional_kwargs["tool_call_id"]
+        if message.additional_kwargs.get("name"):
+            turn["name"] = message.additional_kwargs["name"]
+    return turn
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    """A call's arguments written as JSON text (a streamed call's, or another LLM's)."""
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 _OPERATORS = {"==": "$eq", "!=": "$ne", ">": "$gt", ">=": "$gte", "<": "$lt", "<=": "$lte", "in": "$in", "nin": "$nin"}
@@ -215,13 +382,40 @@ def as_filter(filters: Any) -> Any:
     return {f"${condition}": parts} if parts else None
 
 
-def _as_chat(response: CompletionResponse) -> ChatResponse:
-    return ChatResponse(
-        message=ChatMessage(role="assistant", content=response.text),
-        delta=response.delta,
-        additional_kwargs=response.additional_kwargs,
-        raw=response.raw,
-    )
+def _as_chat(response: CompletionResponse, tools: Sequence[dict[str, Any]] = ()) -> ChatResponse:
+    """A completion as the assistant's message: its tool calls as ``ToolCallBlock``s (and in
+    ``additional_kwargs["tool_calls"]``, OpenAI's shape) when, with tools bound, the reply is one."""
+    calls = parse_calls(response.text, tools) if tools else []
+    if not calls:
+        message = ChatMessage(role="assistant", content=response.text)
+    else:
+        ids = [call_id() for _ in calls]
+        message = ChatMessage(
+            role="assistant",
+            blocks=[ToolCallBlock(tool_call_id=i, tool_name=c["name"], tool_kwargs=c["arguments"]) for i, c in zip(ids, calls)],
+            additional_kwargs={"tool_calls": [{"id": i, "type": "function", "function": {
+                "name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}} for i, c in zip(ids, calls)]},
+        )
+    additional = dict(response.additional_kwargs)
+    if calls:
+        additional["finish_reason"] = "tool_calls"
+    return ChatResponse(message=message, delta=response.delta, additional_kwargs=additional, raw=response.raw)
+
+
+def _stream_as_chat(completions: CompletionResponseGen, tools: Sequence[dict[str, Any]]) -> ChatResponseGen:
+    """Streamed completions as chat responses; with tools bound, the reply may be a call, so it
+    is read whole and sent as one response."""
+    if not tools:
+        for response in completions:
+            yield _as_chat(response)
+        return
+    last = None
+    for last in completions:
+        pass
+    if last is not None:
+        response = _as_chat(last, tools)
+        response.delta = response.message.content or ""
+        yield response
 
 
 class PromptCacheRetriever(BaseRetriever):
