@@ -155,7 +155,10 @@ class Assembler:
             own: list[list[Segment]] = [[]]
             own_moved: list[list[bool]] = [[]]
         elif use_cache and len(plans) > 1 and share:
-            signatures = [tuple((s.key, s.offset, len(s), s.position, s.source_position) for s in segments) for segments in cached]
+            # rows share a segment only when they read it alike: the same KV at the same position,
+            # moved (APE-adjusted) in both or in neither; a shared part has one adjustment for all its rows
+            signatures = [tuple((s.key, s.offset, len(s), s.position, s.source_position, m) for s, m in zip(segments, flags))
+                          for segments, flags in zip(cached, moved)]
             order = sorted(order, key=lambda i: signatures[i])
             runs, private_from = share_prefixes([signatures[i] for i in order])
             for run in runs:

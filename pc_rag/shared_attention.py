@@ -301,7 +301,7 @@ def share_prefixes(signatures: Sequence[Sequence[Hashable]]) -> tuple[list[Share
     """ChunkAttention's prefix tree over the rows of a batch, at the level of cached segments.
 
     ``signatures[row]`` lists the row's cached segments in prompt order, each as a hashable
-    (module entry, offset, length, position, encoded position); rows must be sorted, so that
+    (module entry, offset, length, position, encoded position, moved); rows must be sorted, so that
     rows sharing a prefix are adjacent. Every tree node imported by two rows or more becomes
     shared, chains of nodes with the same rows merge into one run, and a row imports the
     segments from ``private_from[row]`` on on its own. Returns ``(runs, private_from)``.

@@ -114,3 +114,58 @@ def test_langchain_chat_batch_uses_generate_batch_with_callbacks_per_conversatio
         assert got.content == alone.content
         assert got.usage_metadata == alone.usage_metadata
     assert names
+
+
+def test_rows_sharing_a_module_with_different_ape_flags_keep_their_own(make_engine):
+    # two rows import the same module at the same position, but in one it reads as moved (APE
+    # adjusts the attention to it) and in the other as exact: a shared run must not impose the
+    # first row's flags on the second (it did: the signature left the flags out)
+    from pc_rag.assemble import Ape
+    from pc_rag.generate import prefill
+
+    engine = make_engine("llama", recompute=0, recompute_tail=0)
+    names = engine.add_documents(DOCS, progress=False)
+    plan = engine.plan(build_prompt("When was the lighthouse automated?", names[:2]))
+    cached = [s.cached for s in plan.segments]
+    exact = [False] * len(cached)
+    moved = list(cached)  # every cached segment read as moved
+
+    def logits(plans, flags, share):
+        assembled = engine.assembler.assemble(plans, 1, use_cache=True, assembly="copy", share=share, ape=Ape(0.8, 0.9, flags))
+        out = prefill(engine.forward, assembled.rows, assembled.inputs, engine.spec)
+        return [out[assembled.order.index(i)] for i in range(len(plans))]
+
+    alone = [logits([plan], [flags], False)[0] for flags in (exact, moved)]
+    assert float((alone[0] - alone[1]).abs().max()) > 1e-3  # APE changes what the moved row computes
+    for flags in ([exact, moved], [moved, exact]):
+        for share in (False, True):
+            batch = logits([plan, plan], flags, share)
+            for row, row_flags in zip(batch, flags):
+                expected = alone[0] if row_flags is exact else alone[1]
+                assert float((row - expected).abs().max()) < 1e-4, ("exact" if row_flags is exact else "moved", share)
+
+
+# greedy batch outputs equal single calls, whatever reads the cached KV: APE on (the defaults) or
+# off, rows sharing modules or not, one request reading the store in place or a copy, scored recovery
+@pytest.mark.parametrize("ape", [True, False], ids=["ape", "no-ape"])
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "private"])
+@pytest.mark.parametrize("assembly", ["copy", "in_place"])
+@pytest.mark.parametrize("recovery", [None, "deviation"], ids=["head-tail", "scored"])
+def test_batch_equals_single_calls_across_ape_sharing_assembly_and_recovery(make_engine, ape, share, assembly, recovery):
+    settings = {"recompute": 0, "recompute_tail": 0, "assembly": assembly}
+    if ape:
+        settings.update(attention_temperature=None, attention_scale=None)  # the engine's defaults
+    if recovery:
+        settings.update(recovery=recovery, recovery_budget=0.2)
+    engine = make_engine("llama", **settings)
+    names = engine.add_documents(DOCS, progress=False)
+    prompts = [
+        build_prompt("When was the lighthouse automated?", names[:2]),  # the first document exact, the second moved
+        build_prompt("How often do ferries leave?", names[:2]),  # the same modules: shared with the first
+        build_prompt("Who teaches the children?", [names[2], names[0]]),  # the first document moved here
+    ]
+    single = [engine.generate(p, max_new_tokens=8, output_logits=True) for p in prompts]
+    batch = engine.generate_batch(prompts, max_new_tokens=8, output_logits=True, share_modules=share)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in single]
+    for b, s in zip(batch, single):
+        assert float((b.logits[0] - s.logits[0]).abs().max()) < 1e-4
