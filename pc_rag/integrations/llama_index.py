@@ -33,8 +33,8 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 from llama_index.core.program.streaming_utils import process_streaming_content_incremental
 from llama_index.core.prompts import BasePromptTemplate
-from llama_index.core.types import PydanticProgramMode
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from llama_index.core.types import PydanticProgramMode
 from llama_index.core.vector_stores.types import MetadataFilters
 from pydantic import Field
 
