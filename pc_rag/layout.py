@@ -261,7 +261,9 @@ def layout_schema(
     walk(doc.children, None)
     close_anonymous()
     for info in modules.values():
-        if not info.anonymous and not info.token_ids and not info.children:
+        # an empty union member is the reference's placeholder ("import nothing here"); elsewhere
+        # an empty module is a mistake
+        if not info.anonymous and not info.token_ids and not info.children and info.union is None:
             raise PromptCacheError(f"module {info.name!r} is empty", line=info.line, column=info.column)
     anonymous = [i for i, piece in enumerate(pieces) if modules[piece.owner].anonymous]
     return SchemaLayout(doc.name, modules, pieces, uses_roles, cursor, anonymous, union_scaffold=union_scaffold)

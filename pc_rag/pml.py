@@ -74,7 +74,8 @@ def _error(source: str, offset: int, message: str) -> PromptCacheError:
 
 
 def _unescape(source: str, start: int, raw: str) -> str:
-    """Decode the five XML entities and character references; anything else is an error.
+    """Decode the five XML entities and character references; an unknown ``&name;`` is an error,
+    a ``&`` that starts no entity is itself.
 
     ``start`` is the offset of ``raw`` in ``source`` (for error positions). Custom entities are
     never expanded, so entity-expansion bombs cannot exist.
@@ -101,14 +102,9 @@ def _unescape(source: str, start: int, raw: str) -> str:
         out.append(chr(code))
         pos = m.end()
     out.append(raw[pos:])
-    text = "".join(out)
-    # a '&' that starts no entity is most likely a typo for &amp; in markup that was meant as text
-    stray = raw.find("&")
-    while stray != -1:
-        if not _ENTITY.match(raw, stray):
-            raise _error(source, start + stray, "bare '&' in text: write &amp; or wrap the text in <![CDATA[...]]>")
-        stray = raw.find("&", stray + 1)
-    return text
+    # a '&' that starts no entity ("AT&T", "R&D", "a && b") is the character itself, as the
+    # reference implementation's own schemas write it (its parser silently damages such text; we keep it)
+    return "".join(out)
 
 
 def parse_markup(source: str) -> Element:
@@ -180,7 +176,11 @@ def parse_markup(source: str) -> Element:
         else:
             m = _NAME.match(source, pos + 1)
             if not m:
-                raise _error(source, pos, "unescaped '<' in text: write &lt; or wrap the text in <![CDATA[...]]>")
+                # a '<' that starts no tag ("a < b", "<3", "<=") is the character itself, as in the
+                # reference implementation's own schemas; "<b" starts a tag and must be &lt;b
+                add_text("<", pos)
+                pos += 1
+                continue
             tag = m.group(0)
             attrs: dict[str, str] = {}
             cursor = m.end()

@@ -86,6 +86,34 @@ def test_bad_reference_attributes_are_clear_errors(make_engine, schema, message)
         make_engine("llama").add_schema(schema, progress=False)
 
 
+# the reference's placeholder: an empty (whitespace-only, across lines) union member, "nothing here"
+PLACEHOLDER = """<schema name="ph"><system>Answer briefly.</system>
+<module name="style">
+  <union scaffold="default">
+    <module name="default">
+    </module>
+    <module name="formal">Write formally, in complete sentences, and avoid contractions.</module>
+  </union>
+</module>
+<module name="note">The harbour opens at six in the morning and closes at ten at night.</module>
+</schema>"""
+
+
+@pytest.mark.parametrize("encoding", ["isolated", "shared_prefix", "scaffold"])
+def test_an_empty_union_member_is_a_placeholder(make_tiny, tokenizer, encoding):
+    engine = PromptCache(make_tiny("llama", seed=5), tokenizer, encoding=encoding, recompute=0, recompute_tail=0)
+    engine.add_schema(PLACEHOLDER, progress=False)
+    empty = engine.plan(PML('<prompt schema="ph"><style><default/></style><note/> When does the harbour open?</prompt>'))
+    without = engine.plan(PML('<prompt schema="ph"><note/> When does the harbour open?</prompt>'))
+    assert empty.input_ids == without.input_ids  # the placeholder imports nothing
+    formal = engine.plan(PML('<prompt schema="ph"><style><formal/></style><note/> When does the harbour open?</prompt>'))
+    assert "Write formally" in engine.tokenizer.decode(formal.input_ids)
+    for prompt in ('<prompt schema="ph"><style><default/></style><note/> Q?</prompt>', '<prompt schema="ph"><style><formal/></style><note/> Q?</prompt>'):
+        assert engine.generate(PML(prompt), max_new_tokens=3).stats.cached_tokens > 0
+    with pytest.raises(PromptCacheError, match="module 'lonely' is empty"):  # outside a union it is a mistake
+        engine.add_schema('<schema name="bad"><module name="lonely">\n</module></schema>', progress=False)
+
+
 JOINT = """<schema name="kb"><system>Answer from the notes.</system><user>
 <module name="a">The harbour opens at six in the morning and closes at ten at night.</module>
 Between the notes.
