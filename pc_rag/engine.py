@@ -424,8 +424,9 @@ class PromptCache:
         ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``,
         ``output_logits``, ``generation_config`` (a ``transformers.GenerationConfig`` or a dict);
         and ``json_schema`` (a JSON schema dict, its text, or True for any JSON object): the
-        output is constrained, token by token, to a document of that schema (:mod:`pc_rag.constrained`).
-        What a call leaves unset comes from ``generation_config``, then from the engine's
+        output is constrained, token by token, to a document of that schema (:mod:`pc_rag.constrained`),
+        closed within ``max_new_tokens`` whenever that can hold one (:meth:`min_json_tokens`), and
+        not cut by stop strings. What a call leaves unset comes from ``generation_config``, then from the engine's
         :attr:`generation_config` (the model's own: its sampling defaults apply when it sets
         ``do_sample=True``), then from pc-rag's defaults (greedy, 256 new tokens). A ``temperature``
         given without ``do_sample`` decides alone: 0 is greedy, more samples.
