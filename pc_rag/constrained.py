@@ -138,6 +138,10 @@ class Vocabulary:
                 self._closing_order = (candidates, token_bytes, lengths)
             return self._closing_order
 
+    def allowed(self, words: torch.Tensor) -> torch.Tensor:
+        """One row of an llguidance bitmask (int32 words) as a bool per token id."""
+        return ((words[:, None] >> self._bits.to(words.device)) & 1).flatten().bool()
+
     def matcher(self, schema: str) -> Matcher:
         """A fresh matcher for one request's output."""
         return Matcher(self, schema)
@@ -159,6 +163,7 @@ class Matcher:
         self._forbidden: torch.Tensor | None = None  # this step's mask, computed on first use
         self._plan: list[int] | None = None  # the closing from the current state, once walked
         self._nesting = Nesting()
+        self._bytes = vocabulary.closing_order()[1]  # every token's bytes (built once per vocabulary)
         self._walked: tuple[int, list[int]] | None = None
         self._out_of_reach = False  # no closing fits the budget: the document is left to the model
 
@@ -166,12 +171,11 @@ class Matcher:
         """``logits`` (one row) with every token the grammar forbids now at -inf (a new tensor)."""
         if self._forbidden is None:  # once per step, however many rows of scores are masked
             self._fill(self._matcher, self._bitmask)
-            words = self._bitmask[0].to(logits.device)
-            allowed = ((words[:, None] >> self._vocabulary._bits.to(logits.device)) & 1).flatten()
+            allowed = self._vocabulary.allowed(self._bitmask[0].to(logits.device))
             vocab = logits.shape[-1]
             if allowed.numel() < vocab:  # logit rows padded past the tokenizer: never allowed
                 allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.numel()))
-            self._forbidden = allowed[:vocab] == 0
+            self._forbidden = ~allowed[:vocab]
         return logits.float().masked_fill(self._forbidden, float("-inf"))
 
     def accept(self, token: int) -> None:
@@ -229,8 +233,7 @@ class Matcher:
         return token
 
     def _token_bytes(self, token: int) -> bytes:
-        token_bytes = self._vocabulary.closing_order()[1]
-        return token_bytes[token] if token < len(token_bytes) else b""
+        return self._bytes[token] if token < len(self._bytes) else b""
 
 
 @dataclass(frozen=True)
@@ -288,7 +291,7 @@ def _walk(matcher: Any, nesting: Nesting, vocabulary: Vocabulary, limit: int) ->
                 if bitmask is None:
                     bitmask = llguidance.torch.allocate_token_bitmask(1, vocabulary._vocab_size)
                 llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
-                allowed = ((bitmask[0][:, None] >> vocabulary._bits) & 1).flatten()[: lengths.numel()].bool()
+                allowed = vocabulary.allowed(bitmask[0])[: lengths.numel()]
                 if not bool(allowed.any()):
                     return None
                 best = (0, int(torch.where(allowed, lengths, 1 << 30).argmin()))
