@@ -252,7 +252,7 @@ class ModuleEncoder:
     def fetch(self, schema: Any, name: str, key: str) -> ModuleKV:
         """A planned segment's KV: from the store, or encoded again from the schema the plan pinned."""
         info = schema.layout.modules[name]
-        module = self.store.get(key, info.positions)
+        module = self.store.get(key, schema.joint[name].module_positions if name in schema.joint else info.positions)
         if module is not None:
             return module
         if name in schema.joint:
@@ -265,7 +265,7 @@ class ModuleEncoder:
         module of the path is stored, each the slice of the path's KV at its own tokens."""
         path = schema.joint[name].token_ids
         with self._lock:
-            module = self.store.get(key, schema.layout.modules[name].positions, count=False)
+            module = self.store.get(key, schema.joint[name].module_positions, count=False)
             if module is not None:
                 return module
             joint = schema.joint[name]
@@ -274,9 +274,8 @@ class ModuleEncoder:
             for member, placement in schema.joint.items():
                 if placement.token_ids is not path:
                     continue
-                info = schema.layout.modules[member]
                 index = torch.tensor(placement.index, dtype=torch.long, device=whole.kv.device)
-                stored = self.store.put(schema.keys[member], ModuleKV(whole.kv.index_select(3, index), torch.tensor(info.positions)),
+                stored = self.store.put(schema.keys[member], ModuleKV(whole.kv.index_select(3, index), torch.tensor(placement.module_positions)),
                                         _info(schema, member))
                 if member == name:
                     found = stored

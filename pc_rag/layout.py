@@ -28,15 +28,18 @@ Two position policies:
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .errors import PromptCacheError
-from .pml import ModuleNode, ModuleRef, ParamNode, PromptDoc, PromptRole, RoleNode, SchemaDoc, SchemaNode, TextNode, UnionNode
+from .pml import ModuleNode, ModuleRef, ParamNode, PromptDoc, PromptRole, RoleMark, RoleNode, SchemaDoc, SchemaNode, TextNode, UnionNode
 
 # how module KV is encoded (see pc_rag.engine): here, where the CLI reads it without loading torch
 Encoding = Literal["isolated", "shared_prefix", "scaffold"]
+logger = logging.getLogger(__name__)
+
 ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix", "scaffold")
 
 Tokenize = Callable[[str], list[int]]
@@ -49,9 +52,56 @@ class ChatMarkers:
     starts: dict[str, str]
     ends: dict[str, str]
     generation: str
+    no_system: str = ""  # the opening of a conversation without a system prompt (a bare <system/>)
 
     def wrap(self, role: str) -> tuple[str, str]:
         return self.starts[role], self.ends[role]
+
+    def text(self, node: RoleNode | PromptRole | RoleMark) -> tuple[str, str]:
+        """The text before and after a role tag's content."""
+        if isinstance(node, RoleMark):
+            return (self.starts[node.role], "") if node.edge == "open" else ("", self.ends[node.role])
+        if node.bare and node.role == "system":
+            return self.no_system, ""
+        return self.starts[node.role], self.ends[node.role]
+
+
+class Turns:
+    """The chat turn open at each point of a schema or prompt read in order. Turns do not nest;
+    a role tag may be an element or a loose edge (:class:`pc_rag.pml.RoleMark`), so a schema may
+    leave a turn open for its prompts to close, as the reference implementation's files do."""
+
+    def __init__(self, role: str | None = None, line: int = 0, column: int = 0) -> None:
+        self.role, self.line, self.column = role, line, column
+
+    def copy(self) -> "Turns":
+        return Turns(self.role, self.line, self.column)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Turns) and other.role == self.role
+
+    def open(self, role: str, line: int, column: int) -> None:
+        if self.role is not None:
+            where = f"at line {self.line}, column {self.column}" if self.line else "by the schema"
+            raise PromptCacheError(f"<{role}> opens a turn inside the <{self.role}> turn opened {where}: close it first", line=line, column=column)
+        self.role, self.line, self.column = role, line, column
+
+    def close(self, role: str, line: int, column: int) -> None:
+        if self.role != role:
+            found = f"the open turn is <{self.role}>" if self.role else "no turn is open"
+            raise PromptCacheError(f"</{role}> closes no <{role}> turn: {found}", line=line, column=column)
+        self.role = None
+
+    def enter(self, node: RoleNode | PromptRole | RoleMark) -> None:
+        """Account for a role tag before its content (an element's content is read in between)."""
+        if not isinstance(node, RoleMark) or node.edge == "open":
+            self.open(node.role, node.line, node.column)
+        else:
+            self.close(node.role, node.line, node.column)
+
+    def leave(self, node: RoleNode | PromptRole | RoleMark) -> None:
+        if not isinstance(node, RoleMark):
+            self.close(node.role, node.line, node.column)
 
 
 @dataclass(frozen=True)
@@ -114,6 +164,7 @@ class SchemaLayout:
     lead: list[int] = field(default_factory=list)
     # per union: the member that stands for it in joint ("scaffold") encoding
     union_scaffold: dict[int, str] = field(default_factory=dict)
+    open_turn: str | None = None  # the role a schema leaves open for its prompts to close (<user> ... no </user>)
 
     @property
     def prefix(self) -> str | None:
@@ -153,6 +204,7 @@ def layout_schema(
     cursor = 0
     union_count = 0
     union_scaffold: dict[int, str] = {}
+    turns = Turns()
 
     def flush(owner: str) -> None:
         nonlocal cursor, bos
@@ -186,16 +238,18 @@ def layout_schema(
             open_anonymous = None
 
     def walk(nodes: list[SchemaNode], owner: str | None) -> None:
-        nonlocal cursor, uses_roles, union_count
+        nonlocal cursor, uses_roles, union_count, turns
         for node in nodes:
             if isinstance(node, TextNode):
                 add_text(owner, node.text)
-            elif isinstance(node, RoleNode):
+            elif isinstance(node, (RoleNode, RoleMark)):
                 uses_roles = True
-                start, end = markers.wrap(node.role)
+                start, end = markers.text(node)
+                turns.enter(node)
                 add_text(owner, start)
-                walk(node.children, owner)
+                walk(getattr(node, "children", []), owner)
                 add_text(owner, end)
+                turns.leave(node)
             elif isinstance(node, ParamNode):
                 if owner is None:
                     raise PromptCacheError(f"parameter {node.name!r} outside a module", line=node.line, column=node.column)
@@ -219,16 +273,23 @@ def layout_schema(
             elif isinstance(node, UnionNode):
                 union_id = union_count
                 union_count += 1
-                union_scaffold[union_id] = node.scaffold or node.members[0].name
+                scaffold = node.scaffold or node.members[0].name
+                union_scaffold[union_id] = scaffold if owner is None else f"{owner}/{scaffold}"  # names are scoped
                 if owner is not None:
                     flush(owner)
                 else:
                     close_anonymous()
                 start, end = cursor, cursor
+                before, after = turns.copy(), None
                 for member in node.members:
                     cursor = start
+                    turns = before.copy()
                     place_module(member, owner, union_id)
                     end = max(end, cursor)
+                    if after is not None and turns != after:
+                        raise PromptCacheError(f"the members of this <union> leave different turns open ({after.role!r}, {turns.role!r})",
+                                               line=node.line, column=node.column)
+                    after = turns
                 cursor = end
 
     def place_module(node: ModuleNode, parent: str | None, union_id: int | None) -> None:
@@ -266,7 +327,7 @@ def layout_schema(
         if not info.anonymous and not info.token_ids and not info.children and info.union is None:
             raise PromptCacheError(f"module {info.name!r} is empty", line=info.line, column=info.column)
     anonymous = [i for i, piece in enumerate(pieces) if modules[piece.owner].anonymous]
-    return SchemaLayout(doc.name, modules, pieces, uses_roles, cursor, anonymous, union_scaffold=union_scaffold)
+    return SchemaLayout(doc.name, modules, pieces, uses_roles, cursor, anonymous, union_scaffold=union_scaffold, open_turn=turns.role)
 
 
 def document_layout(name: str, prefix_ids: Sequence[int], lead_ids: Sequence[int] = ()) -> SchemaLayout:
@@ -460,12 +521,11 @@ def plan_prompt(
         if info.union is not None:
             other = by_union.get(info.union)
             if other is not None:
-                raise PromptCacheError(
-                    f"modules {other!r} and {ref.name!r} are members of the same <union>; import only one",
-                    line=ref.line,
-                    column=ref.column,
-                )
-            by_union[info.union] = ref.name
+                # the reference implementation runs it (its SQuAD v2 test imports seven members of
+                # one union); so do we, with a warning: the members share their start position
+                logger.warning("modules %r and %r are members of the same <union> (line %d): both are imported, %s",
+                               other, ref.name, ref.line, "one after the other" if compact else "at the same positions")
+            by_union.setdefault(info.union, ref.name)
         for key, value in ref.args.items():
             slot = info.params.get(key)
             if slot is None:
@@ -492,23 +552,28 @@ def plan_prompt(
     items: list[str | ModuleRef] = []
     uses_roles = layout.uses_roles
 
-    def flatten(nodes: list, in_role: bool) -> None:
+    turns = Turns(layout.open_turn)
+
+    def flatten(nodes: list) -> None:
         nonlocal uses_roles
         for node in nodes:
             if isinstance(node, TextNode):
                 items.append(node.text)
-            elif isinstance(node, PromptRole):
+            elif isinstance(node, (PromptRole, RoleMark)):
                 uses_roles = True
-                start, end = markers.wrap(node.role)
+                start, end = markers.text(node)
+                turns.enter(node)
                 items.append(start)
-                flatten(node.children, True)
+                flatten(getattr(node, "children", []))
                 items.append(end)
+                turns.leave(node)
             else:
                 resolve(node, None)
                 items.append(node)
 
-    flatten(doc.children, False)
-    if uses_roles and markers.generation:
+    flatten(doc.children)
+    # a prompt that ends inside a turn continues it (an <assistant> opened with the answer's start)
+    if uses_roles and markers.generation and turns.role is None:
         items.append(markers.generation)
 
     segments: list[Segment] = []

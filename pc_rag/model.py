@@ -215,7 +215,11 @@ def chat_markers(tokenizer: Any) -> ChatMarkers:
         with_prompt = render(conversation, generation=True)
         if not with_prompt.startswith(plain):
             raise ValueError("generation prompt is not appended verbatim")
-        return ChatMarkers(starts, ends, with_prompt[len(plain) :])
+        # what the template writes before the first user turn of a conversation without a system
+        # prompt (some insert a default one): the meaning of a bare <system/>
+        opening = render([{"role": "user", "content": sentinel}]).split(sentinel)[0]
+        no_system = opening[: -len(starts["user"])] if starts["user"] and opening.endswith(starts["user"]) else ""
+        return ChatMarkers(starts, ends, with_prompt[len(plain) :], no_system)
     except Exception as exc:  # noqa: BLE001 - any template failure means: use the fallback
         logger.warning("cannot derive role markers from the chat template (%s): using plain markers", exc)
         return _FALLBACK_MARKERS
@@ -416,7 +420,10 @@ def probe_position_kind(model: Any, forward_keys: Any) -> PositionKind:
         moved = forward_keys(ids, delta).float()
         rotated = torch.empty_like(at_zero)
         rotator.rotate_into(rotated, at_zero, delta)
-        return (rotated - moved).abs().max().item() <= tol * scale
+        # the model's own float32 angles (position x frequency) round more the further they go:
+        # measured ~1e-8 x position relative; allow 10x that, far below what a switch of
+        # frequencies changes (O(0.1) at twice the window)
+        return (rotated - moved).abs().max().item() <= (tol + 1e-7 * delta) * scale
 
     moved = forward_keys(ids, delta).float()
     if (at_zero - moved).abs().max().item() <= tol * scale:
@@ -424,7 +431,9 @@ def probe_position_kind(model: Any, forward_keys: Any) -> PositionKind:
     if getattr(model.base_model, "rotary_emb", None) is not None:
         rotator = RopeRotator(model)
         if rotates_to(delta, rotator):
-            if high and not rotates_to(high + 1, rotator):
+            # past the largest window: dynamic NTK rescales with the length there, LongRoPE has
+            # switched to its long factors (twice the window, where the change is large)
+            if high and not rotates_to(2 * high + 1, rotator):
                 logger.warning("RoPE frequencies change with the input length (dynamic/LongRoPE scaling): modules stay at schema positions")
                 return "rope_length_dependent"
             return "rope"

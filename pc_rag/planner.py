@@ -197,6 +197,9 @@ def _pin(planned: Plan, snapshot: Snapshot) -> Plan:
             schema = snapshot.schemas[name]  # type: ignore[index]
             sources[name] = schema  # type: ignore[index]
             segment = replace(segment, schema=name, key=schema.keys[segment.owner])  # type: ignore[index]
+            joint = schema.joint.get(segment.owner)  # type: ignore[union-attr]
+            if joint is not None:  # encoded on a path: its KV sits at the path's positions
+                segment = replace(segment, source_position=joint.positions[joint.index[segment.offset]])
         segments.append(segment)
     return replace(planned, segments=segments, sources=sources)
 
@@ -206,7 +209,7 @@ def _check_increasing(planned: Plan, spec: ModelSpec) -> None:
     into them; two tokens at one position are not a prompt full prefill could read."""
     last = -1
     for index, segment in enumerate(planned.segments):
-        if segment.position <= last:
+        if segment.position <= last and not _union_siblings(planned, planned.segments[index - 1], segment):
             previous = planned.segments[index - 1]
             what = f"module {segment.owner!r}" if segment.cached else "the text after it"
             before = f"module {previous.owner!r}" if previous.cached else f"text ({len(previous)} tokens)"
@@ -217,6 +220,16 @@ def _check_increasing(planned: Plan, spec: ModelSpec) -> None:
                 "or import the modules in schema order"
             )
         last = segment.position + len(segment) - 1
+
+
+def _union_siblings(planned: Plan, previous: Segment, segment: Segment) -> bool:
+    """Two members of one union imported together: they share their start position, as in the
+    reference implementation (the planner warned when it placed them)."""
+    if not (previous.cached and segment.cached and previous.schema == segment.schema and previous.owner != segment.owner):
+        return False
+    modules = planned.sources[segment.schema].layout.modules  # type: ignore[index]
+    union = modules[segment.owner].union  # type: ignore[index]
+    return union is not None and modules[previous.owner].union == union  # type: ignore[index]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Union
+from typing import Collection, Union
 
 from .errors import PromptCacheError
 
@@ -44,7 +44,21 @@ class Text:
 class Element:
     tag: str
     attrs: dict[str, str]
-    children: list[Union["Element", Text]]
+    children: list[Union["Element", Text, "Mark"]]
+    line: int
+    column: int
+    empty: bool = False  # written self-closing (<system/>)
+
+
+@dataclass
+class Mark:
+    """One edge of a role tag that does not nest with the elements around it: ``<user>`` left
+    open (a schema opens the turn its prompts close), ``</user>`` closing a turn opened outside
+    the element it stands in. The reference implementation substitutes role tags as text before
+    it parses, so its schemas and prompts write these; a well-nested role tag stays an element."""
+
+    tag: str
+    edge: str  # "open" or "close"
     line: int
     column: int
 
@@ -107,8 +121,12 @@ def _unescape(source: str, start: int, raw: str) -> str:
     return "".join(out)
 
 
-def parse_markup(source: str) -> Element:
-    """Parse PML text into a single root :class:`Element` (syntax only, no PML semantics)."""
+def parse_markup(source: str, loose: Collection[str] = ()) -> Element:
+    """Parse PML text into a single root :class:`Element` (syntax only, no PML semantics).
+
+    Tags in ``loose`` (the role tags, for schemas and prompts) may be left open or closed
+    across other elements: such an edge becomes a :class:`Mark` where it stands.
+    """
     if not isinstance(source, str):
         raise PromptCacheError(f"PML must be a str, got {type(source).__name__}")
     n = len(source)
@@ -166,6 +184,13 @@ def parse_markup(source: str) -> Element:
             close = re.compile(r"\s*>").match(source, m.end())
             if not close:
                 raise _error(source, m.end(), f"expected '>' to close </{m.group(0)}")
+            if stack and stack[-1].tag in loose and stack[-1].tag != m.group(0) and any(e.tag == m.group(0) for e in stack):
+                while len(stack) > 1 and stack[-1].tag != m.group(0) and stack[-1].tag in loose:  # turns left open inside it
+                    _unwrap(stack[-2], stack.pop())
+            if m.group(0) in loose and stack and stack[-1].tag != m.group(0):
+                _close_loose(stack, m.group(0), lines.at(pos))
+                pos = close.end()
+                continue
             if not stack:
                 raise _error(source, pos, f"closing tag </{m.group(0)}> without an opening tag")
             if stack[-1].tag != m.group(0):
@@ -199,7 +224,7 @@ def parse_markup(source: str) -> Element:
             if not end:
                 raise _error(source, cursor, f"malformed tag <{tag}>: expected attributes name=\"value\" then '>' or '/>'")
             line, column = lines.at(pos)
-            element = Element(tag, attrs, [], line, column)
+            element = Element(tag, attrs, [], line, column, empty=bool(end.group(1)))
             if stack:
                 stack[-1].children.append(element)
             elif root is None:
@@ -211,12 +236,32 @@ def parse_markup(source: str) -> Element:
                     raise _error(source, pos, f"elements nested deeper than {MAX_DEPTH} levels")
                 stack.append(element)
             pos = end.end()
+    while len(stack) > 1 and stack[-1].tag in loose:  # a turn left open for what follows the document
+        _unwrap(stack[-2], stack.pop())
     if stack:
         top = stack[-1]
         raise PromptCacheError(f"<{top.tag}> is never closed", line=top.line, column=top.column)
     if root is None:
         raise PromptCacheError("empty PML document: expected <schema ...> or <prompt ...>", line=1, column=1)
     return root
+
+
+def _unwrap(parent: Element, element: Element) -> None:
+    """Replace ``element`` among ``parent``'s children by an opening mark and its children."""
+    if element.attrs:
+        raise PromptCacheError(f"<{element.tag}> does not take attribute(s) {', '.join(sorted(element.attrs))}", line=element.line, column=element.column)
+    at = next(i for i, child in enumerate(parent.children) if child is element)
+    parent.children[at : at + 1] = [Mark(element.tag, "open", element.line, element.column), *element.children]
+
+
+def _close_loose(stack: list[Element], tag: str, where: tuple[int, int]) -> None:
+    """``</tag>`` where the innermost open element is another: the turn ``tag`` opened further
+    out (if any) becomes an opening mark, and the closing edge a mark inside the current element."""
+    for depth in range(len(stack) - 1, 0, -1):
+        if stack[depth].tag == tag:
+            _unwrap(stack[depth - 1], stack.pop(depth))
+            break
+    stack[-1].children.append(Mark(tag, "close", *where))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,10 +290,25 @@ class ParamNode:
 
 @dataclass
 class RoleNode:
-    """``<system>``, ``<user>`` or ``<assistant>``: translated to the model's chat markers."""
+    """``<system>``, ``<user>`` or ``<assistant>``: translated to the model's chat markers.
+    ``bare`` is the self-closing form: ``<system/>`` is the opening the model's chat template
+    writes when a conversation has no system prompt (the reference implementation's meaning)."""
 
     role: str
     children: list["SchemaNode"]
+    line: int
+    column: int
+    bare: bool = False
+
+
+@dataclass
+class RoleMark:
+    """One edge of a turn that does not nest with the modules around it: ``<user>`` opened in a
+    schema and closed by its prompts, ``</user>`` inside a module closing a turn opened before
+    it (the reference implementation reads role tags as text, so its files write these)."""
+
+    role: str
+    edge: str  # "open" or "close"
     line: int
     column: int
 
@@ -273,7 +333,7 @@ class UnionNode:
     scaffold: str | None = None
 
 
-SchemaNode = Union[TextNode, ParamNode, RoleNode, ModuleNode, UnionNode]
+SchemaNode = Union[TextNode, ParamNode, RoleNode, RoleMark, ModuleNode, UnionNode]
 
 
 @dataclass
@@ -301,9 +361,10 @@ class PromptRole:
     children: list["PromptNode"]
     line: int
     column: int
+    bare: bool = False
 
 
-PromptNode = Union[TextNode, ModuleRef, PromptRole]
+PromptNode = Union[TextNode, ModuleRef, PromptRole, RoleMark]
 
 
 @dataclass
@@ -315,15 +376,19 @@ class PromptDoc:
 
 
 def _layout_ws(children: list, outer: bool) -> list:
-    """Apply the whitespace rules to a child list (see module docstring)."""
+    """Apply the whitespace rules to a child list (see module docstring); a turn's mark strips
+    the text it opens or closes as its element would."""
     kept = [c for c in children if not (isinstance(c, Text) and not c.text.strip() and "\n" in c.text)]
-    if outer and kept:
-        if isinstance(kept[0], Text):
-            kept[0] = Text(kept[0].text.lstrip(), kept[0].line, kept[0].column)
-        if isinstance(kept[-1], Text):
-            kept[-1] = Text(kept[-1].text.rstrip(), kept[-1].line, kept[-1].column)
-        kept = [c for c in kept if not (isinstance(c, Text) and not c.text)]
-    return kept
+    for i, child in enumerate(kept):
+        if not isinstance(child, Text):
+            continue
+        after_open = (i == 0 and outer) or (i > 0 and isinstance(kept[i - 1], Mark) and kept[i - 1].edge == "open")
+        before_close = (i == len(kept) - 1 and outer) or (i + 1 < len(kept) and isinstance(kept[i + 1], Mark) and kept[i + 1].edge == "close")
+        text = child.text.lstrip() if after_open else child.text
+        text = text.rstrip() if before_close else text
+        if text != child.text:
+            kept[i] = Text(text, child.line, child.column)
+    return [c for c in kept if not (isinstance(c, Text) and not c.text)]
 
 
 def _attr(el: Element, *names: str, required: bool = True) -> str | None:
@@ -384,9 +449,11 @@ def _schema_children(el: Element) -> list[SchemaNode]:
             if not (raw_len or "").isdigit() or int(raw_len) < 1:
                 raise PromptCacheError(f"parameter {name!r} needs a positive integer length, got {raw_len!r}", line=child.line, column=child.column)
             out.append(ParamNode(name, int(raw_len), child.line, child.column, _attr(child, "scaffold", required=False)))  # type: ignore[arg-type]
+        elif isinstance(child, Mark):
+            out.append(RoleMark(child.tag, child.edge, child.line, child.column))
         elif child.tag in ROLES:
             _no_extra_attrs(child, set())
-            out.append(RoleNode(child.tag, _schema_children(child), child.line, child.column))
+            out.append(RoleNode(child.tag, _schema_children(child), child.line, child.column, bare=child.empty))
         else:
             raise PromptCacheError(
                 f"unknown tag <{child.tag}> in schema (expected module, union, param, parameter, system, user, assistant)",
@@ -398,7 +465,7 @@ def _schema_children(el: Element) -> list[SchemaNode]:
 
 def parse_schema(source: str) -> SchemaDoc:
     """Parse ``<schema name="...">...</schema>`` text."""
-    root = parse_markup(source)
+    root = parse_markup(source, loose=ROLES)
     if root.tag != "schema":
         raise PromptCacheError(f"expected <schema> as the root element, got <{root.tag}>", line=root.line, column=root.column)
     _no_extra_attrs(root, {"name"})
@@ -412,9 +479,11 @@ def _prompt_children(el: Element) -> list[PromptNode]:
     for child in _layout_ws(el.children, outer):
         if isinstance(child, Text):
             out.append(TextNode(child.text, child.line, child.column))
+        elif isinstance(child, Mark):
+            out.append(RoleMark(child.tag, child.edge, child.line, child.column))
         elif child.tag in ROLES:
             _no_extra_attrs(child, set())
-            out.append(PromptRole(child.tag, _prompt_children(child), child.line, child.column))
+            out.append(PromptRole(child.tag, _prompt_children(child), child.line, child.column, bare=child.empty))
         elif child.tag in ("prompt", "schema", "module", "union", "param", "parameter"):
             raise PromptCacheError(f"<{child.tag}> is not allowed inside a prompt", line=child.line, column=child.column)
         else:
@@ -431,13 +500,15 @@ def _module_ref(el: Element) -> ModuleRef:
                 line=child.line,
                 column=child.column,
             )
+        if isinstance(child, Mark):
+            raise PromptCacheError(f"a <{child.tag}> turn edge inside the reference <{el.tag}>: put it before or after it", line=child.line, column=child.column)
         nested.append(_module_ref(child))
     return ModuleRef(el.tag, dict(el.attrs), nested, el.line, el.column)
 
 
 def parse_prompt(source: str) -> PromptDoc:
     """Parse ``<prompt schema="...">...</prompt>`` text."""
-    root = parse_markup(source)
+    root = parse_markup(source, loose=ROLES)
     if root.tag != "prompt":
         raise PromptCacheError(f"expected <prompt> as the root element, got <{root.tag}>", line=root.line, column=root.column)
     _no_extra_attrs(root, {"schema"})

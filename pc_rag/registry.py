@@ -42,6 +42,11 @@ class JointPath:
     positions: tuple[int, ...] = field(repr=False)
     index: tuple[int, ...] = field(repr=False)
 
+    @property
+    def module_positions(self) -> list[int]:
+        """The positions the module's tokens were encoded at (its KV is stored at them)."""
+        return [self.positions[i] for i in self.index]
+
 
 @dataclass(frozen=True)
 class Schema:
@@ -141,7 +146,7 @@ class Registry:
             # plan_prompt); cache="false" modules are always computed at serve time
             todo = [name for name, info in layout.modules.items()
                     if name != prefix and not (shared and info.anonymous) and info.cache and info.token_ids]
-            joint = self._joint_paths(layout) if self.encoding == "scaffold" else {}
+            joint = self._joint_paths(layout, compact=spec.movable) if self.encoding == "scaffold" else {}
             for name in todo:
                 info = layout.modules[name]
                 context_key = joint[name].context_key if name in joint else keys.get(prefix) if prefix else None
@@ -417,8 +422,12 @@ class Registry:
         return taken
 
     @staticmethod
-    def _joint_paths(layout: SchemaLayout) -> dict[str, "_Joint"]:
-        """Each module's path for joint encoding (see :func:`pc_rag.layout.scaffold_paths`)."""
+    def _joint_paths(layout: SchemaLayout, compact: bool) -> dict[str, "_Joint"]:
+        """Each module's path for joint encoding (see :func:`pc_rag.layout.scaffold_paths`).
+
+        ``compact`` (modules can move): a path is encoded at consecutive positions, as a prompt
+        that follows it is placed, so such a prompt reads exactly what full prefill computes even
+        where a union's chosen member is shorter than its longest; else at schema positions."""
         joint: dict[str, _Joint] = {}
         for pieces, names in scaffold_paths(layout):
             ids: list[int] = []
@@ -429,7 +438,7 @@ class Registry:
                 where.setdefault(piece.owner, []).extend(range(len(ids), len(ids) + piece.length))
                 ids.extend(info.token_ids[piece.offset : piece.offset + piece.length])
                 positions.extend(range(piece.start, piece.start + piece.length))
-            path_ids, path_positions = tuple(ids), tuple(positions)
+            path_ids, path_positions = tuple(ids), tuple(range(len(ids))) if compact else tuple(positions)
             context_key = "joint:" + hashlib.sha256(repr((path_ids, path_positions)).encode()).hexdigest()
             for name in names:
                 if name in where:

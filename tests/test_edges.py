@@ -60,6 +60,20 @@ def test_rotating_keys_never_touches_the_models_rotary_state(make_tiny, rope):
     assert torch.equal(rotary.inv_freq, before)
 
 
+@pytest.mark.parametrize("arch, window, rope", [
+    ("llama", 32768, None), ("qwen2", 32768, None), ("llama", 131072, None),
+    ("llama", 131072, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192, "rope_theta": 500000.0}),
+], ids=["llama-32k", "qwen2-32k", "llama-128k", "llama3-scaling"])
+def test_long_window_float32_rope_still_moves(make_tiny, tokenizer, arch, window, rope):
+    """The probe past the window compared at a fixed tolerance took the model's own float32
+    rounding of far angles (~1e-8 x position) for a change of frequencies: every float32 model
+    with a 32K window or more was pinned to schema positions."""
+    extra = {"rope_parameters": rope} if rope else {}
+    engine = PromptCache(make_tiny(arch, max_position_embeddings=window, **extra), tokenizer)
+    assert engine.position_kind == "rope" and engine.movable
+
+
 def test_static_rope_scaling_still_moves(make_tiny, tokenizer):
     engine = PromptCache(make_tiny("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), tokenizer)
     assert engine.position_kind == "rope" and engine.movable

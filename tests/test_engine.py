@@ -2,7 +2,7 @@
 
 import pytest
 
-from pc_rag import CacheStats, Generation, PML, PromptCache, PromptCacheError
+from pc_rag import PML, CacheStats, Generation, PromptCache, PromptCacheError
 from pc_rag.generation import IncrementalDetokenizer, StopFilter
 
 SCHEMA = """<schema name="kb">

@@ -98,7 +98,6 @@ def test_roles_in_prompt_add_the_generation_prompt():
     ("prompt", "message"),
     [
         ('<prompt schema="trip"><plam/></prompt>', "unknown module <plam/> in schema 'trip'; did you mean: plan"),
-        ('<prompt schema="trip"><plan><near/><far/></plan></prompt>', "'near' and 'far' are members of the same <union>"),
         ('<prompt schema="trip"><plan days="12345"/></prompt>', "is 5 tokens, longer than its parameter (4 tokens)"),
         ('<prompt schema="trip"><plan weeks="1"/></prompt>', "unknown parameter 'weeks' for module 'plan' (its parameters: days)"),
         ('<prompt schema="trip"><tokyo/></prompt>', "import it as <plan><far><tokyo/></far></plan>"),
