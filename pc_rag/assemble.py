@@ -1,5 +1,5 @@
-"""Assembly: plans + the store -> what attention reads (:class:`~pc_rag.generate.Rows`) and what
-each row computes (:class:`~pc_rag.generate.Inputs`).
+"""Assembly: plans + the store -> what attention reads (:class:`~pc_rag.rows.Rows`) and what
+each row computes (:class:`~pc_rag.rows.Inputs`).
 
 Three ways to hand a prompt's cached KV to attention:
 
@@ -26,13 +26,13 @@ from typing import Literal
 
 import torch
 
+from .ape import Ape, adjust_attention, moved_entries
 from .encoder import ModuleEncoder
 from .errors import PromptCacheError
-from .generate import Inputs, Rows, adjust_attention
 from .kvcache import BufferPool, KVBuffer
 from .layout import Plan, Segment
 from .model import ModelSpec, rotate_with
-from .recovery import moved_entries
+from .rows import Inputs, Rows
 from .shared_attention import SharedKV, SharedPart, share_prefixes
 
 Assembly = Literal["copy", "in_place"]
@@ -50,15 +50,6 @@ def choose_assembly(requested: Assembly | None, default: Assembly, spec: ModelSp
             f"{spec.position_kind} positions and {spec.attn_implementation!r} attention"
         )
     return requested
-
-
-@dataclass(frozen=True)
-class Ape:
-    """APE for one assembly (see :mod:`pc_rag.recovery`): per plan, per segment, whether it moved."""
-
-    temperature: float
-    scale: float
-    moved: Sequence[Sequence[bool]]
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from . import shared_attention
 from .errors import PromptCacheError
-from .recovery import PROBE_KWARG
+from .probe import PROBE_KWARG
 
 logger = logging.getLogger(__name__)
 

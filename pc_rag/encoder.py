@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .kvcache import KVBuffer, ModuleKV
-from .recovery import PROBE_KWARG, Probe, ProbeDone
+from .probe import PROBE_KWARG, Probe, ProbeDone
 from .shared_attention import KWARG, SharedKV
 
 
@@ -113,7 +113,7 @@ class Forward:
     @torch.inference_mode()
     def probe(self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: Any, probe: Probe) -> None:
         """Run ``ids [rows, n]`` at ``positions`` through the probe's layers only (see
-        :class:`pc_rag.recovery.Probe`); those layers' KV is left in ``buffer``, which still
+        :class:`pc_rag.probe.Probe`); those layers' KV is left in ``buffer``, which still
         counts the entries it held before."""
         self._count(1)
         before = len(buffer)

@@ -1,7 +1,8 @@
 """``PromptCache``: the one object users hold. It wires the parts and holds no algorithm.
 
-    prompt -> planner.plan(snapshot) -> Plan -> planner.recover -> planner.admit
-           -> Assembler.assemble(store) -> generate.prefill -> generate.decode -> Generation
+    prompt -> planner.plan(snapshot) -> Plan -> recovery.recover (head, tail) -> planner.admit
+           -> recovery.prefill_plans: Assembler.assemble(store) [+ APE] -> generate.prefill
+              [or the scored passes, pc_rag.scored] -> generate.decode -> Generation
 
 ``model.inspect_model`` measures the model once (:class:`~pc_rag.model.ModelSpec`);
 ``registry.Registry`` holds schemas and documents and publishes immutable snapshots;
@@ -17,28 +18,30 @@ import os
 import time
 import warnings
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from . import planner
-from .assemble import Ape, Assembler, Assembly, choose_assembly
+from . import recovery as recovery_mod
+from .assemble import Assembler, Assembly, choose_assembly
 from .background import BackgroundEncoder
 from .constrained import Vocabulary
 from .documents import DEFAULT_SCHEMA, SEPARATOR, check_name, default_name, normalize
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
-from .generate import Rows, decode, prefill, prefill_in_order, prefill_recovered
-from .generation import Generation, RequestState, SamplingParams, StreamingGeneration
+from .generate import decode
+from .generation import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
 from .kvcache import BufferPool
 from .layout import ENCODINGS, Encoding, Plan
 from .model import ModelSpec, RopeRotator, inspect_model, load_model, render_chat
 from .paths import expand
-from .recovery import SCORED, Recovery, Strategy, check_ape, check_recovery, entries
+from .recovery import SCORED, Recovery, Strategy, check_ape, check_recovery
 from .registry import Registry, Schema
 from .remote import RemoteTier
+from .rows import Prefilled
 from .store import KVShape, open_store
 
 logger = logging.getLogger(__name__)
@@ -135,8 +138,8 @@ class PromptCache:
         self.recovery = Recovery(
             strategy,  # type: ignore[arg-type]
             budget,
-            planner.recovery_tokens(recompute, "recompute", head_default, self.spec),
-            planner.recovery_tokens(recompute_tail, "recompute_tail", tail_default, self.spec),
+            recovery_mod.recovery_tokens(recompute, "recompute", head_default, self.spec),
+            recovery_mod.recovery_tokens(recompute_tail, "recompute_tail", tail_default, self.spec),
             temperature=float(attention_temperature),
             scale=float(attention_scale),
         )
@@ -233,7 +236,7 @@ class PromptCache:
 
     @recompute.setter
     def recompute(self, tokens: int) -> None:
-        self.recovery = replace(self.recovery, head=planner.recovery_tokens(tokens, "recompute", 0, self.spec))
+        self.recovery = replace(self.recovery, head=recovery_mod.recovery_tokens(tokens, "recompute", 0, self.spec))
 
     @property
     def recompute_tail(self) -> int:
@@ -242,7 +245,7 @@ class PromptCache:
 
     @recompute_tail.setter
     def recompute_tail(self, tokens: int) -> None:
-        self.recovery = replace(self.recovery, tail=planner.recovery_tokens(tokens, "recompute_tail", 0, self.spec))
+        self.recovery = replace(self.recovery, tail=recovery_mod.recovery_tokens(tokens, "recompute_tail", 0, self.spec))
 
     # -- facts about the model (see ModelSpec) ----------------------------------------------------
     @property
@@ -390,7 +393,7 @@ class PromptCache:
         """
         planned = planner.plan(prompt, self.registry.snapshot(), self.spec, encoding=self.encoding, drop_in=self.drop_in,
                                collections=planner.scope(collections))
-        return planner.recover(planned, head=self.recovery.head, tail=self.recovery.tail, encoding=self.encoding)
+        return recovery_mod.recover(planned, head=self.recovery.head, tail=self.recovery.tail, encoding=self.encoding)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """``[{"role", "content"}]`` as the model's chat template renders them, ending with the generation prompt.
@@ -448,8 +451,8 @@ class PromptCache:
         first ``next()``, on the KV it was planned with.
         """
         started = time.perf_counter()
-        params = self._sampling(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                     stop=stop, seed=seed, **generation))
+        params = sampling_params(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                     stop=stop, seed=seed, **generation), self.generation_config)
         plans = self._prepare([prompt], use_cache, planner.scope(collections))
         return StreamingGeneration(self._run(plans, params, use_cache, started, share=False))
 
@@ -472,7 +475,7 @@ class PromptCache:
             raise PromptCacheError("generate_batch takes a sequence of prompts; use generate() for one")
         prompts = list(prompts)
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
-        params = self._sampling({**kwargs, **generation})  # bad arguments fail first
+        params = sampling_params({**kwargs, **generation}, self.generation_config)  # bad arguments fail first
         scope = planner.scope(collections)
         if len(prompts) <= 1 or not self.spec.one_pass:
             return [self.generate(p, use_cache=use_cache, collections=scope, **kwargs, **generation) for p in prompts]  # type: ignore[arg-type]
@@ -504,22 +507,6 @@ class PromptCache:
             vocabulary = self._vocabularies[stops] = Vocabulary(self.tokenizer, self.model.config.vocab_size, stops)
         return vocabulary
 
-    def _sampling(self, call: dict[str, Any]) -> SamplingParams:
-        """The call's settings over its ``generation_config`` over the engine's, over pc-rag's defaults."""
-        unknown = sorted(set(call) - set(GENERATION_ARGUMENTS) - {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed"})
-        if unknown:
-            raise PromptCacheError(f"unknown generation arguments: {', '.join(unknown)} (known besides the named ones: "
-                                   f"{', '.join(GENERATION_ARGUMENTS)})")
-        given = {name: value for name, value in call.items() if value is not None and name != "generation_config"}
-        settings = {**_from_generation_config(self.generation_config), **_from_generation_config(call.get("generation_config"))}
-        if "temperature" in given and "do_sample" not in given:
-            settings.pop("do_sample", None)  # an explicit temperature decides alone: 0 is greedy
-        if "stop" in given:
-            settings.pop("stop_strings", None)
-        settings.update(given)
-        settings.setdefault("max_new_tokens", 256)
-        return SamplingParams.build(**settings)
-
     def _prepare(self, prompts: Sequence[str], use_cache: bool, collections: frozenset[str] | None = None) -> list[Plan]:
         """Plan every prompt and refuse, before any work, what cannot be served."""
         self.sync_if_due()
@@ -541,34 +528,10 @@ class PromptCache:
                       kv_bytes_per_token=self._kv_bytes_per_token)
         return plans
 
-    def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, *, share: bool) -> _Prefilled:
-        """Assemble and prefill ``plans`` (room for ``new_tokens`` more per row)."""
-        if not self.spec.one_pass:  # attention that reads cache order: one row, segment by segment
-            (plan,) = plans
-            rows = self.assembler.empty_row(len(plan.input_ids) + new_tokens)
-            if not use_cache:
-                plan = Plan([replace(s, owner=None) for s in plan.segments], plan.modules)
-            return _Prefilled(rows, prefill_in_order(self.forward, rows, plan, self.assembler.append), [0], time.perf_counter())
-        recovery = self.recovery
-        if not (use_cache and recovery.scored and any(p.cached_tokens for p in plans)):
-            ape = None
-            if use_cache and recovery.adjusts_attention:
-                ape = Ape(recovery.temperature, recovery.scale, [planner.moved(p, self.encoding) for p in plans])
-            assembled = self.assembler.assemble(plans, new_tokens, use_cache=use_cache, assembly=self.assembly, share=share, ape=ape)
-            assembled_at = time.perf_counter()
-            return _Prefilled(assembled.rows, prefill(self.forward, assembled.rows, assembled.inputs, self.spec),
-                              assembled.order, assembled_at)
-        # scored recovery: every row holds its own copy of its cached KV, so its entries can be
-        # masked out one by one; room for the recomputed tokens, appended after the cache
-        moved = [planner.moved(p, self.encoding) for p in plans]
-        room = max(recovery.count(sum(len(s) for s, m in zip(p.segments, f) if m)) for p, f in zip(plans, moved))
-        assembled = self.assembler.assemble(plans, new_tokens + room, use_cache=True, assembly="copy", share=False)
-        assembled_at = time.perf_counter()
-        ordered = [plans[i] for i in assembled.order]
-        found = entries(plans, moved, assembled.order)
-        logits, recomputed = prefill_recovered(self.forward, assembled.rows, assembled.inputs, ordered, found, recovery,
-                                               self.spec, self.buffers)
-        return _Prefilled(assembled.rows, logits, assembled.order, assembled_at, recomputed)
+    def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, *, share: bool) -> Prefilled:
+        return recovery_mod.prefill_plans(plans, new_tokens, use_cache=use_cache, share=share, recovery=self.recovery,
+                                          encoding=self.encoding, assembler=self.assembler, assembly=self.assembly,
+                                          forward=self.forward, spec=self.spec, buffers=self.buffers)
 
     def _run(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool
              ) -> Generator[str, None, Any]:
@@ -623,41 +586,3 @@ def _kv_dir(kv_dir: Any, cache_dir: Any) -> Any:
     warnings.warn("cache_dir= is deprecated: the module KV folder is now kv_dir= (transformers' cache_dir means the "
                   "download cache)", DeprecationWarning, stacklevel=3)
     return cache_dir
-
-
-@dataclass
-class _Prefilled:
-    rows: Rows
-    logits: torch.Tensor  # [rows, vocab]: every row's first-token logits
-    order: list[int]  # row -> index of its plan
-    assembled_at: float
-    recomputed: list[int] | None = None  # cached entries each row recomputed (scored recovery)
-
-
-GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
-                        "output_logits", "generation_config", "json_schema")
-# what a GenerationConfig contributes besides its sampling settings (taken when it sets do_sample=True)
-_CONFIG_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "max_new_tokens", "stop_strings")
-
-
-def _from_generation_config(config: Any) -> dict[str, Any]:
-    """The settings a ``GenerationConfig`` (or a dict of its fields) sets away from transformers' defaults."""
-    from transformers import GenerationConfig
-
-    if config is None:
-        return {}
-    if isinstance(config, Mapping):
-        config = GenerationConfig(**config)
-    if not isinstance(config, GenerationConfig):
-        raise PromptCacheError(f"generation_config must be a transformers.GenerationConfig or a dict, got {type(config).__name__}")
-    # fields a config leaves unset (None) take transformers' defaults, as its generate() does
-    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-                "min_new_tokens": 0, "max_new_tokens": None, "stop_strings": None}
-    settings = {name: getattr(config, name) for name in _CONFIG_SETTINGS
-                if getattr(config, name, None) is not None and getattr(config, name) != defaults[name]}
-    if config.do_sample:
-        settings["do_sample"] = True
-        for name in ("temperature", "top_p", "top_k"):
-            value = getattr(config, name, None)
-            settings[name] = value if value is not None else defaults[name]
-    return settings

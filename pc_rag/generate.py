@@ -12,9 +12,7 @@ statistics) lives in :class:`pc_rag.generation.RequestState`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,58 +20,10 @@ import torch
 from .attention import attention_mask
 from .encoder import Forward
 from .generation import RequestState
-from .kvcache import BufferPool, KVBuffer
+from .kvcache import KVBuffer
 from .layout import Plan, Segment
 from .model import ModelSpec
-from .recovery import Entries, Probe, Recovery, deviation, query_layers, top_entries
-from .shared_attention import SharedKV
-
-
-@dataclass
-class Rows:
-    """What a batch of rows attends to while it is prefilled and decoded."""
-
-    buffer: KVBuffer  # each row's own KV, [rows, capacity] entries
-    key_positions: torch.Tensor  # [rows, capacity] int64: the position of every entry
-    valid: torch.Tensor  # [rows, capacity] bool: real entries (not padding)
-    shared: SharedKV | None = None  # KV read where it is stored (zero-copy, shared by rows)
-    # one row whose cache holds its tokens in position order and nothing else (full prefill, or a
-    # model served segment by segment): transformers' own masks are right, and none is passed
-    ordered: bool = False
-    bias: torch.Tensor | None = None  # [rows, capacity]: added to every query's logits for each entry (APE)
-    holes: bool = False  # some entries are masked out (recomputed further on): every step needs a mask
-
-    @property
-    def batch(self) -> int:
-        return self.buffer.batch
-
-
-@dataclass
-class Inputs:
-    """The tokens every row computes, left-padded so that every row's last column is its last token."""
-
-    ids: torch.Tensor  # [rows, width]
-    positions: torch.Tensor  # [rows, width]; padding takes its row's first position (it must see some key)
-    real: torch.Tensor  # [rows, width] bool: not padding
-    bounds: tuple[int, int]  # smallest and largest position (read on the host, never from the device)
-
-    @classmethod
-    def left_padded(cls, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], placeholder_id: int, device: torch.device) -> Inputs:
-        """Rows of ``(token ids, positions)`` (each in position order), left-padded to one width."""
-        width = max(len(row_ids) for row_ids, _ in sequences)
-        batch = len(sequences)
-        ids = torch.full((batch, width), placeholder_id, dtype=torch.long)
-        positions = torch.zeros(batch, width, dtype=torch.long)
-        real = torch.zeros(batch, width, dtype=torch.bool)
-        for row, (row_ids, row_positions) in enumerate(sequences):
-            pad = width - len(row_ids)
-            ids[row, pad:] = torch.as_tensor(row_ids)
-            positions[row, pad:] = torch.as_tensor(row_positions)
-            positions[row, :pad] = int(row_positions[0])  # padding queries see what the row's first token sees: no NaN
-            real[row, pad:] = True
-        low = min(int(p[0]) for _, p in sequences)
-        high = max(int(p[-1]) for _, p in sequences)
-        return cls(ids.to(device), positions.to(device), real.to(device), (low, high))
+from .rows import Inputs, Rows
 
 
 def prefill(forward: Forward, rows: Rows, inputs: Inputs, spec: ModelSpec) -> torch.Tensor:
@@ -91,94 +41,6 @@ def _place(rows: Rows, inputs: Inputs, spec: ModelSpec) -> Any:
     if rows.ordered:
         return None
     return attention_mask(inputs.positions, rows.key_positions[:, :end], rows.valid[:, :end], spec, rows.bias)
-
-
-# ---------------------------------------------------------------------------------------------
-# Scored recovery (see pc_rag.recovery): choose cached entries with a short pass, recompute them
-# ---------------------------------------------------------------------------------------------
-def prefill_recovered(
-    forward: Forward, rows: Rows, inputs: Inputs, plans: Sequence[Plan], found: Entries, recovery: Recovery,
-    spec: ModelSpec, scratch: BufferPool,
-) -> tuple[torch.Tensor, list[int]]:
-    """Prefill copy-assembled rows, recomputing the cached entries ``recovery`` chooses (``found``
-    lists them per row); the logits and how many entries each row recomputed.
-
-    ``plans`` are the rows' plans in row order; ``scratch`` lends the deviation probe its buffer.
-    """
-    if recovery.strategy == "query":
-        probe = Probe(query_layers(recovery, spec.layers) - 1, query_weight=inputs.real.float())
-        mask = _place(rows, inputs, spec)
-        forward.probe(rows.buffer, inputs.ids, inputs.positions, mask, probe)
-        assert probe.scores is not None
-        scores = probe.scores
-    else:
-        scores = _deviation(forward, rows, plans, found, min(recovery.check_layer, spec.layers - 1), scratch)
-    chosen = top_entries(scores, found, recovery)
-    if recovery.adjusts_attention:
-        adjust_attention(rows, found.candidate, recovery.temperature, recovery.scale)
-    return prefill_selected(forward, rows, inputs, found.token_ids, chosen, spec), [len(c) for c in chosen]
-
-
-def adjust_attention(rows: Rows, moved: torch.Tensor, temperature: float, scale: float) -> None:
-    """APE (arXiv:2502.05431): computed queries attend to the moved cached entries ``moved
-    [rows, width]`` (the first ``width`` of each row's cache) with logits divided by
-    ``temperature`` (their keys are scaled, in this request's copy) and weighted by ``scale``
-    (``log scale`` added to their logits)."""
-    width = moved.shape[1]
-    moved = moved.to(rows.valid.device)
-    if temperature != 1.0:  # keys [layers, rows, heads, width, dim], each moved entry's divided by T
-        factor = torch.where(moved, 1.0 / temperature, 1.0).to(rows.buffer.storage.dtype)
-        rows.buffer.storage[:, 0, :, :, :width].mul_(factor[None, :, None, :, None])
-    if scale != 1.0:
-        bias = torch.zeros(rows.valid.shape, dtype=torch.float32, device=rows.valid.device)
-        bias[:, :width][moved] = math.log(scale)
-        rows.bias = bias
-
-
-def _deviation(forward: Forward, rows: Rows, plans: Sequence[Plan], found: Entries, check: int,
-               scratch: BufferPool) -> torch.Tensor:
-    """CacheBlend's score: each row's whole prompt through layers ``0..check`` (full attention),
-    the distance of its keys at ``check`` from the cached ones. The exact KV of those layers then
-    replaces the cached KV of every entry (it was computed for all of them)."""
-    storage = rows.buffer.storage
-    scores = torch.zeros(found.candidate.shape, dtype=torch.float32)
-    for row, plan in enumerate(plans):
-        n = found.lengths[row]
-        if not n:
-            continue
-        ids, positions = plan.input_ids, plan.position_ids
-        buffer = scratch.acquire(len(ids))
-        try:
-            forward.probe(buffer, torch.tensor([ids]), torch.tensor([positions]), None, Probe(check))
-            # the probe holds the prompt in prompt order: find each cache entry's token by its position
-            where = torch.full((max(positions) + 1,), -1, dtype=torch.long)
-            where[torch.tensor(positions)] = torch.arange(len(positions))
-            index = where[rows.key_positions[row, :n].cpu()].to(storage.device)
-            exact = buffer.storage[: check + 1, :, 0].index_select(3, index)  # [check+1, 2, heads, n, dim]
-            scores[row, :n] = deviation(exact[check, 0], storage[check, 0, row, :, :n]).cpu()
-            storage[: check + 1, :, row, :, :n] = exact
-        finally:
-            scratch.release(buffer)
-    return scores
-
-
-def prefill_selected(forward: Forward, rows: Rows, inputs: Inputs, token_ids: torch.Tensor, chosen: Sequence[torch.Tensor],
-                     spec: ModelSpec) -> torch.Tensor:
-    """Recompute the cache entries ``chosen`` (per row) together with the rows' computed tokens,
-    in one forward pass: the stale entries are masked out, the recomputed tokens appended after
-    the cache at their own positions. The logits of each row's last token."""
-    real, ids, positions = inputs.real.cpu(), inputs.ids.cpu(), inputs.positions.cpu()
-    key_positions = rows.key_positions.cpu()
-    sequences = []
-    for row, picked in enumerate(chosen):
-        row_ids = torch.cat([token_ids[row, picked], ids[row][real[row]]])
-        row_positions = torch.cat([key_positions[row, picked], positions[row][real[row]]])
-        order = row_positions.argsort()
-        sequences.append((row_ids[order], row_positions[order]))
-        rows.valid[row, picked.to(rows.valid.device)] = False
-    rows.holes = True
-    selected = Inputs.left_padded(sequences, spec.placeholder_id, inputs.ids.device)
-    return prefill(forward, rows, selected, spec)
 
 
 def prefill_in_order(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +144,53 @@ class SamplingParams:
         if self.min_new_tokens and stop_token_ids:
             processors.append(MinNewTokensLengthLogitsProcessor(prompt_tokens, self.min_new_tokens, sorted(stop_token_ids)))
         return processors or None
+
+
+GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
+                        "output_logits", "generation_config", "json_schema")
+# what a GenerationConfig contributes besides its sampling settings (taken when it sets do_sample=True)
+_CONFIG_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "max_new_tokens", "stop_strings")
+
+
+def from_generation_config(config: Any) -> dict[str, Any]:
+    """The settings a ``GenerationConfig`` (or a dict of its fields) sets away from transformers' defaults."""
+    from transformers import GenerationConfig
+
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        config = GenerationConfig(**config)
+    if not isinstance(config, GenerationConfig):
+        raise PromptCacheError(f"generation_config must be a transformers.GenerationConfig or a dict, got {type(config).__name__}")
+    # fields a config leaves unset (None) take transformers' defaults, as its generate() does
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                "min_new_tokens": 0, "max_new_tokens": None, "stop_strings": None}
+    settings = {name: getattr(config, name) for name in _CONFIG_SETTINGS
+                if getattr(config, name, None) is not None and getattr(config, name) != defaults[name]}
+    if config.do_sample:
+        settings["do_sample"] = True
+        for name in ("temperature", "top_p", "top_k"):
+            value = getattr(config, name, None)
+            settings[name] = value if value is not None else defaults[name]
+    return settings
+
+
+def sampling_params(call: dict[str, Any], engine_config: Any = None) -> SamplingParams:
+    """A call's settings over its ``generation_config`` over the engine's (``engine_config``), over
+    pc-rag's defaults: transformers' precedence, with an explicit temperature deciding alone."""
+    unknown = sorted(set(call) - set(GENERATION_ARGUMENTS) - {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed"})
+    if unknown:
+        raise PromptCacheError(f"unknown generation arguments: {', '.join(unknown)} (known besides the named ones: "
+                               f"{', '.join(GENERATION_ARGUMENTS)})")
+    given = {name: value for name, value in call.items() if value is not None and name != "generation_config"}
+    settings = {**from_generation_config(engine_config), **from_generation_config(call.get("generation_config"))}
+    if "temperature" in given and "do_sample" not in given:
+        settings.pop("do_sample", None)  # an explicit temperature decides alone: 0 is greedy
+    if "stop" in given:
+        settings.pop("stop_strings", None)
+    settings.update(given)
+    settings.setdefault("max_new_tokens", 256)
+    return SamplingParams.build(**settings)
 
 
 class Sampler:

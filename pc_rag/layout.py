@@ -432,6 +432,8 @@ class Plan:
     # the schemas the plan was made against, by name (pinned: a module missing from the store is
     # encoded again from these, never from a schema registered since)
     sources: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    # per segment, whether its cached KV is not what full prefill computes here (set by recovery)
+    moved: tuple[bool, ...] | None = field(default=None, repr=False)
 
     @property
     def end(self) -> int:

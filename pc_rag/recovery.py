@@ -2,7 +2,7 @@
 
 A module encoded on its own never attended to the modules a prompt places before it; recovery
 computes some of its tokens again, at serve time, behind everything that precedes them. Fixed
-head and tail tokens (``head_tail``, :func:`pc_rag.planner.recover`) need no model pass to
+head and tail tokens (``head_tail``, :func:`recover`) need no model pass to
 choose. The two strategies here score every moved cached token with a short pass of the model
 and recompute the best ``budget`` of them:
 
@@ -18,30 +18,42 @@ and recompute the best ``budget`` of them:
 
 APE's attention adjustment (arXiv:2502.05431) stacks on any strategy and costs nothing: the
 logits of computed queries over the moved cached tokens are divided by a temperature and their
-weight multiplied by a scale (:func:`pc_rag.generate.adjust_attention`).
+weight multiplied by a scale (:mod:`pc_rag.ape`).
 
 Both strategies then run one forward pass over the chosen tokens and the prompt's own computed tokens
-(:func:`pc_rag.generate.prefill_selected`); the stale cache entries of the chosen tokens are
+(:func:`pc_rag.scored.prefill_selected`); the stale cache entries of the chosen tokens are
 masked out, never copied around. The scores come from the attention function
 (:mod:`pc_rag.attention`), which hands each layer's queries and keys to a :class:`Probe` passed
 as a forward keyword, the way shared KV reaches it.
+
+This module is where a request's recovery is decided: :func:`recover` (head and tail, at
+planning, so a plan shows what it computes) and :func:`prefill_plans`, the one call the engine
+makes to assemble and prefill a request, which applies APE and the scored strategies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
+from .ape import Ape
 from .errors import PromptCacheError
-from .layout import Plan
+from .generate import prefill, prefill_in_order
+from .layout import Plan, Segment
+from .rows import Prefilled
+from .scored import entries, prefill_recovered
+
+if TYPE_CHECKING:
+    from .assemble import Assembler, Assembly
+    from .encoder import Forward
+    from .kvcache import BufferPool
+    from .model import ModelSpec
+    from .registry import Schema
 
 Strategy = Literal["head_tail", "deviation", "query"]
 STRATEGIES: tuple[str, ...] = ("head_tail", "deviation", "query")
 SCORED: tuple[str, ...] = ("deviation", "query")
-PROBE_KWARG = "pc_rag_probe"
 
 
 @dataclass(frozen=True)
@@ -105,112 +117,138 @@ def check_recovery(strategy: Any, budget: Any, spec: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The probe: what the attention function reports, and the early exit
+# Head and tail: fixed tokens of every moved module, chosen without a model pass
 # ---------------------------------------------------------------------------------------------
-class ProbeDone(Exception):
-    """Raised by the attention function after the probe's last layer: the rest of the model is not run."""
+def recovery_tokens(requested: int | None, what: str, default: int, spec: "ModelSpec") -> int:
+    """How many head (tail) tokens of each moved module to recompute: ``default`` where the model
+    can take it (RoPE, one-pass prefill), else 0; an explicit request it cannot take is refused."""
+    supported = spec.one_pass
+    if requested is None:
+        return default if supported else 0
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+        raise PromptCacheError(f"{what} must be a number of tokens >= 0, got {requested!r}")
+    if requested and not supported:
+        raise PromptCacheError(
+            f"{what} needs a RoPE model on sdpa or eager attention; this one has {spec.position_kind} positions "
+            f"and {spec.attn_implementation!r} attention (use {what}=0)"
+        )
+    return requested
 
 
-class Probe:
-    """Reads a forward pass layer by layer from inside the attention function.
+def recover(planned: Plan, *, head: int, tail: int, encoding: str) -> Plan:
+    """Compute the first ``head`` and the last ``tail`` tokens of every moved module instead of reusing them.
 
-    ``stop_after``: the last layer to run (its KV is written before its attention runs, so the
-    cache holds it). ``query_weight [rows, q]`` (the real, not padded, queries): when given,
-    every layer's attention probabilities from those queries are summed over heads and queries
-    into ``scores [rows, keys]``.
+    A module encoded on its own never attended to the modules placed before it in this
+    prompt. Its first tokens carry much of that loss (they also soak up attention as the start
+    of a sequence): recomputing them behind everything that precedes them (EPIC,
+    arXiv:2410.15332) restores cross-module attention for a few tokens per module. Its last
+    token (for a document, the separator) has, in full prefill, read every module before it;
+    encoded alone it read one. Recomputed, it carries the whole context to the tokens after
+    it (on HotpotQA one tail token per document cut the first-token KL divergence from full
+    prefill by a third, see README). The tail is the end of the stored module: a document
+    quoted into plain text ends with its text, and the separator after it is computed anyway.
+
+    Exact already, and left alone: a segment at the position it was encoded at, behind exactly
+    the tokens it was encoded behind (:func:`encoded_behind`): the schema's prefix at the start
+    of a prompt, and under ``shared_prefix`` encoding the first module after it (the first
+    document of a ``build_prompt`` or chat prompt). The same prefix found anywhere else (a
+    system turn quoted mid-conversation) has moved and is recovered like any module.
     """
-
-    def __init__(self, stop_after: int, query_weight: torch.Tensor | None = None) -> None:
-        self.stop_after = stop_after
-        self.query_weight = query_weight
-        self.scores: torch.Tensor | None = None
-        self._calls = 0
-
-    def observe(self, module: Any, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> None:
-        layer = getattr(module, "layer_idx", None)
-        layer = self._calls if layer is None else layer
-        self._calls += 1
-        if self.query_weight is not None:
-            self._score(query, key, mask, scaling)
-        if layer >= self.stop_after:
-            raise ProbeDone
-
-    def _score(self, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> None:
-        rows, heads, q, dim = query.shape
-        kv_heads, keys = key.shape[1], key.shape[2]
-        groups = heads // kv_heads
-        scale = scaling if scaling is not None else dim**-0.5
-        # grouped queries against their shared key head, no repeated keys: [rows, kv_heads, groups*q, keys]
-        logits = torch.matmul(query.reshape(rows, kv_heads, groups * q, dim).float(), key.float().transpose(-1, -2)) * scale
-        logits = logits.view(rows, kv_heads, groups, q, keys)
-        if mask is None and q > 1:  # transformers' causal case: the queries are the last q keys
-            causal = torch.ones(q, keys, dtype=torch.bool, device=logits.device).tril(keys - q)
-            logits = logits.masked_fill(~causal, float("-inf"))
-        elif mask is not None:
-            if mask.dtype == torch.bool:
-                logits = logits.masked_fill(~mask[:, :, None, :, :keys], float("-inf"))
-            else:
-                logits = logits + mask[:, :, None, :, :keys].float()
-        probs = logits.softmax(-1)
-        weight = self.query_weight.to(probs.device, probs.dtype)  # type: ignore[union-attr]
-        scores = torch.einsum("rhgqk,rq->rk", probs, weight)
-        self.scores = scores if self.scores is None else self.scores + scores
+    flags = moved(planned, encoding)
+    if not head and not tail:
+        return replace(planned, moved=tuple(flags))
+    segments: list[Segment] = []
+    recovered: list[bool] = []  # the flags of the recovered plan's segments
+    for segment, is_moved in zip(planned.segments, flags):
+        if not is_moved:
+            segments.append(segment)
+            recovered.append(False if not segment.cached else is_moved)
+            continue
+        schema: Schema = planned.sources[segment.schema]  # type: ignore[index]
+        module = schema.layout.modules[segment.owner]  # type: ignore[index]
+        module_end = segment.offset + len(segment) == len(module.token_ids)
+        # the module's first `head` tokens (a drop-in document whose first token merged with the
+        # text before it starts at offset 1: its head is the rest of them)
+        first = min(max(head - segment.offset, 0), len(segment))
+        last = min(tail, len(segment) - first) if module_end else 0
+        kept = len(segment) - first - last
+        if first:
+            segments.append(Segment(segment.token_ids[:first], segment.position))
+            recovered.append(False)
+        if kept:
+            segments.append(
+                replace(segment, token_ids=segment.token_ids[first : first + kept], position=segment.position + first,
+                        offset=segment.offset + first, source_position=segment.source_position + first)
+            )
+            recovered.append(True)
+        if last:
+            segments.append(Segment(segment.token_ids[first + kept :], segment.position + first + kept))
+            recovered.append(False)
+    return replace(planned, segments=segments, moved=tuple(recovered))
 
 
-# ---------------------------------------------------------------------------------------------
-# Which entries of a request's cache may be recomputed
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class Entries:
-    """The cached entries of every row of a copy-assembled request, in cache order."""
-
-    token_ids: torch.Tensor  # [rows, width] int64: the token of each entry
-    candidate: torch.Tensor  # [rows, width] bool: a moved cached token (recovery may recompute it)
-    lengths: list[int]  # real entries per row
-
-
-def entries(plans: Sequence[Plan], moved: Sequence[Sequence[bool]], order: Sequence[int]) -> Entries:
-    """Entries of rows assembled by copy: every cached segment of a row's plan, in plan order."""
-    rows = [[(s, flag) for s, flag in zip(plans[i].segments, moved[i]) if s.cached] for i in order]
-    candidate = moved_entries([[s for s, _ in row] for row in rows], [[f for _, f in row] for row in rows])
-    ids = torch.zeros(candidate.shape, dtype=torch.long)
-    for row, pairs in enumerate(rows):
-        tokens = [t for s, _ in pairs for t in s.token_ids]
-        if tokens:
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-    return Entries(ids, candidate, [sum(len(s) for s, _ in pairs) for pairs in rows])
-
-
-def moved_entries(segments: Sequence[Sequence[Any]], moved: Sequence[Sequence[bool]]) -> torch.Tensor:
-    """``[rows, width]`` bool: per row, every entry of its cached ``segments`` (in cache order)
-    flagged as its segment's ``moved`` flag."""
-    width = max((sum(len(s) for s in row) for row in segments), default=0)
-    flags = torch.zeros(len(segments), width, dtype=torch.bool)
-    for row, (row_segments, row_moved) in enumerate(zip(segments, moved)):
-        per_entry = [m for s, m in zip(row_segments, row_moved) for _ in range(len(s))]
-        if per_entry:
-            flags[row, : len(per_entry)] = torch.tensor(per_entry)
+def moved(planned: Plan, encoding: str) -> list[bool]:
+    """Per segment: a cached segment whose KV is not what full prefill computes here (recovery
+    may recompute it). A segment at the position it was encoded at, behind exactly the tokens
+    it was encoded behind (:func:`encoded_behind`), is exact and is not."""
+    flags: list[bool] = []
+    preceding: list[int] = []  # the prompt's tokens before the segment at hand
+    for segment in planned.segments:
+        before = len(preceding)
+        preceding.extend(segment.token_ids)
+        if not segment.cached:
+            flags.append(False)
+            continue
+        exact = False
+        if segment.position == segment.source_position:
+            schema: Schema = planned.sources[segment.schema]  # type: ignore[index]
+            context = encoded_behind(schema, segment.owner, segment.offset, encoding)  # type: ignore[arg-type]
+            exact = len(context) == before and preceding[:before] == context
+        flags.append(not exact)
     return flags
 
 
-def top_entries(scores: torch.Tensor, found: Entries, recovery: Recovery) -> list[torch.Tensor]:
-    """Each row's chosen entries (indices into its cache, ascending): the best-scored candidates."""
-    chosen = []
-    width = found.candidate.shape[1]
-    scores = scores[:, :width].float().cpu().masked_fill(~found.candidate, float("-inf"))
-    for row in range(scores.shape[0]):
-        count = recovery.count(int(found.candidate[row].sum()))
-        picked = scores[row].topk(count).indices if count else torch.zeros(0, dtype=torch.long)
-        chosen.append(picked.sort().values)
-    return chosen
+def encoded_behind(schema: "Schema", name: str, offset: int, encoding: str) -> list[int]:
+    """The tokens that token ``offset`` of module ``name`` was encoded behind: the path before it
+    (``scaffold``), else what the schema's modules are encoded behind (nothing for ``isolated``;
+    the prefix and lead for ``shared_prefix``) and the module's own tokens before it."""
+    joint = schema.joint.get(name)
+    if joint is not None:
+        return list(joint.token_ids[: joint.index[offset]])
+    layout = schema.layout
+    module = layout.modules[name]
+    before: list[int] = []
+    if encoding != "isolated" and layout.prefix is not None and name != layout.prefix:
+        before = list(layout.modules[layout.prefix].token_ids) + list(layout.lead)
+    return before + list(module.token_ids[:offset])
 
 
-def query_layers(recovery: Recovery, layers: int) -> int:
-    """How many layers the question's attention is read from."""
-    wanted = recovery.query_layers if recovery.query_layers is not None else max(2, layers // 3)
-    return max(1, min(layers, wanted))
-
-
-def deviation(probe_keys: torch.Tensor, cached_keys: torch.Tensor) -> torch.Tensor:
-    """Squared distance between recomputed and cached keys per token: ``[heads, n, dim]`` x2 -> ``[n]``."""
-    return (probe_keys.float() - cached_keys.float()).pow(2).sum(dim=(0, 2))
+# ---------------------------------------------------------------------------------------------
+# The one call: assemble and prefill a request, recovering as configured
+# ---------------------------------------------------------------------------------------------
+def prefill_plans(plans: list[Plan], new_tokens: int, *, use_cache: bool, share: bool, recovery: Recovery, encoding: str,
+                  assembler: "Assembler", assembly: "Assembly", forward: "Forward", spec: "ModelSpec",
+                  buffers: "BufferPool") -> Prefilled:
+    """Assemble and prefill ``plans`` (room for ``new_tokens`` more per row), applying APE and
+    the scored strategy; head and tail were applied when the plans were made (:func:`recover`)."""
+    if not spec.one_pass:  # attention that reads cache order: one row, segment by segment
+        (plan,) = plans
+        rows = assembler.empty_row(len(plan.input_ids) + new_tokens)
+        if not use_cache:
+            plan = Plan([replace(s, owner=None) for s in plan.segments], plan.modules)
+        return Prefilled(rows, prefill_in_order(forward, rows, plan, assembler.append), [0], time.perf_counter())
+    flags = [list(p.moved) if p.moved is not None else moved(p, encoding) for p in plans]
+    if not (use_cache and recovery.scored and any(p.cached_tokens for p in plans)):
+        ape = Ape(recovery.temperature, recovery.scale, flags) if use_cache and recovery.adjusts_attention else None
+        assembled = assembler.assemble(plans, new_tokens, use_cache=use_cache, assembly=assembly, share=share, ape=ape)
+        assembled_at = time.perf_counter()
+        return Prefilled(assembled.rows, prefill(forward, assembled.rows, assembled.inputs, spec), assembled.order, assembled_at)
+    # scored recovery: every row holds its own copy of its cached KV, so its entries can be
+    # masked out one by one; room for the recomputed tokens, appended after the cache
+    room = max(recovery.count(sum(len(s) for s, m in zip(p.segments, f) if m)) for p, f in zip(plans, flags))
+    assembled = assembler.assemble(plans, new_tokens + room, use_cache=True, assembly="copy", share=False)
+    assembled_at = time.perf_counter()
+    ordered = [plans[i] for i in assembled.order]
+    found = entries(plans, flags, assembled.order)
+    logits, recomputed = prefill_recovered(forward, assembled.rows, assembled.inputs, ordered, found, recovery, spec, buffers)
+    return Prefilled(assembled.rows, logits, assembled.order, assembled_at, recomputed)

@@ -14,7 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig
 
 from pc_rag import PML, PromptCache, PromptCacheError, build_prompt
-from pc_rag.recovery import Entries, Probe, Recovery, top_entries
+from pc_rag.probe import Probe
+from pc_rag.recovery import Recovery, prefill_plans
+from pc_rag.scored import Entries, top_entries
 
 from .test_recovery import DOCS, QUESTION, SCHEMA
 
@@ -120,7 +122,9 @@ def test_deviation_leaves_the_first_layers_exact_for_every_token(make_tiny, toke
     engine = _engine(model, tokenizer, recovery="deviation", recovery_budget=2)
     prompt = _prompts(engine)[0]
     plan = engine._prepare([prompt], True)
-    prefilled = engine._prefill(plan, 1, True, share=False)
+    prefilled = prefill_plans(plan, 1, use_cache=True, share=False, recovery=engine.recovery, encoding=engine.encoding,
+                              assembler=engine.assembler, assembly=engine.assembly, forward=engine.forward, spec=engine.spec,
+                              buffers=engine.buffers)
     ids, positions = plan[0].input_ids, plan[0].position_ids
     cache = DynamicCache()
     with torch.no_grad():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pc_rag import PML, PromptCache, PromptCacheError
-from pc_rag.planner import moved
+from pc_rag.recovery import moved
 
 FILES = Path(__file__).parent / "reference_pml"
 RUNS = ["empty.xml", "schema_mbti_short.xml", "schema_mbti.xml", "schema_persona.xml", "code_generation_bookstore.xml",
