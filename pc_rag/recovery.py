@@ -56,6 +56,21 @@ STRATEGIES: tuple[str, ...] = ("head_tail", "deviation", "query")
 SCORED: tuple[str, ...] = ("deviation", "query")
 
 
+# Recovery: tokens recomputed at the head (EPIC-style) and at the tail of every imported module
+# that was not encoded behind exactly what precedes it (benchmarks/quality.py measured the choice;
+# see README)
+DEFAULT_RECOMPUTE = 2
+DEFAULT_RECOMPUTE_TAIL = 1
+DEFAULT_RECOVERY: Strategy = "head_tail"
+# APE on top (RoPE models on sdpa/eager): computed queries read moved modules through a flatter
+# (temperature 1.1), lighter (scale 0.7) attention; chosen with the recovery above, see README
+DEFAULT_ATTENTION_TEMPERATURE = 1.1
+DEFAULT_ATTENTION_SCALE = 0.7
+# (head, tail) tokens per moved module when recompute=/recompute_tail= are not given, per strategy
+DEFAULT_HEAD_TAIL: dict[str, tuple[int, int]] = {"head_tail": (DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL),
+                                                 "deviation": (0, 0), "query": (0, 0)}
+DEFAULT_BUDGET: dict[str, float] = {"deviation": 0.1, "query": 0.1}
+
 @dataclass(frozen=True)
 class Recovery:
     """How a request recovers cross-module attention (see :class:`pc_rag.engine.PromptCache`)."""
@@ -82,6 +97,29 @@ class Recovery:
         if isinstance(self.budget, float):
             return min(candidates, round(self.budget * candidates))
         return min(candidates, self.budget)
+
+
+def configure_recovery(spec: "ModelSpec", *, strategy: Strategy | None, budget: float | int | None, recompute: int | None,  # noqa: PYI041
+                       recompute_tail: int | None, temperature: float | None, scale: float | None) -> Recovery:
+    """The engine's recovery from its arguments (None: the defaults above, where the model can
+    take them); refuses what the model cannot run."""
+    chosen = strategy or DEFAULT_RECOVERY
+    if strategy is None and chosen in SCORED and not spec.split:
+        chosen = "head_tail"  # scored recovery reads attention through pc_rag_sdpa; the default falls back
+    check_recovery(chosen, budget, spec)
+    defaults = (DEFAULT_ATTENTION_TEMPERATURE, DEFAULT_ATTENTION_SCALE) if spec.one_pass else (1.0, 1.0)
+    temperature = defaults[0] if temperature is None else temperature
+    scale = defaults[1] if scale is None else scale
+    check_ape(temperature, scale, spec)
+    head_default, tail_default = DEFAULT_HEAD_TAIL[chosen]
+    return Recovery(
+        chosen,  # type: ignore[arg-type]
+        budget if budget is not None else DEFAULT_BUDGET.get(chosen, 0),
+        recovery_tokens(recompute, "recompute", head_default, spec),
+        recovery_tokens(recompute_tail, "recompute_tail", tail_default, spec),
+        temperature=float(temperature),
+        scale=float(scale),
+    )
 
 
 def check_ape(temperature: Any, scale: Any, spec: Any) -> None:

@@ -1,0 +1,104 @@
+"""The registration half of :class:`pc_rag.PromptCache`'s public API: schemas, documents, and
+the remote registry shared with other replicas. Every method hands its work to the
+:class:`~pc_rag.registry.Registry` (or, for ``background=True``, to the background encoder)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .background import BackgroundEncoder
+from .documents import DEFAULT_SCHEMA, check_name, default_name, normalize
+from .registry import Registry, Schema
+from .remote import RemoteTier
+from .store import ModuleStore
+
+
+class Registration:
+    """Mixed into :class:`pc_rag.PromptCache`, which builds the parts named here."""
+
+    registry: Registry
+    background: BackgroundEncoder
+    remote: RemoteTier | None
+    store: ModuleStore
+    remote_sync_interval_s: float | None
+    _synced_at: float
+
+    # -- registration ---------------------------------------------------------------------------
+    def add_schema(self, pml: str, *, progress: bool = True) -> Schema:
+        """Parse a schema and encode all its modules (loaded from ``kv_dir`` when present)."""
+        return self.registry.add_schema(pml, progress=progress)
+
+    def add_documents(self, texts: Sequence[Any], *, ids: Sequence[str] | None = None,
+                      metadatas: Sequence[dict[str, Any] | None] | None = None, schema: str = DEFAULT_SCHEMA,
+                      system: str | None = None, progress: bool = True, batch_tokens: int | None = None,
+                      replace_changed: bool = False, background: bool = False) -> list[str]:
+        """Store documents as movable modules of the document schema ``schema``; return their names.
+
+        ``texts`` holds strings, LangChain ``Document``s or LlamaIndex nodes. A document's name is
+        its id (``ids``, or the Document/node id when that is a valid module name), otherwise one
+        derived from its text, so adding the same text twice stores it once. Documents are
+        encoded behind the schema's system prompt (``system``; fixed when the schema is created),
+        several per forward pass (up to ``batch_tokens`` padded tokens; by default 512 on CPU,
+        where a 2-core machine is compute-bound at batch 1 and padding only adds work, and 8192
+        on accelerators), and persisted through ``kv_dir``. A prompt places the documents it
+        imports one after another, right after the system turn and the user marker, at the
+        positions full prefill would give them.
+
+        An id that already holds another text is an error, unless ``replace_changed=True``: then
+        the old document is deleted (:meth:`delete_documents`) and the new text stored under the id.
+
+        ``background=True`` returns the names at once and encodes the documents later, between
+        requests (after the request being served, never during one: :mod:`pc_rag.background`).
+        Until a document is encoded, a prompt reads it as text. :meth:`wait_for_documents`
+        waits for the queue.
+        """
+        if background:
+            records = normalize(texts, ids, metadatas)
+            check_name(schema, "schema name")
+            named = [(doc_id or default_name(text), text, meta) for doc_id, text, meta in records]
+            self.background.submit(schema, system, named, replace_changed=replace_changed)
+            return [name for name, _, _ in named]
+        return self.registry.add_documents(texts, ids=ids, metadatas=metadatas, schema=schema, system=system,
+                                           progress=progress, batch_tokens=batch_tokens, replace_changed=replace_changed)
+
+    def wait_for_documents(self, timeout: float | None = None) -> bool:
+        """Encode the documents queued by ``add_documents(background=True)`` now (still between
+        requests) and wait for them; False if ``timeout`` seconds passed first."""
+        return self.background.join(timeout)
+
+    def delete_documents(self, names: str | Sequence[str], *, schema: str = DEFAULT_SCHEMA) -> list[str]:
+        """Remove documents (by name, i.e. id) from collection ``schema`` everywhere they live: the
+        registry and the drop-in index (no request planned from now on imports or matches them),
+        memory, ``kv_dir``, the remote tier's KV and registry (other replicas drop them at their
+        next sync), and every :class:`~pc_rag.retrievers.FaissModuleRetriever` bound to this
+        engine. Returns the names removed; names the collection does not hold are ignored. A
+        request planned before the call finishes on the KV it was planned with."""
+        return self.registry.delete_documents(names, schema=schema)
+
+    def sync_documents(self) -> int:
+        """Take in the documents, deletions and PML schemas that other processes published to the
+        remote tier (run at start, when a prompt names a module or schema this process does not
+        know, and before a request once ``remote_sync_interval_s`` has passed); their KV stays
+        remote until a prompt needs it. Returns the number of documents and schemas changed here
+        (0 without a remote tier)."""
+        self._synced_at = time.monotonic()
+        return self.registry.sync_remote()
+
+    def remote_backlog(self) -> int:
+        """Module entries and registry records the remote tier has not taken yet (the registry's
+        are sent again first): 0 means everything this engine stored is shared. An encoding job
+        checks it before reporting success."""
+        if self.remote is None:
+            return 0
+        return self.registry.flush_unpublished() + len(self.store.unshared())
+
+    def sync_if_due(self) -> None:
+        """:meth:`sync_documents` when ``remote_sync_interval_s`` has passed since the last one
+        (before every request and retriever search): deletions and additions by other replicas
+        reach this one within the interval. A sync another thread is running is not waited for."""
+        interval = self.remote_sync_interval_s
+        if self.remote is not None and interval is not None and time.monotonic() - self._synced_at >= interval:
+            self._synced_at = time.monotonic()
+            self.registry.sync_remote(wait=False)

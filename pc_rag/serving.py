@@ -1,0 +1,252 @@
+"""The serving half of :class:`pc_rag.PromptCache`'s public API, and the request it runs:
+
+    plan (planner.plan, recovery.recover) -> admit -> recovery.prefill_plans -> generate.decode
+
+Each request is planned against an immutable registry snapshot and refused before any work when
+it cannot be served; a request finishes on the KV it was planned with.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import planner
+from . import recovery as recovery_mod
+from .assemble import Assembler, Assembly
+from .background import BackgroundEncoder
+from .constrained import Vocabulary
+from .encoder import Forward
+from .errors import PromptCacheError
+from .generate import decode
+from .generation import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
+from .kvcache import BufferPool
+from .layout import Plan
+from .model import ModelSpec, render_chat
+from .recovery import Recovery
+from .registry import Registry
+from .remote import RemoteTier
+from .rows import Prefilled
+from .store import ModuleStore
+
+logger = logging.getLogger(__name__)
+
+
+class Serving:
+    """Mixed into :class:`pc_rag.PromptCache`, which builds the parts named here."""
+
+    model: Any
+    tokenizer: Any
+    spec: ModelSpec
+    encoding: str
+    drop_in: bool
+    recovery: Recovery
+    assembly: Assembly
+    registry: Registry
+    store: ModuleStore
+    remote: RemoteTier | None
+    forward: Forward
+    assembler: Assembler
+    buffers: BufferPool
+    background: BackgroundEncoder
+    stop_token_ids: set[int]
+    generation_config: Any
+    _vocabularies: dict[frozenset[int], Vocabulary]
+    _kv_bytes_per_token: int
+
+    # -- serving ------------------------------------------------------------------------------------
+    def plan(self, prompt: str, *, collections: str | Sequence[str] | None = None) -> Plan:
+        """Which tokens of ``prompt`` are cached and which computed, at which positions.
+
+        ``collections``: the collections (document schemas and PML schemas) this request may
+        read; None (the default) is all of them, for single-user use. A scoped request imports,
+        matches (drop-in) and names nothing outside them: see :func:`pc_rag.planner.plan`.
+        """
+        planned = planner.plan(prompt, self.registry.snapshot(), self.spec, encoding=self.encoding, drop_in=self.drop_in,
+                               collections=planner.scope(collections))
+        return recovery_mod.recover(planned, head=self.recovery.head, tail=self.recovery.tail, encoding=self.encoding)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """``[{"role", "content"}]`` as the model's chat template renders them, ending with the generation prompt.
+
+        ``tools``: OpenAI-style function specs, rendered by the template when it takes tools and
+        otherwise described in the system turn (see :mod:`pc_rag.tools`); assistant messages may
+        carry ``tool_calls`` and ``tool`` messages the results.
+
+        The result is a plain prompt: module references and verbatim document text inside the
+        messages are reused like anywhere else; nothing in a message is read as PML.
+        """
+        return render_chat(self.tokenizer, self.spec.markers, messages, tools)
+
+    def next_token_logits(self, prompt: str, *, use_cache: bool = True, collections: str | Sequence[str] | None = None) -> torch.Tensor:
+        """Logits of the first generated token: the quantity cached inference must reproduce."""
+        plans = self._prepare([prompt], use_cache, planner.scope(collections))
+        with self.background.serving():
+            prefilled = self._prefill(plans, 0, use_cache, share=False)
+        self.buffers.release(prefilled.rows.buffer)
+        return prefilled.logits[0]
+
+    def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+                 use_cache: bool = True, seed: int | None = None, collections: str | Sequence[str] | None = None,
+                 **generation: Any) -> Generation:
+        """Generate a completion; ``use_cache=False`` runs full prefill of the same token sequence.
+
+        ``collections`` scopes the request to those collections (see :meth:`plan`; None: all).
+
+        ``generation`` takes transformers' names, with its meaning: ``do_sample``,
+        ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``,
+        ``output_logits``, ``generation_config`` (a ``transformers.GenerationConfig`` or a dict);
+        and ``json_schema`` (a JSON schema dict, its text, or True for any JSON object): the
+        output is constrained, token by token, to a document of that schema (:mod:`pc_rag.constrained`),
+        closed within ``max_new_tokens`` whenever that can hold one (:meth:`min_json_tokens`), and
+        not cut by stop strings. What a call leaves unset comes from ``generation_config``, then from the engine's
+        :attr:`generation_config` (the model's own: its sampling defaults apply when it sets
+        ``do_sample=True``), then from pc-rag's defaults (greedy, 256 new tokens). A ``temperature``
+        given without ``do_sample`` decides alone: 0 is greedy, more samples.
+        """
+        stream = self.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             stop=stop, use_cache=use_cache, seed=seed, collections=collections, **generation)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+               use_cache: bool = True, seed: int | None = None, collections: str | Sequence[str] | None = None,
+               **generation: Any) -> StreamingGeneration:
+        """Like :meth:`generate`, yielding text as it is decoded; ``.result`` holds the Generation.
+
+        The prompt is planned (and refused, if it cannot be served) now; it is prefilled on the
+        first ``next()``, on the KV it was planned with.
+        """
+        started = time.perf_counter()
+        params = sampling_params(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                     stop=stop, seed=seed, **generation), self.generation_config)
+        plans = self._prepare([prompt], use_cache, planner.scope(collections))
+        return StreamingGeneration(self._run(plans, params, use_cache, started, share=False))
+
+    def generate_batch(self, prompts: Sequence[str], *, max_new_tokens: int | None = None, temperature: float | None = None,
+                       top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+                       use_cache: bool = True, seed: int | None = None, share_modules: bool = True,
+                       collections: str | Sequence[str] | None = None, **generation: Any) -> list[Generation]:
+        """Generate completions for several prompts together: one forward pass per step for all.
+
+        Every prompt is planned first, so every error surfaces before any work. With
+        ``share_modules`` (RoPE models on SDPA), cached KV that several prompts import at the same
+        positions is held once and attended to once per step for all of them (shared-module
+        attention, see :mod:`pc_rag.shared_attention`); what each prompt computes is prefilled in
+        one batched pass. Greedy outputs equal those of :meth:`generate` called on each prompt.
+        Models whose attention cannot take per-row masks (ALiBi, learned positions, flash/flex
+        attention) are served one prompt after another. ``collections`` scopes every prompt
+        (see :meth:`plan`); rows share only KV they may all read.
+        """
+        if isinstance(prompts, str):
+            raise PromptCacheError("generate_batch takes a sequence of prompts; use generate() for one")
+        prompts = list(prompts)
+        kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
+        params = sampling_params({**kwargs, **generation}, self.generation_config)  # bad arguments fail first
+        scope = planner.scope(collections)
+        if len(prompts) <= 1 or not self.spec.one_pass:
+            return [self.generate(p, use_cache=use_cache, collections=scope, **kwargs, **generation) for p in prompts]  # type: ignore[arg-type]
+        started = time.perf_counter()
+        plans = self._prepare(prompts, use_cache, scope)
+        run = self._run(plans, params, use_cache, started, share=share_modules and self.spec.split)
+        try:
+            while True:
+                next(run)
+        except StopIteration as done:
+            return done.value
+
+    def min_json_tokens(self, json_schema: Any) -> int | None:
+        """Tokens of the shortest document of ``json_schema`` that constrained decoding closes a
+        reply with (its closing walk from an empty reply: short, not always the shortest); None
+        when none is within 512 tokens. A ``max_new_tokens`` below it ends incomplete."""
+        from .constrained import schema_text
+
+        closing = self._vocabulary.matcher(schema_text(json_schema)).closing()
+        return None if closing is None else len(closing)
+
+    # -- the chain -----------------------------------------------------------------------------
+    @property
+    def _vocabulary(self) -> Vocabulary:
+        """The tokenizer indexed for constrained decoding, ending documents with today's stop tokens."""
+        stops = frozenset(self.stop_token_ids)
+        vocabulary = self._vocabularies.get(stops)
+        if vocabulary is None:
+            vocabulary = self._vocabularies[stops] = Vocabulary(self.tokenizer, self.model.config.vocab_size, stops)
+        return vocabulary
+
+    def _prepare(self, prompts: Sequence[str], use_cache: bool, collections: frozenset[str] | None = None) -> list[Plan]:
+        """Plan every prompt and refuse, before any work, what cannot be served."""
+        self.sync_if_due()
+        plans = []
+        for index, prompt in enumerate(prompts):
+            try:
+                try:
+                    plans.append(self.plan(prompt, collections=collections))
+                except PromptCacheError:
+                    # a module another replica added since this one started: take the registry in, plan again
+                    if self.remote is None or not self.sync_documents():
+                        raise
+                    plans.append(self.plan(prompt, collections=collections))
+            except PromptCacheError as err:
+                if len(prompts) > 1:
+                    raise PromptCacheError(f"prompt {index}: {err}") from err
+                raise
+        planner.admit(plans, self.spec, use_cache=use_cache, memory_budget=self.store.memory_budget,
+                      kv_bytes_per_token=self._kv_bytes_per_token)
+        return plans
+
+    def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, *, share: bool) -> Prefilled:
+        return recovery_mod.prefill_plans(plans, new_tokens, use_cache=use_cache, share=share, recovery=self.recovery,
+                                          encoding=self.encoding, assembler=self.assembler, assembly=self.assembly,
+                                          forward=self.forward, spec=self.spec, buffers=self.buffers)
+
+    def _run(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool
+             ) -> Generator[str, None, Any]:
+        """Prefill and decode ``plans`` together; yields the text of a single request as it is
+        decoded, and returns its Generation (a list of them for a batch)."""
+        with self.background.serving():  # documents queued for encoding wait until no request is served
+            return (yield from self._serve(plans, params, use_cache, started, share=share))
+
+    def _serve(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool
+               ) -> Generator[str, None, Any]:
+        spec = self.spec
+        requests = [
+            RequestState(params=params, tokenizer=self.tokenizer, device=spec.device, stop_token_ids=frozenset(self.stop_token_ids),
+                         context_window=spec.context_window, modules=list(p.modules),
+                         cached_tokens=p.cached_tokens if use_cache else 0,
+                         computed_tokens=p.computed_tokens if use_cache else len(p.input_ids), next_position=p.end, started=started,
+                         prompt_ids=p.input_ids if params.reads_history else (),
+                         matcher=self._vocabulary.matcher(params.json_schema) if params.json_schema else None)
+            for p in plans
+        ]
+        prefilled = self._prefill(plans, max(r.budget for r in requests), use_cache, share=share)
+        rows, logits, order = prefilled.rows, prefilled.logits, prefilled.order
+        requests = [requests[i] for i in order]
+        for request, recomputed in zip(requests, prefilled.recomputed or [0] * len(requests)):
+            request.stats.assemble_s = prefilled.assembled_at - started
+            request.stats.cached_tokens -= recomputed
+            request.stats.computed_tokens += recomputed
+        single = len(requests) == 1
+        try:
+            for deltas in decode(self.forward, rows, requests, logits, spec):
+                if single and deltas[0]:
+                    yield deltas[0]
+        finally:  # also when a stream is closed or collected half-way: the buffer goes back to the pool
+            if rows.batch == 1:
+                self.buffers.release(rows.buffer)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("store after request: %s", {"encoded": self.forward.encoded, **self.store.stats(scan_disk=False)})
+        results: list[Generation] = [None] * len(requests)  # type: ignore[list-item]
+        for request, index in zip(requests, order):
+            tail, results[index] = request.close()
+            if single and tail:
+                yield tail
+        return results[0] if single else results
