@@ -31,7 +31,8 @@ from .encoder import ModuleEncoder
 from .errors import PromptCacheError
 from .kvcache import BufferPool, KVBuffer
 from .layout import Plan, Segment
-from .model import ModelSpec, rotate_with
+from .model import ModelSpec
+from .rope import rotate_with
 from .rows import Inputs, Rows
 from .shared_attention import SharedKV, SharedPart, share_prefixes
 

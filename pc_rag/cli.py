@@ -107,7 +107,7 @@ class DemoRAG:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from .corpus import Passage, stdlib_corpus
-        from .model import cache_root
+        from .loading import cache_root
         from .retrievers import FaissModuleRetriever
 
         if args.kv_dir is None:

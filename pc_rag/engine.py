@@ -37,12 +37,14 @@ from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
 from .kvcache import BufferPool
 from .layout import ENCODINGS, Encoding
-from .model import ModelSpec, RopeRotator, inspect_model, load_model
+from .loading import load_model
+from .model import ModelSpec, inspect_model
 from .paths import expand
 from .recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, configure_recovery
 from .registration import Registration
 from .registry import Registry, Schema
 from .remote import RemoteTier
+from .rope import RopeRotator
 from .serving import Serving
 from .store import KVShape, open_store
 

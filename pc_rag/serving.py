@@ -19,6 +19,7 @@ from . import planner
 from . import recovery as recovery_mod
 from .assemble import Assembler, Assembly
 from .background import BackgroundEncoder
+from .chat import render_chat
 from .constrained import Vocabulary
 from .encoder import Forward
 from .errors import PromptCacheError
@@ -26,7 +27,7 @@ from .generate import decode
 from .generation import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
 from .kvcache import BufferPool
 from .layout import Plan
-from .model import ModelSpec, render_chat
+from .model import ModelSpec
 from .recovery import Recovery
 from .registry import Registry
 from .remote import RemoteTier
