@@ -28,11 +28,11 @@ from .rows import Inputs, Rows
 
 def prefill(forward: Forward, rows: Rows, inputs: Inputs, spec: ModelSpec) -> torch.Tensor:
     """Every row's computed tokens in one forward pass; the logits of each row's last token, ``[rows, vocab]``."""
-    mask = _place(rows, inputs, spec)
+    mask = place_inputs(rows, inputs, spec)
     return forward.prefill_batch(rows.buffer, inputs.ids, inputs.positions, mask, rows.shared, inputs.bounds)
 
 
-def _place(rows: Rows, inputs: Inputs, spec: ModelSpec) -> Any:
+def place_inputs(rows: Rows, inputs: Inputs, spec: ModelSpec) -> Any:
     """Record where ``inputs`` go in the rows' cache (after what it holds); their attention mask."""
     start = len(rows.buffer)
     end = start + inputs.ids.shape[1]

@@ -36,10 +36,10 @@ from typing import Any, Literal
 from .errors import PromptCacheError
 from .pml import ModuleNode, ModuleRef, ParamNode, PromptDoc, PromptRole, RoleMark, RoleNode, SchemaDoc, SchemaNode, TextNode, UnionNode
 
-# how module KV is encoded (see pc_rag.engine): here, where the CLI reads it without loading torch
-Encoding = Literal["isolated", "shared_prefix", "scaffold"]
 logger = logging.getLogger(__name__)
 
+# how module KV is encoded (see pc_rag.engine): here, where the CLI reads it without loading torch
+Encoding = Literal["isolated", "shared_prefix", "scaffold"]
 ENCODINGS: tuple[str, ...] = ("isolated", "shared_prefix", "scaffold")
 
 Tokenize = Callable[[str], list[int]]
@@ -63,7 +63,7 @@ class ChatMarkers:
             return (self.starts[node.role], "") if node.edge == "open" else ("", self.ends[node.role])
         if node.bare and node.role == "system":
             return self.no_system, ""
-        return self.starts[node.role], self.ends[node.role]
+        return self.wrap(node.role)
 
 
 class Turns:
@@ -76,9 +76,6 @@ class Turns:
 
     def copy(self) -> "Turns":
         return Turns(self.role, self.line, self.column)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Turns) and other.role == self.role
 
     def open(self, role: str, line: int, column: int) -> None:
         if self.role is not None:
@@ -286,7 +283,7 @@ def layout_schema(
                     turns = before.copy()
                     place_module(member, owner, union_id)
                     end = max(end, cursor)
-                    if after is not None and turns != after:
+                    if after is not None and turns.role != after.role:
                         raise PromptCacheError(f"the members of this <union> leave different turns open ({after.role!r}, {turns.role!r})",
                                                line=node.line, column=node.column)
                     after = turns

@@ -200,7 +200,7 @@ def recover(planned: Plan, *, head: int, tail: int, encoding: str) -> Plan:
     for segment, is_moved in zip(planned.segments, flags):
         if not is_moved:
             segments.append(segment)
-            recovered.append(False if not segment.cached else is_moved)
+            recovered.append(False)
             continue
         schema: Schema = planned.sources[segment.schema]  # type: ignore[index]
         module = schema.layout.modules[segment.owner]  # type: ignore[index]

@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 from types import MappingProxyType
 from typing import Any
 
@@ -42,7 +42,7 @@ class JointPath:
     positions: tuple[int, ...] = field(repr=False)
     index: tuple[int, ...] = field(repr=False)
 
-    @property
+    @cached_property  # read on every fetch of the module: computed once
     def module_positions(self) -> list[int]:
         """The positions the module's tokens were encoded at (its KV is stored at them)."""
         return [self.positions[i] for i in self.index]

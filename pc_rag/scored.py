@@ -15,7 +15,7 @@ import torch
 
 from .ape import adjust_attention, moved_entries
 from .encoder import Forward
-from .generate import _place, prefill
+from .generate import place_inputs, prefill
 from .kvcache import BufferPool
 from .layout import Plan
 from .model import ModelSpec
@@ -81,7 +81,7 @@ def prefill_recovered(
     """
     if recovery.strategy == "query":
         probe = Probe(query_layers(recovery, spec.layers) - 1, query_weight=inputs.real.float())
-        mask = _place(rows, inputs, spec)
+        mask = place_inputs(rows, inputs, spec)
         forward.probe(rows.buffer, inputs.ids, inputs.positions, mask, probe)
         assert probe.scores is not None
         scores = probe.scores
