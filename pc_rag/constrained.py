@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,8 +139,8 @@ class Vocabulary:
             return self._closing_order
 
     def allowed(self, words: torch.Tensor) -> torch.Tensor:
-        """One row of an llguidance bitmask (int32 words) as a bool per token id."""
-        return ((words[:, None] >> self._bits.to(words.device)) & 1).flatten().bool()
+        """llguidance bitmask rows (int32 words, ``[rows, words]``) as a bool per token id, ``[rows, tokens]``."""
+        return ((words[..., None] >> self._bits.to(words.device)) & 1).flatten(-2).bool()
 
     def matcher(self, schema: str) -> Matcher:
         """A fresh matcher for one request's output."""
@@ -158,28 +158,19 @@ class Matcher:
         self._matcher = llguidance.LLMatcher(vocabulary._lltokenizer(), _grammar(schema))
         if self._matcher.is_error():
             raise PromptCacheError(f"json_schema cannot be compiled: {self._matcher.get_error()}")
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocabulary._vocab_size)
+        self.vocabulary = vocabulary
         self._fill = llguidance.torch.fill_next_token_bitmask
-        self._forbidden: torch.Tensor | None = None  # this step's mask, computed on first use
         self._plan: list[int] | None = None  # the closing from the current state, once walked
         self._nesting = Nesting()
         self._bytes = vocabulary.closing_order()[1]  # every token's bytes (built once per vocabulary)
         self._walked: tuple[int, list[int]] | None = None
         self._out_of_reach = False  # no closing fits the budget: the document is left to the model
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (one row) with every token the grammar forbids now at -inf (a new tensor)."""
-        if self._forbidden is None:  # once per step, however many rows of scores are masked
-            self._fill(self._matcher, self._bitmask)
-            allowed = self._vocabulary.allowed(self._bitmask[0].to(logits.device))
-            vocab = logits.shape[-1]
-            if allowed.numel() < vocab:  # logit rows padded past the tokenizer: never allowed
-                allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.numel()))
-            self._forbidden = ~allowed[:vocab]
-        return logits.float().masked_fill(self._forbidden, float("-inf"))
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write what the grammar allows now into row ``row`` of an llguidance ``bitmask`` (host)."""
+        self._fill(self._matcher, bitmask, row)
 
     def accept(self, token: int) -> None:
-        self._forbidden = None
         if self._plan and self._plan[0] == token:
             self._plan = self._plan[1:]  # still the closing from the new state: the same walk
         elif self._walked is not None and self._walked[0] == token:
@@ -234,6 +225,27 @@ class Matcher:
 
     def _token_bytes(self, token: int) -> bytes:
         return self._bytes[token] if token < len(self._bytes) else b""
+
+
+def allowed_tokens(matchers: Sequence[Matcher | None], vocab: int, device: torch.device) -> torch.Tensor:
+    """What each row may write next, ``[rows, vocab]`` bool on ``device``: its grammar's allowed
+    tokens (every token for a row without a grammar). The grammars fill one bitmask on the host,
+    which crosses to the device in one transfer for the whole batch; logit rows padded past the
+    tokenizer's vocabulary are never allowed to a grammar."""
+    import llguidance.torch
+
+    vocabulary = next(m.vocabulary for m in matchers if m is not None)
+    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocabulary._vocab_size)
+    for row, matcher in enumerate(matchers):
+        if matcher is None:
+            bitmask[row] = -1  # every bit set
+        else:
+            matcher.fill(bitmask, row)
+    allowed = vocabulary.allowed(bitmask.to(device))
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        allowed[[row for row, m in enumerate(matchers) if m is None], vocabulary._vocab_size :] = True
+    return allowed[:, :vocab]
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,12 @@ class Forward:
     forward pass and that concurrent callers encode every module once.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, compile: bool = False) -> None:
         self.model = model
+        # decode steps with fixed shapes (pc_rag.generate.Cursor) through torch.compile: compiled
+        # once per batch size and decode length (dynamic=False: a CUDA graph needs static shapes)
+        self._decode_step = torch.compile(self._model_step, dynamic=False) if compile else None
+        self.compiled_steps = 0  # decode steps run compiled
         self.passes = 0
         self.encoded = 0
         self._count_lock = threading.Lock()
@@ -78,13 +82,22 @@ class Forward:
         return None
 
     def decode_batch(
-        self, buffer: KVBuffer, token_ids: Sequence[int], positions: torch.Tensor, bounds: tuple[int, int], mask: Any,
+        self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, bounds: tuple[int, int], mask: Any,
         shared: SharedKV | None = None,
     ) -> torch.Tensor:
-        """One decoding step for every row of a batched ``buffer`` at ``positions [rows, 1]`` (their
-        smallest and largest in ``bounds``): logits ``[rows, vocab]``."""
-        ids = torch.tensor(list(token_ids), dtype=torch.long)[:, None]
+        """One decoding step for every row of a batched ``buffer``: ``ids [rows, 1]`` at ``positions
+        [rows, 1]`` (their smallest and largest in ``bounds``): logits ``[rows, vocab]``."""
+        if self._decode_step is not None and shared is None and buffer.fixed:
+            self._count(1)
+            self.compiled_steps += 1
+            with torch.inference_mode():
+                return self._decode_step(ids, positions, mask, buffer.cache)
         return self._step(buffer, ids, positions, mask, shared, bounds)
+
+    def _model_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
 
     def prefill_batch(
         self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: Any, shared: SharedKV | None = None,

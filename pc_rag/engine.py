@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import logging
 import os
 import time
@@ -74,7 +75,18 @@ class PromptCache(Registration, Serving):
     ``attention_scale`` adjust the attention of computed queries to moved modules (APE).
     Storage: ``kv_dir`` persists module KV (``cache_dir``: its deprecated name),
     ``memory_budget`` bounds the memory tier, ``store_dtype``/``kv_location`` where and how it is held,
-    ``remote_store`` shares module KV and documents between processes through Redis.
+    ``remote_store`` (``redis://HOST:PORT/DB``, ``rediss://``, ``valkey://``) adds a tier shared by
+    every replica (:mod:`pc_rag.remote`): module KV and document records; ``remote_timeout_ms``
+    bounds each of its commands; ``remote_sync=False`` skips taking in its documents at start (an
+    encoding worker needs none); ``remote_key`` (default: the ``PC_RAG_REMOTE_KEY`` environment
+    variable) authenticates every record with an HMAC (a list: the first key signs, all verify,
+    for rotation); ``remote_ttl_s`` expires KV entries; ``remote_collections`` confines this
+    replica to those collections of the shared registry (for Redis ACLs per tenant);
+    ``remote_sync_interval_s`` is how stale this replica's view of the shared registry may get
+    before a request reads it again (None: only at start, on an unknown name and on
+    :meth:`sync_documents`).
+    Speed: ``compile=True`` runs decode steps through ``torch.compile`` (fixed shapes; compiled
+    once per batch size and answer budget, so it pays off for long-lived engines with steady settings).
     """
 
     def __init__(
@@ -103,6 +115,7 @@ class PromptCache(Registration, Serving):
         remote_ttl_s: float | None = None,
         remote_collections: Sequence[str] | None = None,
         remote_sync_interval_s: float | None = 1.0,
+        compile: bool = False,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
         if encoding not in ENCODINGS:
@@ -139,7 +152,7 @@ class PromptCache(Registration, Serving):
             kv_dtype=kv_dtype, pin=store_device.type == "cpu" and self.spec.device.type == "cuda", remote=self.remote,
             shape=KVShape(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, kv_dtype),
         )
-        self.forward = Forward(model)
+        self.forward = Forward(model, compile=compile)
         self.encoder = ModuleEncoder(self.forward, self.store, self.spec, encoding, self.fingerprint)
         # verbatim module texts, for drop-in reuse in plain prompts (only where modules can move)
         # (aligned through character offsets: a fast tokenizer's)
@@ -162,40 +175,17 @@ class PromptCache(Registration, Serving):
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
-                        dtype: torch.dtype | str | None = None, encoding: Encoding | None = None,
-                        kv_dir: str | os.PathLike | None = None, memory_budget: int | None = None,
-                        store_dtype: torch.dtype | None = None, kv_location: Literal["device", "cpu"] = "device",
-                        drop_in: bool = True, recompute: int | None = None, recompute_tail: int | None = None,
-                        assembly: Assembly | None = None, recovery: Strategy | None = None,
-                        recovery_budget: float | int | None = None, attention_temperature: float | None = None,  # noqa: PYI041
-                        attention_scale: float | None = None, cache_dir: str | os.PathLike | None = None,
-                        remote_store: str | None = None, remote_timeout_ms: float = 50.0, remote_sync: bool = True,
-                        remote_key: str | bytes | Sequence[str | bytes] | None = None, remote_ttl_s: float | None = None,
-                        remote_collections: Sequence[str] | None = None, remote_sync_interval_s: float | None = 1.0,
-                        **model_kwargs: Any) -> PromptCache:
-        """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct).
+                        dtype: torch.dtype | str | None = None, **kwargs: Any) -> PromptCache:
+        """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct)
+        and build the engine over it.
 
-        ``kv_dir`` persists module KV (``cache_dir`` is its deprecated old name: in transformers
-        that name means the download cache, which ``from_pretrained`` here does not take).
-        ``remote_store`` (``redis://HOST:PORT/DB``, ``rediss://``, ``valkey://``) adds a tier
-        shared by every replica (:mod:`pc_rag.remote`): module KV and document records;
-        ``remote_timeout_ms`` bounds each of its commands; ``remote_sync=False`` skips taking in
-        its documents at start (an encoding worker needs none); ``remote_key`` (default: the
-        ``PC_RAG_REMOTE_KEY`` environment variable) authenticates every record with an HMAC
-        (a list: the first key signs, all verify, for rotation); ``remote_ttl_s`` expires KV
-        entries; ``remote_collections`` confines this replica to those collections of the shared
-        registry (for Redis ACLs per tenant); ``remote_sync_interval_s`` is how stale this
-        replica's view of the shared registry may get before a request reads it again (None:
-        only at start, on an unknown name and on :meth:`sync_documents`).
+        Keywords of the constructor (``encoding``, ``kv_dir``, ``memory_budget``, ``recovery``,
+        ``remote_store``, ``compile``, ...: see :class:`PromptCache`) configure the engine; every
+        other keyword goes to transformers' ``from_pretrained`` (``revision``, ``attn_implementation``, ...).
         """
-        kv_dir = _kv_dir(kv_dir, cache_dir)
-        lm, tokenizer = load_model(model, device=device, dtype=dtype, **model_kwargs)
-        return cls(lm, tokenizer, encoding=encoding, kv_dir=kv_dir, memory_budget=memory_budget, store_dtype=store_dtype,
-                   kv_location=kv_location, drop_in=drop_in, recompute=recompute, recompute_tail=recompute_tail, assembly=assembly,
-                   recovery=recovery, recovery_budget=recovery_budget, attention_temperature=attention_temperature,
-                   attention_scale=attention_scale, remote_store=remote_store, remote_timeout_ms=remote_timeout_ms,
-                   remote_sync=remote_sync, remote_key=remote_key, remote_ttl_s=remote_ttl_s,
-                   remote_collections=remote_collections, remote_sync_interval_s=remote_sync_interval_s)
+        engine_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name in _ENGINE_ARGUMENTS}
+        lm, tokenizer = load_model(model, device=device, dtype=dtype, **kwargs)
+        return cls(lm, tokenizer, **engine_kwargs)
 
     @property
     def cache_dir(self) -> Path | None:
@@ -279,6 +269,10 @@ class PromptCache(Registration, Serving):
         if self.remote is not None:
             stats.update(remote_errors=self.remote.errors, remote_rejected=self.remote.rejected)
         return stats
+
+
+# the constructor's keywords (from_pretrained passes these to it, the rest to transformers)
+_ENGINE_ARGUMENTS = frozenset(inspect.signature(PromptCache.__init__).parameters) - {"self", "model", "tokenizer"}
 
 
 def _kv_dir(kv_dir: Any, cache_dir: Any) -> Any:

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from .attention import attention_mask
+from .constrained import allowed_tokens
 from .encoder import Forward
-from .generation import RequestState
+from .generation import RequestState, TokenHistory
 from .kvcache import KVBuffer
 from .layout import Plan, Segment
 from .model import ModelSpec
@@ -75,49 +76,132 @@ def prefill_in_order(
     return logits[None]
 
 
-def decode_one_token(forward: Forward, rows: Rows, tokens: Sequence[int], positions: Sequence[int], spec: ModelSpec) -> torch.Tensor:
-    """Feed one token per row at ``positions``; the next logits, ``[rows, vocab]``."""
-    column = len(rows.buffer)
-    # one tensor of positions: the new keys' positions and the queries' are the same
-    rows.key_positions[:, column] = torch.tensor(list(positions), device=rows.key_positions.device)
-    rows.valid[:, column] = True  # finished rows feed a placeholder nobody reads
-    query = rows.key_positions[:, column : column + 1]
-    mask = None
-    # one row's new token comes after every key, so only padding or a window needs a mask
-    if rows.batch > 1 or rows.holes or rows.bias is not None or (spec.sliding_window is not None and not rows.ordered):
-        mask = attention_mask(query, rows.key_positions[:, : column + 1], rows.valid[:, : column + 1], spec, rows.bias)
-    return forward.decode_batch(rows.buffer, tokens, query, (min(positions), max(positions)), mask, rows.shared)
+class Cursor:
+    """Where the decode loop writes next, kept on the device: each row's next position and (fixed
+    shapes) the cache column every row's new token goes to.
+
+    With fixed shapes (models whose attention follows a position mask, ``spec.one_pass``) every
+    step attends over the same ``end`` entries of the rows' cache: positions, the validity of
+    entries and the mask are updated and built on the device, nothing is read back, and the step
+    has the same shapes every time (what torch.compile and CUDA graphs need). Otherwise the cache
+    grows by one entry per step and a mask is built only where one is needed.
+    """
+
+    def __init__(self, rows: Rows, positions: Sequence[int], steps: int, spec: ModelSpec) -> None:
+        device = rows.key_positions.device
+        start = len(rows.buffer)
+        self.positions = torch.tensor(list(positions), dtype=torch.long, device=device)[:, None]
+        self.bounds = (min(positions), max(positions))  # the same, on the host (shared KV reads them)
+        self.fixed = spec.one_pass
+        self.end = start + steps
+        self.column = torch.tensor([start], dtype=torch.long, device=device)
+        if self.fixed:
+            rows.valid[:, start : self.end] = False
+            rows.buffer.fix(self.end, self.column)
+
+    def advance(self) -> None:
+        self.positions += 1
+        self.column += 1
+        self.bounds = (self.bounds[0] + 1, self.bounds[1] + 1)
+
+
+def decode_one_token(forward: Forward, rows: Rows, ids: torch.Tensor, cursor: Cursor, spec: ModelSpec) -> torch.Tensor:
+    """Feed one token per row (``ids [rows, 1]``, on the device) at the cursor; the next logits, ``[rows, vocab]``."""
+    positions = cursor.positions
+    if cursor.fixed:
+        rows.key_positions.index_copy_(1, cursor.column, positions)
+        rows.valid.index_fill_(1, cursor.column, True)
+        keys = cursor.end
+        masked = True
+    else:
+        keys = len(rows.buffer) + 1
+        rows.key_positions[:, keys - 1] = positions[:, 0]
+        rows.valid[:, keys - 1] = True  # finished rows feed a placeholder nobody reads
+        # one row's new token comes after every key, so only padding or a window needs a mask
+        masked = rows.batch > 1 or rows.holes or rows.bias is not None or (spec.sliding_window is not None and not rows.ordered)
+    mask = attention_mask(positions, rows.key_positions[:, :keys], rows.valid[:, :keys], spec, rows.bias) if masked else None
+    logits = forward.decode_batch(rows.buffer, ids, positions, cursor.bounds, mask, rows.shared)
+    cursor.advance()
+    return logits
 
 
 def decode(
     forward: Forward, rows: Rows, requests: Sequence[RequestState], logits: torch.Tensor, spec: ModelSpec
 ) -> Generator[list[str], None, None]:
     """The decode loop: every row's next token from ``logits``, fed back until every request is
-    done. Yields each step's new text, one string per row."""
-    feeding: list[int | None] = [0] * len(requests)  # every row takes the prefill's logits
+    done. Yields each step's new text, one string per row.
+
+    Tokens are chosen on the device for the whole batch (:func:`choose`) and read back in one
+    transfer per step; what is fed next is those same tokens (a finished row's replaced by a
+    placeholder) unless the host changed one (a grammar closing its document)."""
+    steps = max(request.budget for request in requests)
+    cursor = Cursor(rows, [request.next_position for request in requests], steps, spec)
+    history = None
+    if any(request.processors is not None for request in requests):
+        history = TokenHistory([request.prompt_ids for request in requests], steps, logits.device)
+    live = torch.ones(len(requests), 1, dtype=torch.bool, device=logits.device)
+    alive = [True] * len(requests)  # every row takes the prefill's logits
+    placeholder = torch.tensor(spec.placeholder_id, device=logits.device)
     while True:
-        feeding, deltas = _take(requests, logits, feeding)
+        tokens = choose(requests, logits, history, alive)
+        chosen = tokens.tolist()  # the one host transfer of the step
+        fed, deltas = _take(requests, logits, chosen, alive)
         yield deltas
-        if all(token is None for token in feeding):
+        if all(token is None for token in fed):
             return
-        positions = [request.next_position for request in requests]
-        ids = [token if token is not None else spec.placeholder_id for token in feeding]
-        logits = decode_one_token(forward, rows, ids, positions, spec)
+        if any(token is not None and token != chosen[row] for row, token in enumerate(fed)):
+            ids = torch.tensor([[placeholder_or(token, spec)] for token in fed], device=logits.device)
+        else:
+            if [token is not None for token in fed] != alive:
+                live = torch.tensor([[token is not None] for token in fed], device=logits.device)
+            ids = torch.where(live, tokens[:, None], placeholder)
+        alive = [token is not None for token in fed]
+        if history is not None:
+            history.append(ids)
+        logits = decode_one_token(forward, rows, ids, cursor, spec)
         for request in requests:
             request.next_position += 1
 
 
-def _take(requests: Sequence[RequestState], logits: torch.Tensor, feeding: list[int | None]) -> tuple[list[int | None], list[str]]:
-    """Each live row's next token; greedy rows read their argmax in one host transfer per step."""
-    greedy = logits.argmax(-1).tolist() if any(r.greedy for r in requests) else [None] * len(requests)
+def placeholder_or(token: int | None, spec: ModelSpec) -> int:
+    return spec.placeholder_id if token is None else token
+
+
+def choose(requests: Sequence[RequestState], logits: torch.Tensor, history: TokenHistory | None, alive: Sequence[bool]) -> torch.Tensor:
+    """Every row's next token, ``[rows]`` on the device, in transformers' order: logits
+    processors, the grammar's mask (one bitmask for the batch, one transfer), then greedy choice
+    (one argmax for the batch) or sampling."""
+    scores = logits
+    if history is not None:
+        scores = torch.stack([request.scores(logits[row], history, row) for row, request in enumerate(requests)])
+    matchers = [request.matcher if live else None for request, live in zip(requests, alive)]
+    if any(matcher is not None for matcher in matchers):
+        allowed = allowed_tokens(matchers, logits.shape[-1], logits.device)
+        masked = scores.float().masked_fill(~allowed, float("-inf"))
+        if scores is not logits:
+            # the processors banned every token the grammar allows (a repeated n-gram the schema
+            # forces): the grammar is the hard constraint, the processors a preference
+            banned = ~torch.isfinite(masked).any(-1, keepdim=True)
+            masked = torch.where(banned, logits.float().masked_fill(~allowed, float("-inf")), masked)
+        scores = masked
+    tokens = scores.argmax(-1)
+    for row, request in enumerate(requests):
+        if alive[row] and not request.greedy:
+            tokens[row] = request.sampler(scores[row])
+    return tokens
+
+
+def _take(requests: Sequence[RequestState], logits: torch.Tensor, chosen: Sequence[int], alive: Sequence[bool]
+          ) -> tuple[list[int | None], list[str]]:
+    """Each live row records its chosen token; the tokens to feed next (None: row done) and the new text."""
     tokens: list[int | None] = []
     deltas: list[str] = []
     for row, request in enumerate(requests):
-        if feeding[row] is None or request.done:
+        if not alive[row] or request.done:
             tokens.append(None)
             deltas.append("")
             continue
-        token, delta = request.take(logits[row], greedy[row])
+        token, delta = request.take(chosen[row], logits[row])
         tokens.append(token)
         deltas.append(delta)
     return tokens, deltas

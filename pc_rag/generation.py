@@ -202,10 +202,12 @@ class Sampler:
         if params.temperature > 0 and params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of one row of ``logits``, as a 0-d tensor on their device (read later,
+        with the rest of the batch's tokens, in one transfer)."""
         p = self.params
         if p.temperature == 0:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits)
         logits = logits.float() / p.temperature
         if p.top_k is not None and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
@@ -217,7 +219,36 @@ class Sampler:
             drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+
+class TokenHistory:
+    """What logits processors read (transformers' ``input_ids``: the prompt and the tokens
+    generated so far) for every row of a batch, in one tensor allocated once on the device.
+
+    Each step appends the fed tokens in one in-place scatter; a row's processors read a view of
+    its filled part. (A list turned into a tensor at every step copied the whole history each
+    time: quadratic in the answer's length.)
+    """
+
+    def __init__(self, prompts: Sequence[Sequence[int]], steps: int, device: torch.device) -> None:
+        width = max(len(p) for p in prompts) + steps
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
+        self.ids = ids.to(device)
+        self.lengths = [len(p) for p in prompts]
+        self._at = torch.tensor(self.lengths, dtype=torch.long, device=device)[:, None]
+
+    def view(self, row: int) -> torch.Tensor:
+        """Row ``row``'s history, ``[1, length]`` (a view)."""
+        return self.ids[row : row + 1, : self.lengths[row]]
+
+    def append(self, tokens: torch.Tensor) -> None:
+        """Append ``tokens [rows, 1]`` (on the device) to every row."""
+        self.ids.scatter_(1, self._at, tokens)
+        self._at += 1
+        self.lengths = [n + 1 for n in self.lengths]
 
 
 class IncrementalDetokenizer:
@@ -347,9 +378,10 @@ class RequestState:
         self.stats = CacheStats(modules=list(modules), cached_tokens=cached_tokens, computed_tokens=computed_tokens)
         self.greedy = params.temperature == 0
         self.sampler = Sampler(params, device)
-        # processors read the prompt and what was generated (input ids, as in transformers)
+        # processors read the prompt and what was generated (input ids, as in transformers; the
+        # decode loop keeps them in a TokenHistory)
         self.processors = params.processors(len(prompt_ids), stop_token_ids)
-        self.history = list(prompt_ids) if self.processors is not None else []
+        self.prompt_ids = list(prompt_ids) if self.processors is not None else []
         self.matcher = matcher  # constrained decoding (pc_rag.constrained.Matcher), or None
         self.detok = IncrementalDetokenizer(tokenizer)
         # stop strings do not cut a constrained document: it ends when it is whole
@@ -361,38 +393,29 @@ class RequestState:
         self.done = self.budget <= 0
         self.prefill_started = time.perf_counter()
 
-    def take(self, logits: torch.Tensor, greedy_token: int | None = None) -> tuple[int | None, str]:
-        """Choose the next token from ``logits`` (``greedy_token``: its argmax, read once for the
-        whole batch); return the token to feed next (None once done) and the new text.
+    def scores(self, logits: torch.Tensor, history: TokenHistory | None, row: int) -> torch.Tensor:
+        """One row of ``logits`` after this request's logits processors (reading its ``history``
+        row), on the device; ``logits`` itself when it has none."""
+        if self.processors is None or history is None:
+            return logits
+        return self.processors(history.view(row), logits[None].float())[0]
 
-        Order as in transformers' generate(): logits processors, then (constrained decoding) the
-        grammar's mask, then greedy choice or sampling."""
-        scores = logits
-        if self.processors is not None:
-            scores = self.processors(torch.tensor([self.history], device=logits.device), logits[None].float())[0]
-        if self.matcher is not None:
-            allowed = self.matcher.mask(scores)
-            if scores is not logits and not bool(torch.isfinite(allowed).any()):
-                # the processors banned every token the grammar allows (a repeated n-gram the
-                # schema forces): the grammar is the hard constraint, the processors a preference
-                allowed = self.matcher.mask(logits)
-            scores = allowed
-        if scores is logits and self.greedy and greedy_token is not None:
-            token = greedy_token
-        else:
-            token = int(torch.argmax(scores)) if self.greedy else self.sampler(scores)
+    def take(self, token: int, logits: torch.Tensor | None = None) -> tuple[int | None, str]:
+        """Record the chosen ``token`` (chosen on the device by the decode loop: processors, the
+        grammar's mask, then greedy choice or sampling, transformers' order); return the token to
+        feed next (None once done) and the new text. Under a grammar, a token after which the
+        document could not close within the budget gives way to the closing (so the fed token
+        may differ from ``token``)."""
         if self.matcher is not None:
             # near the end of the budget, a token after which the document could not close gives
             # way to the closing (pc_rag.constrained): a constrained reply parses whenever it can
             token = self.matcher.within(token, self.budget - self.steps)
             self.matcher.accept(token)
-        if self.processors is not None:
-            self.history.append(token)
         if self.steps == 0:
             now = time.perf_counter()
             self.stats.ttft_s = now - self.started
             self.stats.prefill_s = now - self.prefill_started
-        if self.logits is not None:
+        if self.logits is not None and logits is not None:
             self.logits.append(logits.detach().float().cpu())
         self.steps += 1
         if token in self.stop_token_ids:

@@ -8,7 +8,9 @@ layers in a single ``copy_``.
 ``KVBuffer`` is a request's cache, allocated once at its final size (prompt + max new tokens).
 transformers' ``DynamicCache`` concatenates on every update, which copies the whole cache at
 prefill and again at every decoded token; the buffer's layers write new keys and values in place
-and hand the model views of the filled part.
+and hand the model views of the filled part. For decoding, :meth:`KVBuffer.fix` turns the views into
+fixed-length ones written at a column held on the device, so that every step has the same shapes
+(what torch.compile and a CUDA graph need); the attention mask then hides what is not written yet.
 """
 
 from __future__ import annotations
@@ -65,11 +67,16 @@ class _BufferLayer(DynamicLayer):
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         self.keys, self.values = keys[..., :0, :], values[..., :0, :]
+        self.column: torch.Tensor | None = None  # fixed shapes: where the next token's KV goes, [1] on the device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # storage exists from the start
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.column is not None:  # a decode step: written in place, the views keep their length
+            self._keys_all.index_copy_(2, self.column, key_states)
+            self._values_all.index_copy_(2, self.column, value_states)
+            return self.keys, self.values
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
         _check_capacity(end, self._keys_all.shape[-2])
@@ -79,9 +86,10 @@ class _BufferLayer(DynamicLayer):
         self.values = self._values_all[..., :end, :]
         return self.keys, self.values
 
-    def grow_to(self, end: int) -> None:
+    def grow_to(self, end: int, column: torch.Tensor | None = None) -> None:
         self.keys = self._keys_all[..., :end, :]
         self.values = self._values_all[..., :end, :]
+        self.column = column
 
     def get_seq_length(self) -> int:
         return self.keys.shape[-2]
@@ -108,6 +116,11 @@ class KVBuffer:
     def __len__(self) -> int:
         return self._layers[0].get_seq_length()
 
+    @property
+    def fixed(self) -> bool:
+        """Whether the layers hand out fixed-length views (see :meth:`fix`)."""
+        return self._layers[0].column is not None
+
     def reset(self) -> None:
         """Empty the buffer, keeping its storage (already faulted-in memory) for the next request."""
         self.grow_to(0)
@@ -117,6 +130,17 @@ class KVBuffer:
         self.check_capacity(end)
         for layer in self._layers:
             layer.grow_to(end)
+
+    def fix(self, end: int, column: torch.Tensor) -> None:
+        """Fixed shapes for decoding: every layer hands the model its first ``end`` entries, and a
+        new token's KV is written at ``column`` (``[1]`` long, on the device, advanced by the caller).
+        Entries not written yet are zeroed: masked keys still meet their values in a product, and
+        0 x NaN (uninitialised memory) is NaN. Undone by :meth:`grow_to`/:meth:`reset`."""
+        self.check_capacity(end)
+        start = len(self)
+        self.storage[:, :, :, :, start:end].zero_()
+        for layer in self._layers:
+            layer.grow_to(end, column)
 
     def check_capacity(self, end: int) -> None:
         _check_capacity(end, self.capacity)

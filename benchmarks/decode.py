@@ -1,0 +1,98 @@
+"""Decode ms/token: pc-rag's decode loop (eager and ``compile=True``) against transformers' own
+``model.generate`` on the same prompt tokens, in one run, median of ``--runs`` after a warm-up.
+
+The prompt is the first SQuAD "Super_Bowl_50" paragraphs (about ``--length`` tokens) stored as
+documents, and a question; every call generates exactly ``--new-tokens`` tokens, greedy
+(end-of-sequence ignored). Decode ms/token is (whole call - first token) / (tokens - 1); for
+transformers, (generate(n) - generate(1)) / (n - 1).
+
+    python benchmarks/decode.py                  # embedded SmolLM2-135M, CPU
+    python benchmarks/decode.py --no-compile     # skip torch.compile (its first call compiles: ~2 min here)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
+
+from pc_rag import PromptCache
+from pc_rag.documents import build_prompt
+from pc_rag.loading import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def median(call: Callable[[], float], runs: int) -> float:
+    call()  # warm-up (and, compiled, the compilation)
+    return statistics.median(call() for _ in range(runs))
+
+
+def wall(call: Callable[[], Any]) -> Callable[[], float]:
+    def run() -> float:
+        started = time.perf_counter()
+        call()
+        return time.perf_counter() - started
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode.json")
+    args = parser.parse_args()
+
+    model, tokenizer = load_model(None)
+    article = json.loads((args.data / "squad_v1.1_dev_super_bowl_50.json").read_text())["data"][0]
+    docs, total = [], 0
+    for paragraph in (p["context"] for p in article["paragraphs"]):
+        if total >= args.length:
+            break
+        docs.append(paragraph)
+        total += len(tokenizer(paragraph, add_special_tokens=False)["input_ids"])
+    ids = [f"p{i}" for i in range(len(docs))]
+    prompt = str(build_prompt("Which team won the game, and what was the final score?", ids))
+    n = args.new_tokens
+    engines = {"pc-rag": PromptCache(model, tokenizer)}
+    if not args.no_compile:
+        engines["pc-rag compile=True"] = PromptCache(model, tokenizer, compile=True)
+    result: dict[str, Any] = {**run_info(), "new_tokens": n, "decode_ms_per_token": {}}
+    for name, engine in engines.items():
+        engine.add_documents(docs, ids=ids, progress=False)
+        engine.stop_token_ids = set()
+
+        def decode_ms(engine: PromptCache = engine) -> float:
+            stats = engine.generate(prompt, max_new_tokens=n).stats
+            return 1000 * (stats.total_s - stats.ttft_s) / (stats.generated_tokens - 1)
+
+        result["decode_ms_per_token"][name] = median(decode_ms, args.runs)
+        result["prompt_tokens"] = len(engine.plan(prompt).input_ids)
+        print(name, round(result["decode_ms_per_token"][name], 2), "ms/token", flush=True)
+    input_ids = torch.tensor([engines["pc-rag"].plan(prompt).input_ids])
+
+    def generate(new: int) -> Any:
+        with torch.inference_mode():
+            return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new,
+                                  min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    first = median(wall(lambda: generate(1)), args.runs)
+    whole = median(wall(lambda: generate(n)), args.runs)
+    result["decode_ms_per_token"]["transformers generate"] = 1000 * (whole - first) / (n - 1)
+    print("transformers generate", round(result["decode_ms_per_token"]["transformers generate"], 2), "ms/token")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

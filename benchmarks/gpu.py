@@ -1,0 +1,164 @@
+"""The GPU table in one command: TTFT, decode and shared-batch throughput against transformers.
+
+On one model (``--model``, or by default a Llama-3-8B-shaped model with random bf16 weights,
+since TTFT and throughput do not depend on weight values and the device machine reaches no hub),
+in one run, median of ``--runs`` after a warm-up:
+
+- TTFT at each of ``--lengths`` prompt tokens (SQuAD paragraphs, cycled, stored with
+  ``add_documents``): full prefill (``use_cache=False``), cached with module KV in GPU memory
+  (``kv_location="device"``) and in pinned host memory (``kv_location="cpu"``);
+- decode ms/token at the first length: pc-rag (cached prompt) and transformers'
+  ``model.generate`` on the same prompt text (both greedy, ``--new-tokens`` tokens);
+- shared-batch throughput: ``--batch`` prompts importing the same documents with different
+  questions, ``engine.generate_batch`` (shared-module attention) against ``model.generate`` on
+  the same prompts left-padded into one batch (tokens generated per second, whole call).
+
+    python benchmarks/gpu.py                                 # CUDA, synthetic 8B-shaped model
+    python benchmarks/gpu.py --device cpu --model embedded --lengths 512 --batch 2 --new-tokens 4 --runs 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
+
+from pc_rag import PromptCache
+from pc_rag.documents import build_prompt
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = ["Which team won the game?", "Where was the game played?", "Who performed at halftime?",
+             "What was the final score?", "Who was the most valuable player?", "Which network broadcast it?",
+             "When was the game played?", "How many people watched it?"]
+
+
+def synthetic_8b(device: str, tokenizer: Any) -> Any:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rope_theta=500000.0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any]:
+    from transformers import AutoTokenizer
+
+    from pc_rag.loading import load_model
+    from pc_rag.model import default_model_dir
+
+    if args.model == "synthetic-8b":
+        tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+        return synthetic_8b(args.device, tokenizer), tokenizer
+    return load_model(None if args.model == "embedded" else args.model, device=args.device, dtype=args.dtype)
+
+
+def timed(call: Callable[[], Any], runs: int) -> float:
+    """Median seconds of ``call`` over ``runs`` runs after one warm-up (device synchronised)."""
+    def once() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        call()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    once()
+    return statistics.median(once() for _ in range(runs))
+
+
+def documents_of(length: int, paragraphs: list[str], tokenizer: Any) -> list[str]:
+    """Paragraphs (cycled) whose tokens add up to about ``length``."""
+    chosen, total, index = [], 0, 0
+    while total < length:
+        text = paragraphs[index % len(paragraphs)]
+        chosen.append(text if index < len(paragraphs) else f"({index}) {text}")
+        total += len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 2
+        index += 1
+    return chosen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="synthetic-8b", help='"synthetic-8b", "embedded", or a hub id/folder')
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu.json")
+    args = parser.parse_args()
+
+    model, tokenizer = load(args)
+    article = json.loads((args.data / "squad_v1.1_dev_super_bowl_50.json").read_text())["data"][0]
+    paragraphs = [p["context"] for p in article["paragraphs"]]
+    on_device = PromptCache(model, tokenizer, kv_location="device")
+    on_host = PromptCache(model, tokenizer, kv_location="cpu")
+    rows = []
+    for length in args.lengths:
+        docs = documents_of(length, paragraphs, tokenizer)
+        ids = [f"len{length}-{i}" for i in range(len(docs))]
+        for engine in (on_device, on_host):
+            engine.add_documents(docs, ids=ids, progress=False)
+        prompt = str(build_prompt(QUESTIONS[0], ids))
+        tokens = on_device.generate(prompt, max_new_tokens=1).stats
+        row = {"prompt_tokens": tokens.cached_tokens + tokens.computed_tokens, "ttft_ms": {
+            "full prefill": 1000 * timed(lambda: on_device.generate(prompt, max_new_tokens=1, use_cache=False), args.runs),  # noqa: B023
+            "cached (GPU memory)": 1000 * timed(lambda: on_device.generate(prompt, max_new_tokens=1), args.runs),  # noqa: B023
+            "cached (host memory)": 1000 * timed(lambda: on_host.generate(prompt, max_new_tokens=1), args.runs),  # noqa: B023
+        }}
+        rows.append(row)
+        print(json.dumps(row))
+
+    # decode and shared batches, at the first length
+    ids = [f"len{args.lengths[0]}-{i}" for i in range(len(documents_of(args.lengths[0], paragraphs, tokenizer)))]
+    on_device.stop_token_ids = set()  # every call generates exactly --new-tokens tokens
+    prompts = [str(build_prompt(QUESTIONS[i % len(QUESTIONS)], ids)) for i in range(args.batch)]
+    n = args.new_tokens
+    ours = on_device.generate(prompts[0], max_new_tokens=n).stats
+    decode_ms = 1000 * (ours.total_s - ours.ttft_s) / max(1, ours.generated_tokens - 1)
+    reference = transformers_generate(model, tokenizer, on_device, prompts, n, args.runs)
+    batch_s = timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n), args.runs)
+    result = {
+        **run_info(), "model": args.model, "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        "ttft": rows,
+        "decode_ms_per_token": {"pc-rag": decode_ms, "transformers generate": reference["decode_ms"]},
+        "batch": args.batch, "new_tokens": n,
+        "batch_tokens_per_s": {"pc-rag generate_batch (shared)": args.batch * n / batch_s,
+                               "transformers generate (padded batch)": reference["batch_tokens_per_s"]},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "ttft"}, indent=1))
+
+
+def transformers_generate(model: Any, tokenizer: Any, engine: PromptCache, prompts: list[str], n: int, runs: int) -> dict[str, float]:
+    """transformers' own generate on the same prompt tokens: decode ms/token (one prompt) and batch tokens/s."""
+    rows = [engine.plan(p).input_ids for p in prompts]
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
+
+    def generate(batch: int, new: int) -> Any:
+        return model.generate(input_ids=ids[:batch], attention_mask=mask[:batch], max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=pad)
+
+    with torch.inference_mode():
+        first = timed(lambda: generate(1, 1), runs)
+        whole = timed(lambda: generate(1, n), runs)
+        batch = timed(lambda: generate(len(prompts), n), runs)
+    return {"decode_ms": 1000 * (whole - first) / max(1, n - 1), "batch_tokens_per_s": len(prompts) * n / batch}
+
+
+if __name__ == "__main__":
+    main()

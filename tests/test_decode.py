@@ -1,0 +1,117 @@
+"""The decode step: fixed shapes, state kept on the device, one batch-wide choice per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pc_rag import PromptCache
+from pc_rag.generation import TokenHistory
+
+PROMPT = "the cat sat on the mat and then the cat sat on the"
+
+
+def _record_steps(model: torch.nn.Module) -> tuple[list[tuple[tuple[int, ...], int]], object]:
+    """(input shape, key length the mask covers) of every forward pass the model runs."""
+    calls: list[tuple[tuple[int, ...], int]] = []
+
+    def hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, dict):
+            mask = next(iter(mask.values()))
+        calls.append((tuple(kwargs["input_ids"].shape), -1 if mask is None else mask.shape[-1]))
+
+    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})])
+def test_every_decode_step_has_the_same_shapes_and_the_answer_is_unchanged(make_tiny, tokenizer, arch, overrides):
+    """One row and a batch: after prefill, every step feeds [rows, 1] tokens against the same
+    number of keys (the row's fixed decode capacity), and the tokens are transformers' own."""
+    if arch == "mistral":
+        from transformers import AutoModelForCausalLM, MistralConfig
+
+        torch.manual_seed(3)
+        config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **overrides)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    else:
+        model = make_tiny(arch, seed=3, **overrides)
+    engine = PromptCache(model, tokenizer, recompute=0)
+    engine.stop_token_ids = set()
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        reference = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+
+    calls, handle = _record_steps(model)
+    try:
+        single = engine.generate(PROMPT, max_new_tokens=12)
+        steps = calls[1:]
+        assert len(steps) == 11 and {shape for shape, _ in steps} == {(1, 1)}
+        assert len({keys for _, keys in steps}) == 1 and steps[0][1] >= ids.shape[1] + 11
+        calls.clear()
+        batch = engine.generate_batch([PROMPT, "a different and longer prompt about dogs and their owners"], max_new_tokens=12)
+        steps = calls[1:]
+        assert {shape for shape, _ in steps} == {(2, 1)} and len({keys for _, keys in steps}) == 1
+    finally:
+        handle.remove()
+    assert single.token_ids == reference
+    assert batch[0].token_ids == reference
+
+
+def test_a_finished_row_stops_while_the_others_go_on(make_tiny, tokenizer):
+    """Rows of a batch end at different steps (their own budgets via stops): each answer is its single call's."""
+    model = make_tiny("llama", seed=5)
+    engine = PromptCache(model, tokenizer, recompute=0)
+    prompts = [PROMPT, "another prompt, quite different from the first one"]
+    singles = [engine.generate(p, max_new_tokens=10) for p in prompts]
+    # the first row's third token ends it; the second row goes on to its budget
+    engine.stop_token_ids = set(engine.stop_token_ids) | {singles[0].token_ids[2]}
+    assert singles[0].token_ids[2] not in singles[1].token_ids
+    batch = engine.generate_batch(prompts, max_new_tokens=10)
+    assert batch[0].token_ids == singles[0].token_ids[:2] and batch[0].finish_reason == "stop"
+    assert batch[1].token_ids == singles[1].token_ids
+
+
+def test_token_history_is_one_tensor_appended_in_place():
+    history = TokenHistory([[1, 2, 3], [4]], steps=3, device=torch.device("cpu"))
+    storage = history.ids.data_ptr()
+    history.append(torch.tensor([[7], [8]]))
+    history.append(torch.tensor([[9], [10]]))
+    assert history.view(0).tolist() == [[1, 2, 3, 7, 9]]
+    assert history.view(1).tolist() == [[4, 8, 10]]
+    assert history.ids.data_ptr() == storage  # no copy of the whole history per step
+
+
+def test_one_grammar_mask_for_a_batch_is_each_rows_own(tokenizer):
+    """Rows under a grammar get exactly what their matcher allows; a row without one, everything."""
+    import llguidance.torch
+
+    from pc_rag.constrained import Vocabulary, allowed_tokens, schema_text
+
+    vocab = len(tokenizer)
+    vocabulary = Vocabulary(tokenizer, vocab, frozenset({tokenizer.eos_token_id}))
+    numbers = vocabulary.matcher(schema_text({"type": "integer"}))
+    names = vocabulary.matcher(schema_text({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}))
+    allowed = allowed_tokens([numbers, None, names], vocab, torch.device("cpu"))
+    assert allowed.shape == (3, vocab) and allowed.dtype == torch.bool
+    for row, matcher in ((0, numbers), (2, names)):
+        own = llguidance.torch.allocate_token_bitmask(1, vocab)
+        matcher.fill(own, 0)
+        assert torch.equal(allowed[row], vocabulary.allowed(own[0])[:vocab])
+    assert bool(allowed[1].all())
+    assert 0 < int(allowed[0].sum()) < vocab and not torch.equal(allowed[0], allowed[2])
+
+
+def test_compiled_decode_step_gives_the_same_tokens(make_tiny, tokenizer):
+    """compile=True runs the fixed-shape step through torch.compile: same greedy tokens, single and batch."""
+    model = make_tiny("llama", seed=11)
+    eager = PromptCache(model, tokenizer, recompute=0)
+    compiled = PromptCache(model, tokenizer, recompute=0, compile=True)
+    for engine in (eager, compiled):
+        engine.stop_token_ids = set()
+    prompts = [PROMPT, "another prompt, a different one"]
+    assert compiled.generate(PROMPT, max_new_tokens=8).token_ids == eager.generate(PROMPT, max_new_tokens=8).token_ids
+    ours = [g.token_ids for g in compiled.generate_batch(prompts, max_new_tokens=8)]
+    assert ours == [g.token_ids for g in eager.generate_batch(prompts, max_new_tokens=8)]
+    assert compiled.forward.compiled_steps == 7 + 7 and eager.forward.compiled_steps == 0
