@@ -106,7 +106,7 @@ def encoding(url: str, documents: int) -> dict:
     names = engine.add_documents(texts, progress=False)
     out["in_process_s"] = time.perf_counter() - started
     out["tokens"] = sum(len(engine.schemas["docs"].layout.modules[n].token_ids) for n in names)
-    records = [json.loads(client.get(k).decode().partition(" ")[2]) for k in client.scan_iter(f"{engine.remote.prefix}*:kv:*")
+    records = [json.loads(client.get(k).decode().partition(" ")[2]) for k in client.scan_iter(f"{engine.remote.link.prefix}*:kv:*")
                if len(k.rsplit(b":", 1)[1]) == 64]  # records, not their chunks
     documents_only = [r for r in records if r.get("module") in set(names)]
     out["bytes_per_module"] = sum(r["bytes"] for r in documents_only) / len(documents_only)

@@ -67,7 +67,7 @@ def registry_sync(url: str, sizes: list[int], repeats: int) -> list[dict]:
         system = writer.registry._document_schema("docs", None).system
         records = [{"name": f"d{i}", "text": texts[i], "metadata": {"i": i}} for i in range(size)]
         for start in range(0, size, 5000):
-            assert writer.remote.publish_documents("docs", system, records[start : start + 5000])
+            assert writer.remote.log.publish_documents("docs", system, records[start : start + 5000])
         full, check = [], []
         for _ in range(repeats):
             replica = PromptCache.from_pretrained(remote_store=url, remote_sync=False, remote_key=KEY)

@@ -36,6 +36,9 @@ from .rope import rotate_with
 from .rows import Inputs, Rows
 from .shared_attention import SharedKV, SharedPart, share_prefixes
 
+# a batch's cache capacity is rounded up to a multiple of this many entries
+BATCH_GRANULARITY = 256
+
 Assembly = Literal["copy", "in_place"]
 
 
@@ -170,6 +173,8 @@ class Assembler:
         if batch == 1:
             buffer = self.buffers.acquire(capacity)
         else:
+            # rounded up like the pool's buffers: a compiled decode step sees few shapes
+            capacity = -(-capacity // BATCH_GRANULARITY) * BATCH_GRANULARITY
             buffer = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, capacity, dtype=spec.dtype, device=spec.device, batch=batch)
             # masked entries still meet the values in a product (weight 0 x value): uninitialised
             # memory can hold NaN, and 0 x NaN is NaN

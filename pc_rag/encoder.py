@@ -40,6 +40,11 @@ class Forward:
         self.encoded = 0
         self._count_lock = threading.Lock()
 
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run through torch.compile."""
+        return self._decode_step is not None
+
     def _count(self, passes: int, encoded: int = 0) -> None:
         with self._count_lock:
             self.passes += passes

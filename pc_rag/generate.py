@@ -87,13 +87,15 @@ class Cursor:
     grows by one entry per step and a mask is built only where one is needed.
     """
 
-    def __init__(self, rows: Rows, positions: Sequence[int], steps: int, spec: ModelSpec) -> None:
+    def __init__(self, rows: Rows, positions: Sequence[int], steps: int, spec: ModelSpec, *, whole: bool = False) -> None:
         device = rows.key_positions.device
         start = len(rows.buffer)
         self.positions = torch.tensor(list(positions), dtype=torch.long, device=device)[:, None]
         self.bounds = (min(positions), max(positions))  # the same, on the host (shared KV reads them)
         self.fixed = spec.one_pass
-        self.end = start + steps
+        # whole: attend over the buffer's whole capacity (rounded by the pool), so that a compiled
+        # step sees a few shapes across requests instead of one per prompt length
+        self.end = rows.buffer.capacity if whole else start + max(steps, 0)
         self.column = torch.tensor([start], dtype=torch.long, device=device)
         if self.fixed:
             rows.valid[:, start : self.end] = False
@@ -135,7 +137,7 @@ def decode(
     transfer per step; what is fed next is those same tokens (a finished row's replaced by a
     placeholder) unless the host changed one (a grammar closing its document)."""
     steps = max(request.budget for request in requests)
-    cursor = Cursor(rows, [request.next_position for request in requests], steps, spec)
+    cursor = Cursor(rows, [request.next_position for request in requests], steps, spec, whole=forward.compiled)
     history = None
     if any(request.processors is not None for request in requests):
         history = TokenHistory([request.prompt_ids for request in requests], steps, logits.device)
@@ -149,13 +151,13 @@ def decode(
         yield deltas
         if all(token is None for token in fed):
             return
+        if [token is not None for token in fed] != alive:  # a row finished: it feeds placeholders from now on
+            alive = [token is not None for token in fed]
+            live = torch.tensor(alive, device=logits.device)[:, None]
         if any(token is not None and token != chosen[row] for row, token in enumerate(fed)):
-            ids = torch.tensor([[placeholder_or(token, spec)] for token in fed], device=logits.device)
+            ids = torch.tensor([[placeholder_or(token, spec)] for token in fed], device=logits.device)  # the host chose
         else:
-            if [token is not None for token in fed] != alive:
-                live = torch.tensor([[token is not None] for token in fed], device=logits.device)
             ids = torch.where(live, tokens[:, None], placeholder)
-        alive = [token is not None for token in fed]
         if history is not None:
             history.append(ids)
         logits = decode_one_token(forward, rows, ids, cursor, spec)

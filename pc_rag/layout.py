@@ -31,7 +31,7 @@ import difflib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from .errors import PromptCacheError
 from .pml import ModuleNode, ModuleRef, ParamNode, PromptDoc, PromptRole, RoleMark, RoleNode, SchemaDoc, SchemaNode, TextNode, UnionNode
@@ -192,139 +192,150 @@ def layout_schema(
     bos_ids: Sequence[int] = (),
 ) -> SchemaLayout:
     """Assign schema positions to every token of ``doc`` (paper §3.3)."""
-    modules: dict[str, ModuleInfo] = {}
-    pieces: list[Piece] = []
-    uses_roles = False
-    pending: dict[str, list[str]] = {}  # owner -> text not yet tokenised (merged across role markers)
-    open_anonymous: str | None = None  # the anonymous run that text outside modules goes to
-    bos = list(bos_ids)  # goes in front of the schema's first anonymous run
-    cursor = 0
-    union_count = 0
-    union_scaffold: dict[int, str] = {}
-    turns = Turns()
-
-    def flush(owner: str) -> None:
-        nonlocal cursor, bos
-        ids = tokenize("".join(pending.pop(owner, [])))
-        if bos and modules[owner].anonymous:
-            ids, bos = bos + ids, []
-        if not ids:
-            return
-        info = modules[owner]
-        pieces.append(Piece(owner, len(info.token_ids), len(ids), cursor))
-        info.token_ids.extend(ids)
-        info.positions.extend(range(cursor, cursor + len(ids)))
-        cursor += len(ids)
-
-    def open_run() -> str:
-        nonlocal open_anonymous
-        if open_anonymous is None:
-            open_anonymous = f"#{sum(1 for m in modules.values() if m.anonymous)}"
-            modules[open_anonymous] = ModuleInfo(open_anonymous, None, None)
-        return open_anonymous
-
-    def add_text(owner: str | None, text: str) -> None:
-        pending.setdefault(owner if owner is not None else open_run(), []).append(text)
-
-    def close_anonymous() -> None:
-        nonlocal open_anonymous
-        if open_anonymous is not None:
-            flush(open_anonymous)
-            if not modules[open_anonymous].token_ids:
-                del modules[open_anonymous]
-            open_anonymous = None
-
-    def walk(nodes: list[SchemaNode], owner: str | None) -> None:
-        nonlocal cursor, uses_roles, union_count, turns
-        for node in nodes:
-            if isinstance(node, TextNode):
-                add_text(owner, node.text)
-            elif isinstance(node, (RoleNode, RoleMark)):
-                uses_roles = True
-                start, end = markers.text(node)
-                turns.enter(node)
-                add_text(owner, start)
-                walk(getattr(node, "children", []), owner)
-                add_text(owner, end)
-                turns.leave(node)
-            elif isinstance(node, ParamNode):
-                if owner is None:
-                    raise PromptCacheError(f"parameter {node.name!r} outside a module", line=node.line, column=node.column)
-                info = modules[owner]
-                if node.name in info.params:
-                    raise PromptCacheError(f"duplicate parameter {node.name!r} in module {owner!r}", line=node.line, column=node.column)
-                flush(owner)
-                scaffold = tokenize(node.scaffold) if node.scaffold else []
-                if len(scaffold) > node.length:
-                    raise PromptCacheError(
-                        f"scaffold of parameter {node.name!r} is {len(scaffold)} tokens, longer than the parameter ({node.length})",
-                        line=node.line, column=node.column,
-                    )
-                info.params[node.name] = ParamSlot(node.name, len(info.token_ids), node.length, len(scaffold))
-                pieces.append(Piece(owner, len(info.token_ids), node.length, cursor, param=node.name))
-                info.token_ids.extend(scaffold + [placeholder_id] * (node.length - len(scaffold)))
-                info.positions.extend(range(cursor, cursor + node.length))
-                cursor += node.length
-            elif isinstance(node, ModuleNode):
-                place_module(node, owner, None)
-            elif isinstance(node, UnionNode):
-                union_id = union_count
-                union_count += 1
-                scaffold = node.scaffold or node.members[0].name
-                union_scaffold[union_id] = scaffold if owner is None else f"{owner}/{scaffold}"  # names are scoped
-                if owner is not None:
-                    flush(owner)
-                else:
-                    close_anonymous()
-                start, end = cursor, cursor
-                before, after = turns.copy(), None
-                for member in node.members:
-                    cursor = start
-                    turns = before.copy()
-                    place_module(member, owner, union_id)
-                    end = max(end, cursor)
-                    if after is not None and turns.role != after.role:
-                        raise PromptCacheError(f"the members of this <union> leave different turns open ({after.role!r}, {turns.role!r})",
-                                               line=node.line, column=node.column)
-                    after = turns
-                cursor = end
-
-    def place_module(node: ModuleNode, parent: str | None, union_id: int | None) -> None:
-        # names are scoped by their parent, as in the reference implementation: a nested module
-        # is known as "parent/name" (two unions may each hold a "default")
-        name = node.name if parent is None else f"{parent}/{node.name}"
-        if name in modules:
-            first = modules[name]
-            raise PromptCacheError(
-                f"duplicate module name {node.name!r} (first defined at line {first.line}, column {first.column})",
-                line=node.line,
-                column=node.column,
-            )
-        if parent is not None:
-            flush(parent)
-            modules[parent].children.append(name)
-        else:
-            close_anonymous()
-        info = ModuleInfo(name, parent, union_id, line=node.line, column=node.column, cache=node.cache)
-        modules[name] = info
-        info.first_piece = len(pieces)
-        walk(node.children, name)
-        flush(name)
-        info.last_piece = len(pieces) - 1
-        if node.children and all(isinstance(child, TextNode) for child in node.children):
-            info.text, info.text_tokens = "".join(child.text for child in node.children), len(info.token_ids)  # type: ignore[union-attr]
-
-    if bos:
-        open_run()
-    walk(doc.children, None)
-    close_anonymous()
+    walker = _SchemaWalker(tokenize, markers, placeholder_id, bos_ids)
+    if walker.bos:
+        walker.open_run()
+    walker.walk(doc.children, None)
+    walker.close_anonymous()
+    modules, pieces = walker.modules, walker.pieces
     for info in modules.values():
         # an empty union member is the reference's placeholder ("import nothing here"); elsewhere
         # an empty module is a mistake
         if not info.anonymous and not info.token_ids and not info.children and info.union is None:
             raise PromptCacheError(f"module {info.name!r} is empty", line=info.line, column=info.column)
     anonymous = [i for i, piece in enumerate(pieces) if modules[piece.owner].anonymous]
-    return SchemaLayout(doc.name, modules, pieces, uses_roles, cursor, anonymous, union_scaffold=union_scaffold, open_turn=turns.role)
+    return SchemaLayout(doc.name, modules, pieces, walker.uses_roles, walker.cursor, anonymous,
+                        union_scaffold=walker.union_scaffold, open_turn=walker.turns.role)
+
+
+class _SchemaWalker:
+    """One schema's walk in document order: every module, parameter and run of text outside
+    modules gets its pieces and the schema positions of its tokens (the cursor)."""
+
+    def __init__(self, tokenize: Tokenize, markers: ChatMarkers, placeholder_id: int, bos_ids: Sequence[int]) -> None:
+        self.tokenize, self.markers, self.placeholder_id = tokenize, markers, placeholder_id
+        self.modules: dict[str, ModuleInfo] = {}
+        self.pieces: list[Piece] = []
+        self.uses_roles = False
+        self.pending: dict[str, list[str]] = {}  # owner -> text not yet tokenised (merged across role markers)
+        self.open_anonymous: str | None = None  # the anonymous run that text outside modules goes to
+        self.bos = list(bos_ids)  # goes in front of the schema's first anonymous run
+        self.cursor = 0
+        self.union_scaffold: dict[int, str] = {}
+        self.turns = Turns()
+
+    # -- text and runs ------------------------------------------------------------------------------
+    def flush(self, owner: str) -> None:
+        """Tokenise ``owner``'s pending text into a piece at the cursor."""
+        ids = self.tokenize("".join(self.pending.pop(owner, [])))
+        info = self.modules[owner]
+        if self.bos and info.anonymous:
+            ids, self.bos = self.bos + ids, []
+        if not ids:
+            return
+        self.pieces.append(Piece(owner, len(info.token_ids), len(ids), self.cursor))
+        info.token_ids.extend(ids)
+        info.positions.extend(range(self.cursor, self.cursor + len(ids)))
+        self.cursor += len(ids)
+
+    def open_run(self) -> str:
+        if self.open_anonymous is None:
+            self.open_anonymous = f"#{sum(1 for m in self.modules.values() if m.anonymous)}"
+            self.modules[self.open_anonymous] = ModuleInfo(self.open_anonymous, None, None)
+        return self.open_anonymous
+
+    def add_text(self, owner: str | None, text: str) -> None:
+        self.pending.setdefault(owner if owner is not None else self.open_run(), []).append(text)
+
+    def close_anonymous(self) -> None:
+        if self.open_anonymous is not None:
+            self.flush(self.open_anonymous)
+            if not self.modules[self.open_anonymous].token_ids:
+                del self.modules[self.open_anonymous]
+            self.open_anonymous = None
+
+    # -- the walk -------------------------------------------------------------------------------------
+    def walk(self, nodes: list[SchemaNode], owner: str | None) -> None:
+        for node in nodes:
+            if isinstance(node, TextNode):
+                self.add_text(owner, node.text)
+            elif isinstance(node, (RoleNode, RoleMark)):
+                self.uses_roles = True
+                start, end = self.markers.text(node)
+                self.turns.enter(node)
+                self.add_text(owner, start)
+                self.walk(getattr(node, "children", []), owner)
+                self.add_text(owner, end)
+                self.turns.leave(node)
+            elif isinstance(node, ParamNode):
+                self.place_param(node, owner)
+            elif isinstance(node, ModuleNode):
+                self.place_module(node, owner, None)
+            elif isinstance(node, UnionNode):
+                self.place_union(node, owner)
+
+    def place_param(self, node: ParamNode, owner: str | None) -> None:
+        if owner is None:
+            raise PromptCacheError(f"parameter {node.name!r} outside a module", line=node.line, column=node.column)
+        info = self.modules[owner]
+        if node.name in info.params:
+            raise PromptCacheError(f"duplicate parameter {node.name!r} in module {owner!r}", line=node.line, column=node.column)
+        self.flush(owner)
+        scaffold = self.tokenize(node.scaffold) if node.scaffold else []
+        if len(scaffold) > node.length:
+            raise PromptCacheError(
+                f"scaffold of parameter {node.name!r} is {len(scaffold)} tokens, longer than the parameter ({node.length})",
+                line=node.line, column=node.column,
+            )
+        info.params[node.name] = ParamSlot(node.name, len(info.token_ids), node.length, len(scaffold))
+        self.pieces.append(Piece(owner, len(info.token_ids), node.length, self.cursor, param=node.name))
+        info.token_ids.extend(scaffold + [self.placeholder_id] * (node.length - len(scaffold)))
+        info.positions.extend(range(self.cursor, self.cursor + node.length))
+        self.cursor += node.length
+
+    def place_union(self, node: UnionNode, owner: str | None) -> None:
+        """Every member starts where the union does; what follows starts after the longest."""
+        union_id = len(self.union_scaffold)
+        scaffold = node.scaffold or node.members[0].name
+        self.union_scaffold[union_id] = scaffold if owner is None else f"{owner}/{scaffold}"  # names are scoped
+        if owner is not None:
+            self.flush(owner)
+        else:
+            self.close_anonymous()
+        start = end = self.cursor
+        before, after = self.turns.copy(), None
+        for member in node.members:
+            self.cursor = start
+            self.turns = before.copy()
+            self.place_module(member, owner, union_id)
+            end = max(end, self.cursor)
+            if after is not None and self.turns.role != after.role:
+                raise PromptCacheError(f"the members of this <union> leave different turns open ({after.role!r}, {self.turns.role!r})",
+                                       line=node.line, column=node.column)
+            after = self.turns
+        self.cursor = end
+
+    def place_module(self, node: ModuleNode, parent: str | None, union_id: int | None) -> None:
+        # names are scoped by their parent, as in the reference implementation: a nested module
+        # is known as "parent/name" (two unions may each hold a "default")
+        name = node.name if parent is None else f"{parent}/{node.name}"
+        if name in self.modules:
+            first = self.modules[name]
+            raise PromptCacheError(f"duplicate module name {node.name!r} (first defined at line {first.line}, column {first.column})",
+                                   line=node.line, column=node.column)
+        if parent is not None:
+            self.flush(parent)
+            self.modules[parent].children.append(name)
+        else:
+            self.close_anonymous()
+        info = ModuleInfo(name, parent, union_id, line=node.line, column=node.column, cache=node.cache)
+        self.modules[name] = info
+        info.first_piece = len(self.pieces)
+        self.walk(node.children, name)
+        self.flush(name)
+        info.last_piece = len(self.pieces) - 1
+        if node.children and all(isinstance(child, TextNode) for child in node.children):
+            info.text, info.text_tokens = "".join(child.text for child in node.children), len(info.token_ids)  # type: ignore[union-attr]
 
 
 def document_layout(name: str, prefix_ids: Sequence[int], lead_ids: Sequence[int] = ()) -> SchemaLayout:
@@ -492,171 +503,195 @@ def plan_prompt(
     the always-included text; later runs (role markers, instructions between modules) are
     computed so that they attend to the modules before them, as in full prefill.
     """
-    imported: set[str] = set()
-    args: dict[str, list[int]] = {}
-    by_union: dict[int, str] = {}
+    planner = _PromptPlanner(layout, tokenize, markers, compact=compact, cache_anonymous=cache_anonymous)
+    items = planner.flatten(doc)
+    segments, order = planner.place(items)
+    if not segments:
+        raise PromptCacheError("the prompt is empty: it imports nothing and has no text", line=doc.line, column=doc.column)
+    return Plan(compute_last(segments), order, layout.name)
 
-    def resolve(ref: ModuleRef, parent: str | None) -> None:
+
+class _PromptPlanner:
+    """One prompt's walk through its schema: :meth:`flatten` resolves the prompt's imports and
+    role tags into text and module references, :meth:`place` lays the schema's pieces and the
+    prompt's text out as segments (cached or computed, at their positions)."""
+
+    def __init__(self, layout: SchemaLayout, tokenize: Tokenize, markers: ChatMarkers, *, compact: bool,
+                 cache_anonymous: bool) -> None:
+        self.layout, self.tokenize, self.markers = layout, tokenize, markers
+        self.compact, self.cache_anonymous = compact, cache_anonymous
+        self.imported: set[str] = set()
+        self.args: dict[str, list[int]] = {}  # "<module>\x00<parameter>" -> the argument's tokens
+        self.by_union: dict[int, str] = {}  # union -> the first member imported
+        self.segments: list[Segment] = []
+        self.next_position = 0  # compact: the next free position
+        self.last_position = -1  # schema positions: the position of the last emitted token
+        self.emitted_anonymous: set[int] = set()  # piece indices
+        self.pending_text: list[str] = []
+
+    # -- the prompt: imports, arguments, role tags ------------------------------------------------
+    def flatten(self, doc: PromptDoc) -> list[str | ModuleRef]:
+        """The prompt as text and top-level module references, imports resolved and checked."""
+        items: list[str | ModuleRef] = []
+        layout, markers = self.layout, self.markers
+        uses_roles = layout.uses_roles
+        turns = Turns(layout.open_turn)
+
+        def walk(nodes: list) -> None:
+            nonlocal uses_roles
+            for node in nodes:
+                if isinstance(node, TextNode):
+                    items.append(node.text)
+                elif isinstance(node, (PromptRole, RoleMark)):
+                    uses_roles = True
+                    start, end = markers.text(node)
+                    turns.enter(node)
+                    items.append(start)
+                    walk(getattr(node, "children", []))
+                    items.append(end)
+                    turns.leave(node)
+                else:
+                    self.resolve(node, None)
+                    items.append(node)
+
+        walk(doc.children)
+        # a prompt that ends inside a turn continues it (an <assistant> opened with the answer's start)
+        if uses_roles and markers.generation and turns.role is None:
+            items.append(markers.generation)
+        return items
+
+    def resolve(self, ref: ModuleRef, parent: str | None) -> None:
+        """Record the import of ``ref`` (inside module ``parent``) and of its children, with their arguments."""
+        layout = self.layout
         name = ref.name if parent is None else f"{parent}/{ref.name}"
         info = layout.modules.get(name)
         if info is None or info.anonymous:
-            elsewhere = [n for n in layout.named_modules() if short_name(n) == ref.name]
-            if elsewhere:
-                where = "at the top level of the prompt" if parent is None else f"inside <{short_name(parent)}>"
-                raise PromptCacheError(
-                    f"module {ref.name!r} cannot be imported {where}; import it as {_path(layout, elsewhere[0])}",
-                    line=ref.line,
-                    column=ref.column,
-                )
-            known = sorted({short_name(n) for n in layout.named_modules()})
-            raise PromptCacheError(
-                f"unknown module <{ref.name}/> in schema {layout.name!r}; {close_names(ref.name, known)}",
-                line=ref.line,
-                column=ref.column,
-            )
-        if name in imported and not (compact and layout.documents):
+            self._unknown(ref, parent)
+        if name in self.imported and not (self.compact and layout.documents):
             # a schema's module has one place; a document placed twice is read twice, as full prefill reads it
             raise PromptCacheError(f"module {ref.name!r} is imported twice", line=ref.line, column=ref.column)
         if info.union is not None:
-            other = by_union.get(info.union)
+            other = self.by_union.get(info.union)
             if other is not None:
                 # the reference implementation runs it (its SQuAD v2 test imports seven members of
                 # one union); so do we, with a warning: the members share their start position
                 logger.warning("modules %r and %r are members of the same <union> (line %d): both are imported, %s",
-                               other, ref.name, ref.line, "one after the other" if compact else "at the same positions")
-            by_union.setdefault(info.union, ref.name)
+                               other, ref.name, ref.line, "one after the other" if self.compact else "at the same positions")
+            self.by_union.setdefault(info.union, ref.name)
         for key, value in ref.args.items():
-            slot = info.params.get(key)
-            if slot is None:
-                known = ", ".join(info.params) or "none"
-                raise PromptCacheError(
-                    f"unknown parameter {key!r} for module {ref.name!r} (its parameters: {known})",
-                    line=ref.line,
-                    column=ref.column,
-                )
-            ids = tokenize(value)
-            if len(ids) > slot.length:
-                raise PromptCacheError(
-                    f"argument {key}={value[:40]!r} of module {ref.name!r} is {len(ids)} tokens, "
-                    f"longer than its parameter ({slot.length} tokens)",
-                    line=ref.line,
-                    column=ref.column,
-                )
-            args[f"{name}\x00{key}"] = ids
-        imported.add(name)
+            self.args[f"{name}\x00{key}"] = self._argument(ref, info, key, value)
+        self.imported.add(name)
         for child in ref.children:
-            resolve(child, name)
+            self.resolve(child, name)
 
-    # flatten the prompt into text and top-level references
-    items: list[str | ModuleRef] = []
-    uses_roles = layout.uses_roles
+    def _unknown(self, ref: ModuleRef, parent: str | None) -> NoReturn:
+        layout = self.layout
+        elsewhere = [n for n in layout.named_modules() if short_name(n) == ref.name]
+        if elsewhere:
+            where = "at the top level of the prompt" if parent is None else f"inside <{short_name(parent)}>"
+            raise PromptCacheError(f"module {ref.name!r} cannot be imported {where}; import it as {_path(layout, elsewhere[0])}",
+                                   line=ref.line, column=ref.column)
+        known = sorted({short_name(n) for n in layout.named_modules()})
+        raise PromptCacheError(f"unknown module <{ref.name}/> in schema {layout.name!r}; {close_names(ref.name, known)}",
+                               line=ref.line, column=ref.column)
 
-    turns = Turns(layout.open_turn)
+    def _argument(self, ref: ModuleRef, info: ModuleInfo, key: str, value: str) -> list[int]:
+        slot = info.params.get(key)
+        if slot is None:
+            known = ", ".join(info.params) or "none"
+            raise PromptCacheError(f"unknown parameter {key!r} for module {ref.name!r} (its parameters: {known})",
+                                   line=ref.line, column=ref.column)
+        ids = self.tokenize(value)
+        if len(ids) > slot.length:
+            raise PromptCacheError(f"argument {key}={value[:40]!r} of module {ref.name!r} is {len(ids)} tokens, "
+                                   f"longer than its parameter ({slot.length} tokens)", line=ref.line, column=ref.column)
+        return ids
 
-    def flatten(nodes: list) -> None:
-        nonlocal uses_roles
-        for node in nodes:
-            if isinstance(node, TextNode):
-                items.append(node.text)
-            elif isinstance(node, (PromptRole, RoleMark)):
-                uses_roles = True
-                start, end = markers.text(node)
-                turns.enter(node)
-                items.append(start)
-                flatten(getattr(node, "children", []))
-                items.append(end)
-                turns.leave(node)
+    # -- the layout: segments at their positions --------------------------------------------------
+    def place(self, items: list[str | ModuleRef]) -> tuple[list[Segment], list[str]]:
+        """Segments for ``items`` in prompt order, and the imported modules' names in order."""
+        order: list[str] = []
+        listed: set[str] = set()
+        for item in items:
+            if isinstance(item, str):
+                self.pending_text.append(item)
+                continue
+            info = self.layout.modules[item.name]
+            self.flush_anonymous(info.first_piece)
+            self.flush_text()
+            for index in range(info.first_piece, info.last_piece + 1):
+                piece = self.layout.pieces[index]
+                if piece.owner not in self.imported:
+                    continue
+                if piece.owner not in listed:
+                    listed.add(piece.owner)
+                    order.append(short_name(piece.owner))
+                self.emit_piece(piece)
+        self.flush_anonymous(len(self.layout.pieces))
+        self.flush_text()
+        return self.segments, order
+
+    def emit_piece(self, piece: Piece) -> None:
+        """One piece of an imported module: its text (cached, or computed where ``cache="false"``),
+        or a parameter's argument (computed) or scaffold text."""
+        owner = self.layout.modules[piece.owner]
+        text = owner.token_ids[piece.offset : piece.offset + piece.length]
+        if piece.param is None:
+            if owner.cache:
+                self.emit_cached(piece)
+            else:  # cache="false": computed at serve time, where the schema puts it
+                self.emit_computed(text, piece.start)
+            return
+        argument = self.args.get(f"{piece.owner}\x00{piece.param}")
+        scaffold = owner.params[piece.param].scaffold_tokens
+        if argument is None and scaffold:  # no argument: the slot's scaffold text, as the schema has it
+            if owner.cache:
+                self.emit_cached(piece, 0, scaffold)
             else:
-                resolve(node, None)
-                items.append(node)
+                self.emit_computed(text[:scaffold], piece.start)
+        else:
+            self.emit_computed(argument or [], piece.start)
 
-    flatten(doc.children)
-    # a prompt that ends inside a turn continues it (an <assistant> opened with the answer's start)
-    if uses_roles and markers.generation and turns.role is None:
-        items.append(markers.generation)
-
-    segments: list[Segment] = []
-    next_position = 0  # compact: the next free position
-    last_position = -1  # schema: position of the last emitted token
-    emitted_anonymous: set[int] = set()  # piece indices
-    pending_text: list[str] = []
-
-    def emit_cached(piece: Piece, lo: int = 0, hi: int | None = None) -> None:
-        nonlocal next_position, last_position
+    def emit_cached(self, piece: Piece, lo: int = 0, hi: int | None = None) -> None:
         hi = piece.length if hi is None else hi
-        info = layout.modules[piece.owner]
+        info = self.layout.modules[piece.owner]
         ids = tuple(info.token_ids[piece.offset + lo : piece.offset + hi])
         source = piece.start + lo
-        position = next_position if compact else source
-        segments.append(Segment(ids, position, piece.owner, piece.offset + lo, source))
-        next_position = position + len(ids)
-        last_position = position + len(ids) - 1
+        position = self.next_position if self.compact else source
+        self.segments.append(Segment(ids, position, piece.owner, piece.offset + lo, source))
+        self.next_position = position + len(ids)
+        self.last_position = position + len(ids) - 1
 
-    def emit_computed(ids: list[int], slot_start: int | None = None) -> None:
-        nonlocal next_position, last_position
+    def emit_computed(self, ids: Sequence[int], slot_start: int | None = None) -> None:
         if not ids:
             return
-        position = next_position if compact else (slot_start if slot_start is not None else last_position + 1)
-        segments.append(Segment(tuple(ids), position))
-        next_position = position + len(ids)
-        last_position = position + len(ids) - 1
+        if self.compact:
+            position = self.next_position
+        else:
+            position = slot_start if slot_start is not None else self.last_position + 1
+        self.segments.append(Segment(tuple(ids), position))
+        self.next_position = position + len(ids)
+        self.last_position = position + len(ids) - 1
 
-    def flush_text() -> None:
-        if pending_text:
-            emit_computed(tokenize("".join(pending_text)))
-            pending_text.clear()
+    def flush_text(self) -> None:
+        if self.pending_text:
+            self.emit_computed(self.tokenize("".join(self.pending_text)))
+            self.pending_text.clear()
 
-    def flush_anonymous(before: int) -> None:
+    def flush_anonymous(self, before: int) -> None:
+        """The schema's always-included text before piece ``before`` not emitted yet."""
+        layout = self.layout
         for index in layout.anonymous_pieces:
             if index >= before:
                 break
             piece = layout.pieces[index]
-            if index not in emitted_anonymous:
-                emitted_anonymous.add(index)
-                if cache_anonymous or piece.owner == layout.prefix:
-                    emit_cached(piece)
+            if index not in self.emitted_anonymous:
+                self.emitted_anonymous.add(index)
+                if self.cache_anonymous or piece.owner == layout.prefix:
+                    self.emit_cached(piece)
                 else:
                     info = layout.modules[piece.owner]
-                    emit_computed(info.token_ids[piece.offset : piece.offset + piece.length], piece.start)
-
-    order: list[str] = []
-    listed: set[str] = set()
-    for item in items:
-        if isinstance(item, str):
-            pending_text.append(item)
-            continue
-        info = layout.modules[item.name]
-        flush_anonymous(info.first_piece)
-        flush_text()
-        for index in range(info.first_piece, info.last_piece + 1):
-            piece = layout.pieces[index]
-            if piece.owner not in imported:
-                continue
-            if piece.owner not in listed:
-                listed.add(piece.owner)
-                order.append(short_name(piece.owner))
-            owner = layout.modules[piece.owner]
-            if piece.param is None:
-                if owner.cache:
-                    emit_cached(piece)
-                else:  # cache="false": computed at serve time, where the schema puts it
-                    emit_computed(owner.token_ids[piece.offset : piece.offset + piece.length], piece.start)
-                continue
-            argument = args.get(f"{piece.owner}\x00{piece.param}")
-            scaffold = owner.params[piece.param].scaffold_tokens
-            if argument is None and scaffold:  # no argument: the slot's scaffold text, as the schema has it
-                if owner.cache:
-                    emit_cached(piece, 0, scaffold)
-                else:
-                    emit_computed(owner.token_ids[piece.offset : piece.offset + scaffold], piece.start)
-            else:
-                emit_computed(argument or [], piece.start)
-    flush_anonymous(len(layout.pieces))
-    flush_text()
-
-    if not segments:
-        raise PromptCacheError("the prompt is empty: it imports nothing and has no text", line=doc.line, column=doc.column)
-    return Plan(compute_last(segments), order, layout.name)
+                    self.emit_computed(info.token_ids[piece.offset : piece.offset + piece.length], piece.start)
 
 
 def compute_last(segments: list[Segment]) -> list[Segment]:

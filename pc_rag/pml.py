@@ -129,121 +129,138 @@ def parse_markup(source: str, loose: Collection[str] = ()) -> Element:
     """
     if not isinstance(source, str):
         raise PromptCacheError(f"PML must be a str, got {type(source).__name__}")
-    n = len(source)
-    pos = 0
-    # skip a leading XML declaration, comments and whitespace
-    stack: list[Element] = []
-    root: Element | None = None
-    lines = _Lines(source)
+    return _MarkupParser(source, loose).parse()
 
-    def add_text(text: str, offset: int) -> None:
-        if not stack:
+
+class _MarkupParser:
+    """A hand-written scanner for PML's subset of XML (see the module docstring for why not an
+    XML library): one pass over the source, a stack of open elements, positions for every error."""
+
+    def __init__(self, source: str, loose: Collection[str]) -> None:
+        self.source, self.loose = source, loose
+        self.pos = 0
+        self.stack: list[Element] = []
+        self.root: Element | None = None
+        self.lines = _Lines(source)
+
+    def parse(self) -> Element:
+        source, stack = self.source, self.stack
+        while self.pos < len(source):
+            lt = source.find("<", self.pos)
+            if lt == -1:
+                self.add_text(_unescape(source, self.pos, source[self.pos :]), self.pos)
+                break
+            if lt > self.pos:
+                self.add_text(_unescape(source, self.pos, source[self.pos : lt]), self.pos)
+            self.pos = lt
+            if source.startswith("<![CDATA[", lt):
+                end = self.find("]]>", lt + 9, "unterminated <![CDATA[ section")
+                self.add_text(source[lt + 9 : end], lt)
+                self.pos = end + 3
+            elif source.startswith("<!--", lt):
+                self.pos = self.find("-->", lt + 4, "unterminated comment") + 3
+            elif source.startswith("<?", lt):
+                if stack or self.root is not None:
+                    raise _error(source, lt, "processing instructions are only allowed before the root element")
+                self.pos = self.find("?>", lt + 2, "unterminated <? ... ?>") + 2
+            elif source.startswith("<!", lt):
+                raise _error(source, lt, "DTDs and <!...> declarations are not allowed in PML")
+            elif source.startswith("</", lt):
+                self.close_tag()
+            else:
+                self.open_tag()
+        while len(stack) > 1 and stack[-1].tag in self.loose:  # a turn left open for what follows the document
+            _unwrap(stack[-2], stack.pop())
+        if stack:
+            top = stack[-1]
+            raise PromptCacheError(f"<{top.tag}> is never closed", line=top.line, column=top.column)
+        if self.root is None:
+            raise PromptCacheError("empty PML document: expected <schema ...> or <prompt ...>", line=1, column=1)
+        return self.root
+
+    def find(self, end: str, start: int, problem: str) -> int:
+        at = self.source.find(end, start)
+        if at == -1:
+            raise _error(self.source, self.pos, problem)
+        return at
+
+    def add_text(self, text: str, offset: int) -> None:
+        if not self.stack:
             if text.strip():
-                raise _error(source, offset, "text outside the root element")
+                raise _error(self.source, offset, "text outside the root element")
             return
-        children = stack[-1].children
+        children = self.stack[-1].children
         if children and isinstance(children[-1], Text):
             children[-1].text += text
         else:
-            line, column = lines.at(offset)
+            line, column = self.lines.at(offset)
             children.append(Text(text, line, column))
 
-    while pos < n:
-        lt = source.find("<", pos)
-        if lt == -1:
-            raw = source[pos:]
-            add_text(_unescape(source, pos, raw), pos)
-            break
-        if lt > pos:
-            add_text(_unescape(source, pos, source[pos:lt]), pos)
-        pos = lt
-        if source.startswith("<![CDATA[", pos):
-            end = source.find("]]>", pos + 9)
-            if end == -1:
-                raise _error(source, pos, "unterminated <![CDATA[ section")
-            add_text(source[pos + 9 : end], pos)
-            pos = end + 3
-        elif source.startswith("<!--", pos):
-            end = source.find("-->", pos + 4)
-            if end == -1:
-                raise _error(source, pos, "unterminated comment")
-            pos = end + 3
-        elif source.startswith("<?", pos):
-            if stack or root is not None:
-                raise _error(source, pos, "processing instructions are only allowed before the root element")
-            end = source.find("?>", pos + 2)
-            if end == -1:
-                raise _error(source, pos, "unterminated <? ... ?>")
-            pos = end + 2
-        elif source.startswith("<!", pos):
-            raise _error(source, pos, "DTDs and <!...> declarations are not allowed in PML")
-        elif source.startswith("</", pos):
-            m = _NAME.match(source, pos + 2)
-            if not m:
-                raise _error(source, pos, "expected a tag name after '</'")
-            close = re.compile(r"\s*>").match(source, m.end())
-            if not close:
-                raise _error(source, m.end(), f"expected '>' to close </{m.group(0)}")
-            if stack and stack[-1].tag in loose and stack[-1].tag != m.group(0) and any(e.tag == m.group(0) for e in stack):
-                while len(stack) > 1 and stack[-1].tag != m.group(0) and stack[-1].tag in loose:  # turns left open inside it
-                    _unwrap(stack[-2], stack.pop())
-            if m.group(0) in loose and stack and stack[-1].tag != m.group(0):
-                _close_loose(stack, m.group(0), lines.at(pos))
-                pos = close.end()
-                continue
-            if not stack:
-                raise _error(source, pos, f"closing tag </{m.group(0)}> without an opening tag")
-            if stack[-1].tag != m.group(0):
-                top = stack[-1]
-                raise _error(source, pos, f"</{m.group(0)}> closes <{top.tag}> opened at line {top.line}, column {top.column}")
-            stack.pop()
-            pos = close.end()
+    def close_tag(self) -> None:
+        source, stack, loose, pos = self.source, self.stack, self.loose, self.pos
+        m = _NAME.match(source, pos + 2)
+        if not m:
+            raise _error(source, pos, "expected a tag name after '</'")
+        tag = m.group(0)
+        close = re.compile(r"\s*>").match(source, m.end())
+        if not close:
+            raise _error(source, m.end(), f"expected '>' to close </{tag}>")
+        self.pos = close.end()
+        if stack and stack[-1].tag in loose and stack[-1].tag != tag and any(e.tag == tag for e in stack):
+            while len(stack) > 1 and stack[-1].tag != tag and stack[-1].tag in loose:  # turns left open inside it
+                _unwrap(stack[-2], stack.pop())
+        if tag in loose and stack and stack[-1].tag != tag:
+            _close_loose(stack, tag, self.lines.at(pos))
+            return
+        if not stack:
+            raise _error(source, pos, f"closing tag </{tag}> without an opening tag")
+        if stack[-1].tag != tag:
+            top = stack[-1]
+            raise _error(source, pos, f"</{tag}> closes <{top.tag}> opened at line {top.line}, column {top.column}")
+        stack.pop()
+
+    def open_tag(self) -> None:
+        source, pos = self.source, self.pos
+        m = _NAME.match(source, pos + 1)
+        if not m:
+            # a '<' that starts no tag ("a < b", "<3", "<=") is the character itself, as in the
+            # reference implementation's own schemas; "<b" starts a tag and must be &lt;b
+            self.add_text("<", pos)
+            self.pos += 1
+            return
+        tag = m.group(0)
+        attrs, cursor = self.attributes(tag, m.end())
+        end = re.compile(r"\s*(/?)>").match(source, cursor)
+        if not end:
+            raise _error(source, cursor, f"malformed tag <{tag}>: expected attributes name=\"value\" then '>' or '/>'")
+        line, column = self.lines.at(pos)
+        element = Element(tag, attrs, [], line, column, empty=bool(end.group(1)))
+        if self.stack:
+            self.stack[-1].children.append(element)
+        elif self.root is None:
+            self.root = element
         else:
-            m = _NAME.match(source, pos + 1)
-            if not m:
-                # a '<' that starts no tag ("a < b", "<3", "<=") is the character itself, as in the
-                # reference implementation's own schemas; "<b" starts a tag and must be &lt;b
-                add_text("<", pos)
-                pos += 1
-                continue
-            tag = m.group(0)
-            attrs: dict[str, str] = {}
-            cursor = m.end()
-            while True:
-                am = _ATTR.match(source, cursor)
-                if not am:
-                    break
-                key, value = am.group(1), am.group(2)
-                if key in attrs:
-                    raise _error(source, cursor, f"duplicate attribute '{key}' on <{tag}>")
-                if value[0] in "\"'":
-                    value = _unescape(source, am.start(2) + 1, value[1:-1])
-                attrs[key] = value
-                cursor = am.end()
-            end = re.compile(r"\s*(/?)>").match(source, cursor)
-            if not end:
-                raise _error(source, cursor, f"malformed tag <{tag}>: expected attributes name=\"value\" then '>' or '/>'")
-            line, column = lines.at(pos)
-            element = Element(tag, attrs, [], line, column, empty=bool(end.group(1)))
-            if stack:
-                stack[-1].children.append(element)
-            elif root is None:
-                root = element
-            else:
-                raise _error(source, pos, f"second root element <{tag}>: a PML document has exactly one root")
-            if not end.group(1):
-                if len(stack) >= MAX_DEPTH:
-                    raise _error(source, pos, f"elements nested deeper than {MAX_DEPTH} levels")
-                stack.append(element)
-            pos = end.end()
-    while len(stack) > 1 and stack[-1].tag in loose:  # a turn left open for what follows the document
-        _unwrap(stack[-2], stack.pop())
-    if stack:
-        top = stack[-1]
-        raise PromptCacheError(f"<{top.tag}> is never closed", line=top.line, column=top.column)
-    if root is None:
-        raise PromptCacheError("empty PML document: expected <schema ...> or <prompt ...>", line=1, column=1)
-    return root
+            raise _error(source, pos, f"second root element <{tag}>: a PML document has exactly one root")
+        if not end.group(1):
+            if len(self.stack) >= MAX_DEPTH:
+                raise _error(source, pos, f"elements nested deeper than {MAX_DEPTH} levels")
+            self.stack.append(element)
+        self.pos = end.end()
+
+    def attributes(self, tag: str, cursor: int) -> tuple[dict[str, str], int]:
+        """The attributes of ``<tag`` from ``cursor`` on, and where they end."""
+        attrs: dict[str, str] = {}
+        while True:
+            am = _ATTR.match(self.source, cursor)
+            if not am:
+                return attrs, cursor
+            key, value = am.group(1), am.group(2)
+            if key in attrs:
+                raise _error(self.source, cursor, f"duplicate attribute '{key}' on <{tag}>")
+            if value[0] in "\"'":
+                value = _unescape(self.source, am.start(2) + 1, value[1:-1])
+            attrs[key] = value
+            cursor = am.end()
 
 
 def _unwrap(parent: Element, element: Element) -> None:

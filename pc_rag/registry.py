@@ -169,7 +169,7 @@ class Registry:
                         self.index.add(doc.name, name, info.text)
             self._publish(schema)
             if self.remote is not None and publish:
-                self._publish_remote(partial(self.remote.publish_schema, doc.name, pml))
+                self._publish_remote(partial(self.remote.log.publish_schema, doc.name, pml))
             logger.info("schema %r: %d modules, %d tokens, %d encoded", doc.name, len(schema.modules), layout.length, len(missing))
             return schema
 
@@ -254,7 +254,7 @@ class Registry:
                 target = replace(target, layout=new_layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents))
                 self._publish(target)
             if self.remote is not None and publish and fresh:
-                self._publish_remote(partial(self.remote.publish_documents, schema, target.system, [
+                self._publish_remote(partial(self.remote.log.publish_documents, schema, target.system, [
                     {"name": name, "text": text, "metadata": meta} for name, (text, _, meta) in fresh.items()]))
             logger.info("documents %r: %d added (%d new), %d held", schema, len(names), len(fresh), len(target.documents))
             return names
@@ -287,7 +287,7 @@ class Registry:
             # them (the log may add the same text again after it)
             self.encoder.store.delete(dead, remote=publish)
             if self.remote is not None and publish:
-                self._publish_remote(partial(self.remote.publish_deletion, schema, removed))
+                self._publish_remote(partial(self.remote.log.publish_deletion, schema, removed))
             listeners = list(self._listeners)
         for listener in listeners:
             listener.forget(schema, removed)
@@ -327,13 +327,13 @@ class Registry:
         try:
             if self._unpublished:
                 self.flush_unpublished()
-            names = list(self.remote_collections) if self.remote_collections is not None else self.remote.collection_names()
+            names = list(self.remote_collections) if self.remote_collections is not None else self.remote.log.collection_names()
             if not names:
                 return 0
             unknown = [n for n in names if n not in self._remote_meta]
             if unknown:
-                self._remote_meta.update(self.remote.collection_meta(unknown))
-            lengths = self.remote.log_lengths([n for n in names if self._remote_meta.get(n, {}).get("kind") == "documents"])
+                self._remote_meta.update(self.remote.log.collection_meta(unknown))
+            lengths = self.remote.log.log_lengths([n for n in names if self._remote_meta.get(n, {}).get("kind") == "documents"])
             changed = 0
             for name in names:
                 meta = self._remote_meta.get(name)
@@ -347,7 +347,7 @@ class Registry:
                     self._remote_epoch[name] = epoch
                     self._remote_seen[name] = 0
                 if length > self._remote_seen.get(name, 0):
-                    read = self.remote.read_log(name, self._remote_seen.get(name, 0))
+                    read = self.remote.log.read_log(name, self._remote_seen.get(name, 0))
                     changed += self._replay(name, meta.get("system"), read.entries)
                     self._remote_seen[name] = read.next
             if changed:

@@ -176,6 +176,31 @@ class SharedStep:
 # PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp that the public
 # scaled_dot_product_attention computes and drops. torch is pinned; without it: plain math.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# devices whose fused SDPA kernels return the log-sum-exp ("meta" runs their shape logic only)
+_FUSED_DEVICES = ("cuda",)
+
+
+def fused_attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [b, h, m, d], lse [b, h, m])`` from SDPA's fused CUDA kernels, which return the
+    log-sum-exp they compute anyway: no score matrix is materialised, in float32 or at all.
+
+    Unmasked half-precision parts (most parts: every query sees every key of a module placed
+    before it) take the flash kernel; a mask or float32 takes the memory-efficient kernel, whose
+    additive bias must sit on 16-element-aligned rows (padded here, then viewed back) and whose
+    log-sum-exp comes padded to a multiple of 32 queries (sliced here).
+    """
+    m = query.shape[-2]
+    if bias is None and query.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, False, False, scale=scale)[:2]
+        return out, lse
+    if bias is not None:
+        n = bias.shape[-1]
+        aligned = torch.nn.functional.pad(bias.to(query.dtype), (0, -n % 16))[..., :n]
+        bias = aligned.expand(query.shape[0], query.shape[1], m, n)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, 0.0, False, scale=scale)[:2]
+    return out, lse[..., :m]
 
 
 def _attend(
@@ -188,6 +213,8 @@ def _attend(
     bias = mask.bias if mask is not None else None
     if query.device.type == "cpu" and _FLASH_CPU is not None:
         out, lse = _FLASH_CPU(query, key, value, 0.0, False, attn_mask=bias, scale=scale)
+    elif query.device.type in _FUSED_DEVICES:
+        out, lse = fused_attention_with_lse(query, key, value, scale, bias)
     else:
         scores = torch.matmul(query, key.transpose(-1, -2)).float().mul_(scale)
         if bias is not None:

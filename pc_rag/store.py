@@ -1,14 +1,12 @@
 """Where module KV lives: a memory tier with an LRU byte budget, a disk tier, and optionally a
 remote tier shared by replicas (:mod:`pc_rag.remote`, Redis).
 
-Disk format, one entry per module: ``<key>.safetensors`` (tensors ``kv`` and ``positions``) and
-``<key>.json`` (the manifest: key, engine fingerprint, file size, CRC-32 of the file). Both are
+Disk format, one entry per module: ``<key>.safetensors`` (the payload) and ``<key>.json`` (the
+record: key, engine fingerprint, file size, CRC-32 of the file), both as :mod:`pc_rag.records` writes them. Both are
 written to a temporary file and renamed into place, data first, so a manifest only ever describes
 a complete data file; a process killed mid-write leaves at most an orphaned temporary file.
-On load the manifest must name the same key and fingerprint and the data file must have the
-recorded size and checksum, and the tensors must be what this module is on this model (layers,
-KV heads, head dim, dtype, one position per token and exactly the module's positions:
-:class:`KVShape`); anything else is logged, deleted and reported as a miss, so the caller
+On load the record and the payload are checked as every tier checks them (:mod:`pc_rag.records`:
+key, fingerprint, size, checksum, and tensors that are this module on this model); anything else is logged, deleted and reported as a miss, so the caller
 re-encodes it. Nothing is unpickled: safetensors holds only raw tensors.
 
 Keys are ``<collection>/<sha-256>`` (:func:`pc_rag.encoder.entry_key`); on disk each collection
@@ -28,67 +26,19 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as save_safetensors
 
 from .atomic import atomic_write
 from .kvcache import ModuleKV
+from .records import KVShape, new_record, payload_problem, record_problem, serialize, split_key
+
+__all__ = ["KVShape", "ModuleStore", "open_store", "serialize", "split_key"]
 
 logger = logging.getLogger(__name__)
-
-# 2: keys carry their collection; every tier holds the store dtype; records may be authenticated
-FORMAT_VERSION = 2
-
-
-def split_key(key: str) -> tuple[str, str]:
-    """A store key's collection and digest (keys are ``<collection>/<sha-256>``; see
-    :func:`pc_rag.encoder.entry_key`); every tier lays its entries out by them."""
-    collection, _, digest = key.rpartition("/")
-    return collection or "_", digest
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What every module KV of one engine must look like: ``[layers, 2, kv_heads, tokens,
-    head_dim]`` in ``dtype``. Entries read back from disk or a shared tier are checked against
-    it and against the module's own positions before use: a payload of another model, another
-    module or another length (well-formed, with a good checksum) is rejected, never served."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def problem(self, module: ModuleKV, positions: Sequence[int]) -> str | None:
-        """Why ``module`` is not the KV of a module at ``positions`` on this model (None: it is)."""
-        expected = (self.layers, 2, self.kv_heads, len(positions), self.head_dim)
-        if tuple(module.kv.shape) != expected:
-            return f"KV of shape {tuple(module.kv.shape)} where this module on this model is {expected}"
-        if module.kv.dtype != self.dtype:
-            return f"KV in {module.kv.dtype} where this engine stores {self.dtype}"
-        if module.positions.tolist() != list(positions):
-            return "positions other than this module's"
-        return None
-
-
-def serialize(module: ModuleKV) -> bytes:
-    """An entry's payload: safetensors with tensors ``kv`` and ``positions`` (no code runs on load)."""
-    return save_safetensors({"kv": module.kv.detach().to("cpu").contiguous(), "positions": module.positions.contiguous()})
-
-
-def header_problem(header: dict[str, Any], key: str, fingerprint: str) -> str | None:
-    """Why an entry's manifest/record cannot describe ``key`` for this engine (None: it can)."""
-    if header.get("format") != FORMAT_VERSION:
-        return f"format {header.get('format')!r}"
-    if header.get("key") != key or header.get("fingerprint") != fingerprint:
-        return "written for another model, tokenizer, dtype or encoding"
-    return None
-
 
 class DiskTier:
     """Module KV persisted under ``root`` (see module docstring)."""
@@ -128,16 +78,7 @@ class DiskTier:
         data_path.parent.mkdir(parents=True, exist_ok=True)
         blob = serialize(module)
         atomic_write(data_path, blob)
-        manifest = {
-            "format": FORMAT_VERSION,
-            "key": key,
-            "fingerprint": self.fingerprint,
-            "bytes": len(blob),
-            "crc32": zlib.crc32(blob),
-            "created": time.time(),
-            **info,
-        }
-        atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
+        atomic_write(manifest_path, json.dumps(new_record(key, self.fingerprint, blob, **info), indent=1).encode())
 
     def load(self, key: str, device: torch.device | str = "cpu") -> ModuleKV | None:
         """The entry for ``key``, or ``None`` when absent or invalid (an invalid entry is removed).
@@ -150,17 +91,10 @@ class DiskTier:
             return None
         try:
             manifest = json.loads(manifest_path.read_text())
-            problem = header_problem(manifest, key, self.fingerprint)
+            problem = record_problem(manifest, key, self.fingerprint)
             if problem is None:
                 with data_path.open("rb") as handle:
-                    size = data_path.stat().st_size
-                    if size != manifest["bytes"]:
-                        problem = f"truncated ({size} of {manifest['bytes']} bytes)"
-                    else:
-                        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                            crc = zlib.crc32(view)
-                        if crc != manifest["crc32"]:
-                            problem = "checksum mismatch"
+                    problem = payload_problem(manifest, data_path.stat().st_size, lambda: _file_crc32(handle))
                 if problem is None:
                     with safe_open(str(data_path), framework="pt", device=str(device)) as tensors:
                         return ModuleKV(tensors.get_tensor("kv"), tensors.get_tensor("positions").to("cpu"))
@@ -183,6 +117,12 @@ class DiskTier:
             except FileNotFoundError:  # removed meanwhile
                 pass
         return total
+
+
+def _file_crc32(handle: Any) -> int:
+    """CRC-32 of an open file, read through a memory map (no copy into Python bytes)."""
+    with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        return zlib.crc32(view)
 
 
 class ModuleStore:

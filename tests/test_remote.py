@@ -81,7 +81,7 @@ def test_engines_of_another_model_share_the_redis_but_never_an_entry(make_engine
 
 def kv_records(client, engine: PromptCache) -> list[str]:
     """The Redis keys of the engine's module records (``...:<collection>:kv:<digest>``, not their chunks)."""
-    return [k.decode() for k in client.keys(engine.remote.prefix + "*:kv:*") if len(k.decode().rsplit(":", 1)[1]) == 64]
+    return [k.decode() for k in client.keys(engine.remote.link.prefix + "*:kv:*") if len(k.decode().rsplit(":", 1)[1]) == 64]
 
 
 def record_body(client, record_key: str) -> dict:
@@ -142,7 +142,7 @@ def test_large_values_are_chunked_and_read_back_whole(redis_server):
 def test_an_outage_mid_run_fails_no_request_and_hits_resume(make_engine, redis_server):
     names = None
     engine = make_engine(remote_store=redis_server.url)
-    engine.remote.retry_s = 0.0  # try Redis again at every lookup (no waiting in a test)
+    engine.remote.link.retry_s = 0.0  # try Redis again at every lookup (no waiting in a test)
     names = engine.add_documents(DOCS, progress=False)
     reference = make_engine()
     reference.add_documents(DOCS, progress=False)
@@ -177,7 +177,7 @@ def test_redis_down_at_start_serves_locally(make_engine, redis_server):
 
 def test_a_slow_or_full_redis_is_skipped(make_engine, redis_server):
     engine = make_engine(remote_store=redis_server.url)
-    engine.remote.retry_s = 0.0  # try Redis at every lookup (no waiting in a test)
+    engine.remote.link.retry_s = 0.0  # try Redis at every lookup (no waiting in a test)
     names = engine.add_documents(DOCS[:2], progress=False)
     engine.store.clear_memory()  # the next request reads module KV from Redis
     client = redis_server.client()

@@ -46,19 +46,19 @@ def test_bad_registry_records_are_skipped_and_the_good_ones_taken(make_engine, r
     writer = make_engine(remote_store=redis_server.url)
     writer.add_documents(DOCS[:2], ids=["bell", "keepers"], progress=False)
     tier, client = writer.remote, redis_server.client()
-    log = tier._log_key("docs")
+    log = tier.log._log_key("docs")
     client.rpush(log,
                  b"\xff\xfe not utf-8", "- not json", "- [1, 2, 3]",  # garbage, non-JSON, a JSON list
                  "- " + json.dumps({"op": "add", "name": "9-starts-with-a-digit", "text": "x"}),  # an invalid id
                  "- " + json.dumps({"op": "add", "name": "empty", "text": ""}),
                  "- " + json.dumps({"op": "add", "name": "listmeta", "text": "y", "metadata": [1]}),
                  "- " + json.dumps({"op": "explode"}))
-    assert tier.publish_documents("docs", writer.schemas["docs"].system, [{"name": "river", "text": DOCS[2], "metadata": {}}])
+    assert tier.log.publish_documents("docs", writer.schemas["docs"].system, [{"name": "river", "text": DOCS[2], "metadata": {}}])
     # a collection whose record is of the wrong type, a key of the wrong type, a bad collection name
-    client.sadd(tier.prefix + "collections", "broken", "bad name!", "wrongtype")
-    client.set(tier._meta_key("broken"), "- [1]")
-    client.set(tier._meta_key("wrongtype"), "- " + json.dumps({"collection": "wrongtype", "kind": "documents", "system": None}))
-    client.set(tier._log_key("wrongtype"), "a string, not a list")
+    client.sadd(tier.link.prefix + "collections", "broken", "bad name!", "wrongtype")
+    client.set(tier.log._meta_key("broken"), "- [1]")
+    client.set(tier.log._meta_key("wrongtype"), "- " + json.dumps({"collection": "wrongtype", "kind": "documents", "system": None}))
+    client.set(tier.log._log_key("wrongtype"), "a string, not a list")
     with caplog.at_level(logging.WARNING, logger="pc_rag.remote"):
         replica = make_engine(remote_store=redis_server.url)  # starts: nothing raised
     assert sorted(replica.schemas["docs"].documents) == ["bell", "keepers", "river"]
@@ -66,7 +66,7 @@ def test_bad_registry_records_are_skipped_and_the_good_ones_taken(make_engine, r
     assert answers(replica, ["bell", "keepers", "river"]) == answers(local, ["bell", "keepers", "river"])
     assert replica.store_stats()["encoded"] == 1  # river: published as a record alone, its KV encoded on first use
     # nothing advanced past what was read: a record appended later is taken at the next sync
-    tier.publish_documents("docs", writer.schemas["docs"].system, [{"name": "ferry", "text": DOCS[3], "metadata": {}}])
+    tier.log.publish_documents("docs", writer.schemas["docs"].system, [{"name": "ferry", "text": DOCS[3], "metadata": {}}])
     assert replica.sync_documents() == 1 and "ferry" in replica.schemas["docs"].documents
 
 
@@ -76,7 +76,7 @@ def test_thirty_thousand_records_are_read_in_pages(make_engine, redis_server):
     system = writer.schemas["docs"].system
     records = [{"name": f"r{i}", "text": f"Record {i} is about topic {i % 97}.", "metadata": {"i": i}} for i in range(30_000)]
     for start in range(0, len(records), 5000):
-        assert writer.remote.publish_documents("docs", system, records[start : start + 5000])
+        assert writer.remote.log.publish_documents("docs", system, records[start : start + 5000])
     replica = make_engine(remote_store=redis_server.url)
     held = replica.schemas["docs"].documents
     assert len(held) == 30_001 and held["r29999"].metadata == {"i": 29999}
@@ -163,7 +163,7 @@ def test_key_rotation_accepts_the_previous_key(make_engine, redis_server, local,
     assert answers(rotated, names) == answers(local, names) and rotated.store_stats()["encoded"] == 0
     monkeypatch.setenv("PC_RAG_REMOTE_KEY", "new-key")
     only_new = make_engine(remote_store=redis_server.url)  # the key from the environment
-    assert only_new.remote.signer.enabled and "docs" not in only_new.schemas
+    assert only_new.remote.link.signer.enabled and "docs" not in only_new.schemas
     with pytest.raises(PromptCacheError, match="remote_key"):
         make_engine(remote_store=redis_server.url, remote_key=[])
 
@@ -171,7 +171,7 @@ def test_key_rotation_accepts_the_previous_key(make_engine, redis_server, local,
 def test_an_older_format_is_neither_read_nor_overwritten(make_engine, redis_server, local):
     writer = make_engine(remote_store=redis_server.url)
     names = writer.add_documents(DOCS[:2], ids=["bell", "keepers"], progress=False)
-    assert ":v2:" in writer.remote.prefix  # the payload format is part of the namespace
+    assert ":v2:" in writer.remote.link.prefix  # the payload format is part of the namespace
     client = redis_server.client()
     target = writer.remote._record_key(writer.schemas["docs"].keys["bell"])
     mac, body = record(client, target)
@@ -189,7 +189,7 @@ def test_write_back_after_an_outage_stores_what_put_stores(make_engine, redis_se
     url = redis_server.url
     redis_server.stop()
     down = make_engine(remote_store=url, store_dtype=torch.float16)
-    down.remote.retry_s, down.remote._down_until = 0.0, 0.0  # try Redis at every lookup (no waiting in a test)
+    down.remote.link.retry_s, down.remote.link._down_until = 0.0, 0.0  # try Redis at every lookup (no waiting in a test)
     down.add_documents(DOCS[:1], ids=["bell"], progress=False)  # encoded while Redis is away: pending
     redis_server.start()  # empty
     for _ in range(3):  # the next lookups write the pending entries back
@@ -233,7 +233,7 @@ def test_a_log_begun_again_after_redis_comes_back_empty_is_read_from_its_start(m
     writer = make_engine(remote_store=redis_server.url)
     writer.add_documents(DOCS[:3], ids=["bell", "keepers", "river"], progress=False)
     replica = make_engine(remote_store=redis_server.url)  # has read 3 entries of the log
-    replica.remote.retry_s = 0.0
+    replica.remote.link.retry_s = 0.0
     redis_server.stop()
     redis_server.start()  # empty
     make_engine(remote_store=redis_server.url).add_documents(DOCS[3:], ids=["ferry"], progress=False)  # a log of one entry

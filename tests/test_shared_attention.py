@@ -179,3 +179,18 @@ def test_garbage_in_padding_never_reaches_an_answer(make_engine, monkeypatch, sh
 
     monkeypatch.setattr(KVBuffer, "__init__", poisoned)
     assert [r.token_ids for r in engine.generate_batch(prompts, max_new_tokens=8, share_modules=share_modules)] == expected
+
+
+@pytest.mark.parametrize("dtype,masked", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, True)])
+def test_cuda_fused_kernels_return_out_and_lse_in_the_merge_layout(dtype, masked):
+    """The CUDA branch (flash without a mask, memory-efficient with one) through the kernels' own
+    shape logic on the meta device: ``out [b, h, m, d]`` and ``lse [b, h, m]`` (the efficient
+    kernel pads its log-sum-exp to 32 queries and wants 16-aligned bias rows). The numbers need a
+    GPU: no GPU was lent to this project, so only the shapes and the dispatch are checked here."""
+    from pc_rag.shared_attention import fused_attention_with_lse
+
+    query = torch.empty(1, 3, 40, 64, device="meta", dtype=dtype)
+    key = torch.empty(1, 3, 100, 64, device="meta", dtype=dtype)
+    bias = torch.empty(1, 1, 40, 100, device="meta", dtype=dtype) if masked else None
+    out, lse = fused_attention_with_lse(query, key, key, 0.125, bias)
+    assert out.shape == (1, 3, 40, 64) and lse.shape == (1, 3, 40)
