@@ -62,12 +62,13 @@ def main() -> None:
         docs.append(paragraph)
         total += len(tokenizer(paragraph, add_special_tokens=False)["input_ids"])
     ids = [f"p{i}" for i in range(len(docs))]
-    prompt = str(build_prompt("Which team won the game, and what was the final score?", ids))
+    prompt = build_prompt("Which team won the game, and what was the final score?", ids)
     n = args.new_tokens
     engines = {"pc-rag": PromptCache(model, tokenizer)}
     if not args.no_compile:
         engines["pc-rag compile=True"] = PromptCache(model, tokenizer, compile=True)
-    result: dict[str, Any] = {**run_info(), "new_tokens": n, "decode_ms_per_token": {}}
+    result: dict[str, Any] = {**run_info(engines["pc-rag"], "SmolLM2-135M-Instruct (embedded)"), "new_tokens": n,
+                              "decode_ms_per_token": {}}
     for name, engine in engines.items():
         engine.add_documents(docs, ids=ids, progress=False)
         engine.stop_token_ids = set()

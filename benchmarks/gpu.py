@@ -109,7 +109,7 @@ def main() -> None:
         ids = [f"len{length}-{i}" for i in range(len(docs))]
         for engine in (on_device, on_host):
             engine.add_documents(docs, ids=ids, progress=False)
-        prompt = str(build_prompt(QUESTIONS[0], ids))
+        prompt = build_prompt(QUESTIONS[0], ids)
         tokens = on_device.generate(prompt, max_new_tokens=1).stats
         row = {"prompt_tokens": tokens.cached_tokens + tokens.computed_tokens, "ttft_ms": {
             "full prefill": 1000 * timed(lambda: on_device.generate(prompt, max_new_tokens=1, use_cache=False), args.runs),  # noqa: B023
@@ -122,14 +122,14 @@ def main() -> None:
     # decode and shared batches, at the first length
     ids = [f"len{args.lengths[0]}-{i}" for i in range(len(documents_of(args.lengths[0], paragraphs, tokenizer)))]
     on_device.stop_token_ids = set()  # every call generates exactly --new-tokens tokens
-    prompts = [str(build_prompt(QUESTIONS[i % len(QUESTIONS)], ids)) for i in range(args.batch)]
+    prompts = [build_prompt(QUESTIONS[i % len(QUESTIONS)], ids) for i in range(args.batch)]
     n = args.new_tokens
     ours = on_device.generate(prompts[0], max_new_tokens=n).stats
     decode_ms = 1000 * (ours.total_s - ours.ttft_s) / max(1, ours.generated_tokens - 1)
     reference = transformers_generate(model, tokenizer, on_device, prompts, n, args.runs)
     batch_s = timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n), args.runs)
     result = {
-        **run_info(), "model": args.model, "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        **run_info(on_device, args.model),
         "ttft": rows,
         "decode_ms_per_token": {"pc-rag": decode_ms, "transformers generate": reference["decode_ms"]},
         "batch": args.batch, "new_tokens": n,

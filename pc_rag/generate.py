@@ -175,7 +175,7 @@ def choose(requests: Sequence[RequestState], logits: torch.Tensor, history: Toke
     (one argmax for the batch) or sampling."""
     scores = logits
     if history is not None:
-        scores = torch.stack([request.scores(logits[row], history, row) for row, request in enumerate(requests)])
+        scores = torch.stack([request.scores(logits[row], history, row).float() for row, request in enumerate(requests)])
     matchers = [request.matcher if live else None for request, live in zip(requests, alive)]
     if any(matcher is not None for matcher in matchers):
         allowed = allowed_tokens(matchers, logits.shape[-1], logits.device)
