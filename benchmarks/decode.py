@@ -14,33 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
+from ttft import median_time, timed  # the same timing as the TTFT curve
 
 from pc_rag import PromptCache
 from pc_rag.documents import build_prompt
 from pc_rag.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def median(call: Callable[[], float], runs: int) -> float:
-    call()  # warm-up (and, compiled, the compilation)
-    return statistics.median(call() for _ in range(runs))
-
-
-def wall(call: Callable[[], Any]) -> Callable[[], float]:
-    def run() -> float:
-        started = time.perf_counter()
-        call()
-        return time.perf_counter() - started
-
-    return run
 
 
 def main() -> None:
@@ -77,7 +62,7 @@ def main() -> None:
             stats = engine.generate(prompt, max_new_tokens=n).stats
             return 1000 * (stats.total_s - stats.ttft_s) / (stats.generated_tokens - 1)
 
-        result["decode_ms_per_token"][name] = median(decode_ms, args.runs)
+        result["decode_ms_per_token"][name] = median_time(decode_ms, args.runs)
         result["prompt_tokens"] = len(engine.plan(prompt).input_ids)
         print(name, round(result["decode_ms_per_token"][name], 2), "ms/token", flush=True)
     input_ids = torch.tensor([engines["pc-rag"].plan(prompt).input_ids])
@@ -87,8 +72,8 @@ def main() -> None:
             return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new,
                                   min_new_tokens=new, do_sample=False, pad_token_id=0)
 
-    first = median(wall(lambda: generate(1)), args.runs)
-    whole = median(wall(lambda: generate(n)), args.runs)
+    first = median_time(timed(lambda: generate(1)), args.runs)
+    whole = median_time(timed(lambda: generate(n)), args.runs)
     result["decode_ms_per_token"]["transformers generate"] = 1000 * (whole - first) / (n - 1)
     print("transformers generate", round(result["decode_ms_per_token"]["transformers generate"], 2), "ms/token")
     args.out.parent.mkdir(parents=True, exist_ok=True)

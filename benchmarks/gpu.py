@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
+from ttft import median_time, timed  # the same timing as the TTFT curve
 
 from pc_rag import PromptCache
 from pc_rag.documents import build_prompt
@@ -57,21 +56,6 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
         return synthetic_8b(args.device, tokenizer), tokenizer
     return load_model(None if args.model == "embedded" else args.model, device=args.device, dtype=args.dtype)
-
-
-def timed(call: Callable[[], Any], runs: int) -> float:
-    """Median seconds of ``call`` over ``runs`` runs after one warm-up (device synchronised)."""
-    def once() -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        call()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - started
-
-    once()
-    return statistics.median(once() for _ in range(runs))
 
 
 def documents_of(length: int, paragraphs: list[str], tokenizer: Any) -> list[str]:
@@ -112,9 +96,9 @@ def main() -> None:
         prompt = build_prompt(QUESTIONS[0], ids)
         tokens = on_device.generate(prompt, max_new_tokens=1).stats
         row = {"prompt_tokens": tokens.cached_tokens + tokens.computed_tokens, "ttft_ms": {
-            "full prefill": 1000 * timed(lambda: on_device.generate(prompt, max_new_tokens=1, use_cache=False), args.runs),  # noqa: B023
-            "cached (GPU memory)": 1000 * timed(lambda: on_device.generate(prompt, max_new_tokens=1), args.runs),  # noqa: B023
-            "cached (host memory)": 1000 * timed(lambda: on_host.generate(prompt, max_new_tokens=1), args.runs),  # noqa: B023
+            "full prefill": 1000 * median_time(timed(lambda: on_device.generate(prompt, max_new_tokens=1, use_cache=False)), args.runs),  # noqa: B023
+            "cached (GPU memory)": 1000 * median_time(timed(lambda: on_device.generate(prompt, max_new_tokens=1)), args.runs),  # noqa: B023
+            "cached (host memory)": 1000 * median_time(timed(lambda: on_host.generate(prompt, max_new_tokens=1)), args.runs),  # noqa: B023
         }}
         rows.append(row)
         print(json.dumps(row))
@@ -127,7 +111,7 @@ def main() -> None:
     ours = on_device.generate(prompts[0], max_new_tokens=n).stats
     decode_ms = 1000 * (ours.total_s - ours.ttft_s) / max(1, ours.generated_tokens - 1)
     reference = transformers_generate(model, tokenizer, on_device, prompts, n, args.runs)
-    batch_s = timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n), args.runs)
+    batch_s = median_time(timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n)), args.runs)
     result = {
         **run_info(on_device, args.model),
         "ttft": rows,
@@ -154,9 +138,9 @@ def transformers_generate(model: Any, tokenizer: Any, engine: PromptCache, promp
                               do_sample=False, pad_token_id=pad)
 
     with torch.inference_mode():
-        first = timed(lambda: generate(1, 1), runs)
-        whole = timed(lambda: generate(1, n), runs)
-        batch = timed(lambda: generate(len(prompts), n), runs)
+        first = median_time(timed(lambda: generate(1, 1)), runs)
+        whole = median_time(timed(lambda: generate(1, n)), runs)
+        batch = median_time(timed(lambda: generate(len(prompts), n)), runs)
     return {"decode_ms": 1000 * (whole - first) / max(1, n - 1), "batch_tokens_per_s": len(prompts) * n / batch}
 
 

@@ -99,9 +99,11 @@ class Forward:
                 return self._decode_step(ids, positions, mask, buffer.cache)
         return self._step(buffer, ids, positions, mask, shared, bounds)
 
-    def _model_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, cache: Any) -> torch.Tensor:
+    def _model_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, cache: Any, **extra: Any) -> torch.Tensor:
+        """The model over ``ids`` at ``positions``; the last token's logits (logits_to_keep=1: the
+        vocabulary projection runs for it only)."""
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **extra)
         return out.logits[:, -1]
 
     def prefill_batch(
@@ -121,12 +123,7 @@ class Forward:
         self._count(1)
         device = self.model.device
         pos = pos.to(device)
-        # logits_to_keep=1: the vocabulary projection runs for the last token only
-        out = self.model(
-            input_ids=ids.to(device), position_ids=pos, attention_mask=mask, past_key_values=buffer.cache,
-            use_cache=True, logits_to_keep=1, **_shared_kwargs(shared, pos, bounds),
-        )
-        return out.logits[:, -1]
+        return self._model_step(ids.to(device), pos, mask, buffer.cache, **_shared_kwargs(shared, pos, bounds))
 
     @torch.inference_mode()
     def probe(self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: Any, probe: Probe) -> None:

@@ -155,7 +155,7 @@ def decode(
             alive = [token is not None for token in fed]
             live = torch.tensor(alive, device=logits.device)[:, None]
         if any(token is not None and token != chosen[row] for row, token in enumerate(fed)):
-            ids = torch.tensor([[placeholder_or(token, spec)] for token in fed], device=logits.device)  # the host chose
+            ids = torch.tensor([[spec.placeholder_id if token is None else token] for token in fed], device=logits.device)
         else:
             ids = torch.where(live, tokens[:, None], placeholder)
         if history is not None:
@@ -163,10 +163,6 @@ def decode(
         logits = decode_one_token(forward, rows, ids, cursor, spec)
         for request in requests:
             request.next_position += 1
-
-
-def placeholder_or(token: int | None, spec: ModelSpec) -> int:
-    return spec.placeholder_id if token is None else token
 
 
 def choose(requests: Sequence[RequestState], logits: torch.Tensor, history: TokenHistory | None, alive: Sequence[bool]) -> torch.Tensor:

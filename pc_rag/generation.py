@@ -237,18 +237,19 @@ class TokenHistory:
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
         self.ids = ids.to(device)
-        self.lengths = [len(p) for p in prompts]
-        self._at = torch.tensor(self.lengths, dtype=torch.long, device=device)[:, None]
+        self.prompt_lengths = [len(p) for p in prompts]
+        self.appended = 0  # tokens appended to every row
+        self._at = torch.tensor(self.prompt_lengths, dtype=torch.long, device=device)[:, None]
 
     def view(self, row: int) -> torch.Tensor:
         """Row ``row``'s history, ``[1, length]`` (a view)."""
-        return self.ids[row : row + 1, : self.lengths[row]]
+        return self.ids[row : row + 1, : self.prompt_lengths[row] + self.appended]
 
     def append(self, tokens: torch.Tensor) -> None:
         """Append ``tokens [rows, 1]`` (on the device) to every row."""
         self.ids.scatter_(1, self._at, tokens)
         self._at += 1
-        self.lengths = [n + 1 for n in self.lengths]
+        self.appended += 1
 
 
 class IncrementalDetokenizer:
