@@ -33,7 +33,7 @@ class Forward:
     def __init__(self, model: Any, *, compile: bool = False) -> None:
         self.model = model
         # decode steps with fixed shapes (pc_rag.generate.Cursor) through torch.compile: compiled
-        # once per batch size and decode length (dynamic=False: a CUDA graph needs static shapes)
+        # once per batch size and buffer capacity (dynamic=False: a CUDA graph needs static shapes)
         self._decode_step = torch.compile(self._model_step, dynamic=False) if compile else None
         self.compiled_steps = 0  # decode steps run compiled
         self.passes = 0

@@ -2,11 +2,12 @@
 remote tier shared by replicas (:mod:`pc_rag.remote`, Redis).
 
 Disk format, one entry per module: ``<key>.safetensors`` (the payload) and ``<key>.json`` (the
-record: key, engine fingerprint, file size, CRC-32 of the file), both as :mod:`pc_rag.records` writes them. Both are
-written to a temporary file and renamed into place, data first, so a manifest only ever describes
-a complete data file; a process killed mid-write leaves at most an orphaned temporary file.
-On load the record and the payload are checked as every tier checks them (:mod:`pc_rag.records`:
-key, fingerprint, size, checksum, and tensors that are this module on this model); anything else is logged, deleted and reported as a miss, so the caller
+record: key, engine fingerprint, file size, CRC-32 of the file), both as :mod:`pc_rag.records`
+writes them. Both are written to a temporary file and renamed into place, data first, so a
+record only ever describes a complete data file; a process killed mid-write leaves at most an
+orphaned temporary file. On load the record and the payload are checked as every tier checks
+them (:mod:`pc_rag.records`: key, fingerprint, size, checksum, and tensors that are this module
+on this model); anything else is logged, deleted and reported as a miss, so the caller
 re-encodes it. Nothing is unpickled: safetensors holds only raw tensors.
 
 Keys are ``<collection>/<sha-256>`` (:func:`pc_rag.encoder.entry_key`); on disk each collection
