@@ -32,7 +32,9 @@ from .errors import PromptCacheError
 from .kvcache import BufferPool, KVBuffer
 from .layout import Plan, Segment
 from .model import ModelSpec
-from .rope import rotate_with
+from .quantize import QuantizedModuleKV
+from .records import StoredKV
+from .rope import rotate_in_place, rotate_with
 from .rows import Inputs, Rows
 from .shared_attention import SharedKV, SharedPart, share_prefixes
 
@@ -72,34 +74,44 @@ class Assembler:
         self.buffers = buffers
 
     # -- reading the store -------------------------------------------------------------------
-    def segment_kv(self, plan: Plan, segment: Segment) -> tuple[torch.Tensor, int]:
-        """A cached segment's stored KV ``[layers, 2, heads, n, dim]`` (a view) and how far it moved."""
+    def segment_kv(self, plan: Plan, segment: Segment) -> tuple[StoredKV, int]:
+        """The stored module a cached segment reads (its tokens ``[offset, offset + len)``) and how far it moved."""
         schema = plan.sources[segment.schema]  # type: ignore[index]
         module = self.encoder.fetch(schema, segment.owner, segment.key)  # type: ignore[arg-type]
-        kv = module.kv[:, :, :, segment.offset : segment.offset + len(segment)]
         delta = segment.position - segment.source_position
         if delta and not self.spec.movable:
             raise PromptCacheError(f"module {segment.owner!r} cannot move on a model with {self.spec.pinned_reason}")
         # ALiBi keys carry no position: a moved module's KV is used as it is
-        return kv, delta if self.spec.rotator is not None else 0
+        return module, delta if self.spec.rotator is not None else 0
 
     def write(self, buffer: KVBuffer, at: int, plan: Plan, segments: Sequence[Segment], row: int = 0) -> int:
         """Copy ``segments``' KV into ``buffer`` row ``row`` from entry ``at`` on, each rotated to
         where the prompt puts it; returns the entry after the last. The rotations of all moved
-        segments come from one cos/sin computation."""
+        segments come from one cos/sin computation. Quantized modules are dequantized straight
+        into the buffer (and rotated there)."""
         views = [self.segment_kv(plan, segment) for segment in segments]
         deltas = sorted({delta for _, delta in views if delta})
         table = {}
         if deltas:
-            cos, sin = self.spec.rotator.cos_sin_many(torch.tensor(deltas), views[0][0])  # type: ignore[union-attr]
+            cos, sin = self.spec.rotator.cos_sin_many(torch.tensor(deltas), buffer.storage)  # type: ignore[union-attr]
             table = {delta: (cos[i], sin[i]) for i, delta in enumerate(deltas)}
-        for kv, delta in views:
+        for segment, (module, delta) in zip(segments, views):
+            first, last = segment.offset, segment.offset + len(segment)
+            target = row if buffer.batch > 1 else None
+            if isinstance(module, QuantizedModuleKV) and (target is not None or buffer.batch == 1):
+                dest = buffer.slice(at, at + len(segment), row)
+                module.read_into(dest, first, last)
+                if delta:
+                    rotate_in_place(dest[:, 0], *table[delta])
+                at += len(segment)
+                continue
             rotate = None
             if delta:
                 cos, sin = table[delta]
                 rotate = lambda out, keys, cos=cos, sin=sin: rotate_with(out, keys, cos, sin)  # noqa: E731
-            buffer.write(kv, at, row=row if buffer.batch > 1 else None, rotate=rotate)
-            at += kv.shape[3]
+            buffer.write(module.read(first, last, dtype=self.spec.dtype if isinstance(module, QuantizedModuleKV) else None),
+                         at, row=target, rotate=rotate)
+            at += len(segment)
         return at
 
     def append(self, buffer: KVBuffer, plan: Plan, segment: Segment) -> None:
@@ -123,8 +135,10 @@ class Assembler:
     def _part(self, plan: Plan, segments: Sequence[Segment], rows: slice, temperature: float = 1.0, log_scale: float = 0.0) -> SharedPart:
         spec = self.spec
         if len(segments) == 1:
-            kv, shift = self.segment_kv(plan, segments[0])
-            return SharedPart(kv.to(spec.device, spec.dtype), _positions(segments, spec.device), rows, shift, temperature, log_scale)
+            (segment,) = segments
+            module, shift = self.segment_kv(plan, segment)
+            kv = module.read(segment.offset, segment.offset + len(segment), dtype=spec.dtype, device=spec.device)
+            return SharedPart(kv, _positions(segments, spec.device), rows, shift, temperature, log_scale)
         run = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, sum(len(s) for s in segments), dtype=spec.dtype, device=spec.device)
         self.write(run, 0, plan, segments)
         return SharedPart(run.slice(0, run.capacity), _positions(segments, spec.device), rows, 0, temperature, log_scale)

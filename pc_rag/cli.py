@@ -64,7 +64,8 @@ def _engine(args: argparse.Namespace) -> PromptCache:
     from .engine import PromptCache
 
     return PromptCache.from_pretrained(
-        args.model, device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store
+        args.model, device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store,
+        kv_quantization=args.kv_quantization,
     )
 
 
@@ -233,7 +234,8 @@ def cmd_encode(args: argparse.Namespace) -> int:
         from .distributed import encode_documents
 
         names = encode_documents(texts, model=args.model, remote_store=args.remote_store, ids=ids, metadatas=metadatas,
-                                 num_workers=args.workers, system=DEMO_SYSTEM, device=args.device, encoding=args.encoding)
+                                 num_workers=args.workers, system=DEMO_SYSTEM, device=args.device, encoding=args.encoding,
+                                 kv_quantization=args.kv_quantization)
     else:
         engine = _engine(args)
         names = engine.add_documents(texts, ids=ids, metadatas=metadatas, system=DEMO_SYSTEM)
@@ -255,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--kv-dir", "--cache-dir", dest="kv_dir", default=None, help="persist module KV here (--cache-dir: its old name)")
     common.add_argument("--remote-store", default=None, metavar="URL",
                         help="share module KV and documents through Redis/Valkey (redis://HOST:PORT/DB)")
+    common.add_argument("--kv-quantization", choices=("int8", "int4"), default=None,
+                        help="store module KV in 8 or 4 bits in every tier (default: the model's precision)")
     common.add_argument("-v", "--verbose", action="store_true", help="log progress")
     decoding = argparse.ArgumentParser(add_help=False)  # commands that generate
     decoding.add_argument("--max-new-tokens", type=int, default=96)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -145,7 +147,7 @@ class Forward:
         before = len(prefix) if prefix is not None else 0
         buffer = KVBuffer.for_model(self.model, before + len(token_ids))
         if prefix is not None:
-            buffer.append(prefix.kv)
+            buffer.append(prefix.read(dtype=buffer.storage.dtype))
         self._count(0, 1)
         self(buffer, token_ids, positions, logits=False)
         kv = buffer.slice(before, before + len(token_ids)).clone()
@@ -165,7 +167,7 @@ class Forward:
         width = max(len(s) for s in sequences)
         buffer = KVBuffer.for_model(self.model, before + width, batch=len(sequences))
         if prefix is not None:
-            buffer.append(prefix.kv)
+            buffer.append(prefix.read(dtype=buffer.storage.dtype))
         device = self.model.device
         ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
         for row, seq in enumerate(sequences):
@@ -258,7 +260,7 @@ class ModuleEncoder:
                 module = self._contexts.get(key)
                 if module is None:
                     buffer = KVBuffer.for_model(self.forward.model, total)
-                    buffer.append(prefix.kv)
+                    buffer.append(prefix.read(dtype=buffer.storage.dtype))
                     self.forward(buffer, layout.lead, range(layout.prefix_length, total), logits=False)
                     module = ModuleKV(buffer.slice(0, total).clone(), torch.arange(total))
                     self._contexts[key] = module
@@ -274,6 +276,26 @@ class ModuleEncoder:
             return self._encode_joint(schema, name, key)
         context = self.context(schema) if name != schema.layout.prefix else None
         return self.ensure(key, info.token_ids, info.positions, context, _info(schema, name), count=False)
+
+    def prefetch(self, plans: Sequence[Any], keys: Sequence[str]) -> None:
+        """Read the modules under ``keys`` (imported by ``plans``) from disk or the remote tier into
+        memory, concurrently: their reads (sockets, files, checksums) overlap instead of queueing
+        one behind another in assembly. A module that turns out missing or invalid is left to
+        :meth:`fetch`, which encodes it."""
+        wanted = set(keys)
+        jobs: dict[str, Sequence[int]] = {}
+        for plan in plans:
+            for segment in plan.segments:
+                if segment.cached and segment.key in wanted and segment.key not in jobs:
+                    schema = plan.sources[segment.schema]
+                    joint = schema.joint.get(segment.owner)
+                    jobs[segment.key] = joint.module_positions if joint is not None else schema.layout.modules[segment.owner].positions
+        if len(jobs) == 1:
+            ((key, positions),) = jobs.items()
+            self.store.get(key, positions, count=False)
+            return
+        if jobs:
+            list(_readers().map(lambda item: self.store.get(item[0], item[1], count=False), jobs.items()))
 
     def _encode_joint(self, schema: Any, name: str, key: str) -> ModuleKV:
         """Encode the path ``name`` lies on in one forward pass (``encoding="scaffold"``): every
@@ -301,8 +323,11 @@ class ModuleEncoder:
         """Encode the documents whose KV the store lacks, longest first, several per forward pass."""
         todo: dict[str, Any] = {}  # key -> module: two names with one text share one entry
         for key, info in modules:
-            if key not in todo and key not in self.store:
-                todo[key] = info
+            todo.setdefault(key, info)
+        # one look for all of them (the remote tier: one pipelined round trip, not one per document)
+        for key, held in zip(list(todo), self.store.contains_many(list(todo))):
+            if held:
+                del todo[key]
         if not todo:
             return
         with self._lock:
@@ -313,13 +338,32 @@ class ModuleEncoder:
                 width = len(queue[0][1].token_ids)
                 take = max(1, min(len(queue), batch_tokens // max(width, 1)))
                 batch, queue = queue[:take], queue[take:]
+                started = time.perf_counter()
                 encoded = self.forward.encode_batch(
                     [info.token_ids for _, info in batch], schema.layout.document_start, context, pad_id=self.spec.placeholder_id
                 )
+                costs = getattr(self.store, "costs", None)
+                if costs is not None:  # a prefill rate before the first request (pc_rag.costs)
+                    if encoded[0].kv.device.type == "cuda":
+                        torch.cuda.synchronize(encoded[0].kv.device)
+                    costs.observe_prefill(sum(len(m) for m in encoded), time.perf_counter() - started)
                 for (key, info), module in zip(batch, encoded):
                     self.store.put(key, module, {"schema": schema.name, "module": info.name, "tokens": len(module)})
                 bar.update(len(batch))
             bar.close()
+
+
+_READERS: ThreadPoolExecutor | None = None
+_READERS_LOCK = threading.Lock()
+
+
+def _readers() -> ThreadPoolExecutor:
+    """The threads that read modules concurrently (I/O and checksums release the GIL)."""
+    global _READERS
+    with _READERS_LOCK:
+        if _READERS is None:
+            _READERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pc-rag-read")
+        return _READERS
 
 
 def _info(schema: Any, name: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import copy
 import hashlib
 import inspect
 import logging
+import math
 import os
 import time
 import warnings
@@ -33,6 +34,7 @@ from . import recovery as recovery_mod
 from .assemble import Assembler, Assembly, choose_assembly
 from .background import BackgroundEncoder
 from .constrained import Vocabulary
+from .costs import CostModel
 from .documents import SEPARATOR, check_name
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
@@ -41,6 +43,7 @@ from .layout import ENCODINGS, Encoding
 from .loading import load_model
 from .model import ModelSpec, inspect_model
 from .paths import expand
+from .quantize import scheme_for
 from .recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, configure_recovery
 from .registration import Registration
 from .registry import Registry, Schema
@@ -85,6 +88,9 @@ class PromptCache(Registration, Serving):
     ``remote_sync_interval_s`` is how stale this replica's view of the shared registry may get
     before a request reads it again (None: only at start, on an unknown name and on
     :meth:`sync_documents`).
+    ``kv_quantization`` (``"int8"``, ``"int4"``) stores module KV in 8 or 4 bits in every tier
+    (:mod:`pc_rag.quantize`: keys per channel, values per token), dequantized into each request's
+    buffer; a budget then holds ~3.8x (int8) or ~6.6x (int4) the modules of float32.
     Speed: ``compile=True`` runs decode steps through ``torch.compile`` (fixed shapes; compiled
     once per batch size and answer budget, so it pays off for long-lived engines with steady settings).
     """
@@ -116,6 +122,7 @@ class PromptCache(Registration, Serving):
         remote_collections: Sequence[str] | None = None,
         remote_sync_interval_s: float | None = 1.0,
         compile: bool = False,
+        kv_quantization: Literal["int8", "int4"] | None = None,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
         if encoding not in ENCODINGS:
@@ -133,12 +140,19 @@ class PromptCache(Registration, Serving):
                                            scale=attention_scale)
         self.assembly: Assembly = choose_assembly(assembly, DEFAULT_ASSEMBLY, self.spec)
         kv_dtype = store_dtype or self.spec.dtype
-        # every tier holds KV in kv_dtype: it is part of what an entry is, so of every key
-        self.fingerprint = hashlib.sha256(f"{self.spec.fingerprint}|{encoding}|{kv_dtype}".encode()).hexdigest()[:32]
+        self.kv_quantization = kv_quantization
+        scheme = scheme_for(kv_quantization)
+        # every tier holds KV in kv_dtype (quantized under the scheme): part of what an entry is, so
+        # of every key: quantized and full-precision entries never mix
+        packing = f"|{scheme.name}" if scheme is not None else ""
+        self.fingerprint = hashlib.sha256(f"{self.spec.fingerprint}|{encoding}|{kv_dtype}{packing}".encode()).hexdigest()[:32]
         kv_dir = _kv_dir(kv_dir, cache_dir)
         self.kv_dir = expand(kv_dir) if kv_dir is not None else None
         store_device = self.spec.device if kv_location == "device" else torch.device("cpu")
-        self._kv_bytes_per_token = self.spec.kv_bytes_per_token(kv_dtype)
+        # what the memory budget counts per cached token (quantized: of a 256-token module, a
+        # typical document; shorter modules carry a little more of their key ranges per token)
+        self._kv_bytes_per_token = (self.spec.kv_bytes_per_token(kv_dtype) if scheme is None else
+                                    math.ceil(scheme.bytes_per_token(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, 256)))
         if remote_sync_interval_s is not None and not remote_sync_interval_s >= 0:
             raise PromptCacheError(f"remote_sync_interval_s must be a number of seconds >= 0 or None, got {remote_sync_interval_s!r}")
         if remote_collections is not None:
@@ -150,8 +164,11 @@ class PromptCache(Registration, Serving):
         self.store = open_store(
             fingerprint=self.fingerprint, kv_dir=self.kv_dir, memory_budget=memory_budget, device=store_device,
             kv_dtype=kv_dtype, pin=store_device.type == "cpu" and self.spec.device.type == "cuda", remote=self.remote,
-            shape=KVShape(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, kv_dtype),
+            shape=KVShape(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, kv_dtype, scheme),
         )
+        # load or recompute (pc_rag.costs): rates measured from this engine's own loads and prefills
+        self.costs = CostModel()
+        self.store.costs = self.costs
         self.forward = Forward(model, compile=compile)
         self.encoder = ModuleEncoder(self.forward, self.store, self.spec, encoding, self.fingerprint)
         # verbatim module texts, for drop-in reuse in plain prompts (only where modules can move)
@@ -262,10 +279,15 @@ class PromptCache(Registration, Serving):
         """Where module KV came from since this engine started: ``encoded`` (modules encoded by
         this process), ``hits_memory``, ``hits_disk``, ``hits_remote`` (read from ``remote_store``),
         ``misses`` (lookups no tier could answer), ``evictions``, ``bytes_memory``, ``bytes_disk``,
-        ``background_pending`` (documents queued by ``add_documents(background=True)``);
+        ``tokens_memory`` (module tokens held in memory) and ``bytes_per_token`` (as stored, over them:
+        ``kv_quantization`` shows here),
+        ``background_pending`` (documents queued by ``add_documents(background=True)``),
+        ``recomputed_tokens`` (cached tokens computed in the prompt because their tier was slower
+        than prefill: :mod:`pc_rag.costs`; the rates themselves: ``engine.costs.snapshot()``);
         with a remote tier, ``remote_errors`` (commands that failed: the tier was skipped) and
         ``remote_rejected`` (records and entries read back and refused)."""
-        stats = {"encoded": self.forward.encoded, **self.store.stats(), "background_pending": self.background.pending}
+        stats = {"encoded": self.forward.encoded, **self.store.stats(), "background_pending": self.background.pending,
+                 "recomputed_tokens": self.costs.recomputed_tokens}
         if self.remote is not None:
             stats.update(remote_errors=self.remote.errors, remote_rejected=self.remote.rejected)
         return stats

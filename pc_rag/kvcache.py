@@ -49,6 +49,18 @@ class ModuleKV:
             kv = kv.pin_memory()
         return ModuleKV(kv, self.positions.to("cpu"))
 
+    def read(self, start: int = 0, end: int | None = None, *, dtype: torch.dtype | None = None,
+             device: torch.device | str | None = None) -> torch.Tensor:
+        """Tokens ``[start, end)`` as ``[layers, 2, kv_heads, n, head_dim]``: a view where ``dtype``
+        and ``device`` are the stored ones (what :class:`pc_rag.quantize.QuantizedModuleKV`
+        dequantizes, this one hands out as it is)."""
+        kv = self.kv[:, :, :, start:end]
+        return kv.to(device=device if device is not None else kv.device, dtype=dtype or kv.dtype)
+
+    def read_into(self, out: torch.Tensor, start: int, end: int) -> None:
+        """Copy tokens ``[start, end)`` into ``out`` (``[layers, 2, kv_heads, n, head_dim]``)."""
+        out.copy_(self.kv[:, :, :, start:end])
+
 
 def _check_capacity(end: int, capacity: int) -> None:
     if end > capacity:

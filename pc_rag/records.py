@@ -1,5 +1,6 @@
 """What a stored module entry is, in every tier that persists one (disk, Redis): its payload
-(safetensors with tensors ``kv`` and ``positions``: no code runs on load) and its record (the
+(safetensors with tensors ``kv`` and ``positions``, or a quantized module's codes and ranges
+(:mod:`pc_rag.quantize`): no code runs on load) and its record (the
 manifest: format, key, engine fingerprint, payload size, CRC-32), written and checked here, once.
 
 An entry read back is used only when its record names this key under this engine's fingerprint
@@ -19,9 +20,13 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from .kvcache import ModuleKV
+from .quantize import QuantizedModuleKV, Scheme, expected_shapes, from_tensors, scheme_for
 
 # 2: keys carry their collection; every tier holds the store dtype; records may be authenticated
-FORMAT_VERSION = 2
+# 3: payloads may be quantized (kv_quantization)
+FORMAT_VERSION = 3
+
+StoredKV = ModuleKV | QuantizedModuleKV
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -42,22 +47,50 @@ class KVShape:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    scheme: Scheme | None = None  # kv_quantization: every entry is quantized under it
 
-    def problem(self, module: ModuleKV, positions: Sequence[int]) -> str | None:
+    def problem(self, module: StoredKV, positions: Sequence[int]) -> str | None:
         """Why ``module`` is not the KV of a module at ``positions`` on this model (None: it is)."""
-        expected = (self.layers, 2, self.kv_heads, len(positions), self.head_dim)
-        if tuple(module.kv.shape) != expected:
-            return f"KV of shape {tuple(module.kv.shape)} where this module on this model is {expected}"
-        if module.kv.dtype != self.dtype:
-            return f"KV in {module.kv.dtype} where this engine stores {self.dtype}"
+        if isinstance(module, QuantizedModuleKV) != (self.scheme is not None) or (
+                self.scheme is not None and module.scheme != self.scheme):  # type: ignore[union-attr]
+            stored = module.scheme.name if isinstance(module, QuantizedModuleKV) else "full precision"
+            return f"KV in {stored} where this engine stores {self.scheme.name if self.scheme else 'full precision'}"
+        if isinstance(module, QuantizedModuleKV):
+            tensors = module.tensors()
+            for name, (shape, dtype) in expected_shapes(self.scheme, self.layers, self.kv_heads, self.head_dim,  # type: ignore[arg-type]
+                                                        len(positions)).items():
+                if tuple(tensors[name].shape) != shape or tensors[name].dtype != dtype:
+                    return f"{name} of shape {tuple(tensors[name].shape)} in {tensors[name].dtype} where this module is {shape} in {dtype}"
+        else:
+            expected = (self.layers, 2, self.kv_heads, len(positions), self.head_dim)
+            if tuple(module.kv.shape) != expected:
+                return f"KV of shape {tuple(module.kv.shape)} where this module on this model is {expected}"
+            if module.kv.dtype != self.dtype:
+                return f"KV in {module.kv.dtype} where this engine stores {self.dtype}"
         if module.positions.tolist() != list(positions):
             return "positions other than this module's"
         return None
 
 
-def serialize(module: ModuleKV) -> bytes:
-    """An entry's payload: safetensors with tensors ``kv`` and ``positions``."""
+def serialize(module: StoredKV) -> bytes:
+    """An entry's payload: safetensors with tensors ``kv`` and ``positions`` (a quantized module:
+    its codes, ranges and positions, :meth:`~pc_rag.quantize.QuantizedModuleKV.tensors`)."""
+    if isinstance(module, QuantizedModuleKV):
+        return save_safetensors({name: t.detach().to("cpu").contiguous() for name, t in module.tensors().items()},
+                                metadata={"scheme": module.scheme.name})
     return save_safetensors({"kv": module.kv.detach().to("cpu").contiguous(), "positions": module.positions.contiguous()})
+
+
+def deserialize(tensors: dict[str, torch.Tensor]) -> StoredKV:
+    """A payload's tensors back as the module they were (quantized: 8 or 4 bits, read from how
+    many channels a byte holds); what it must be on this engine is :meth:`KVShape.problem`'s to check."""
+    if "kv" in tensors and "positions" in tensors:
+        return ModuleKV(tensors["kv"], tensors["positions"].to("cpu"))
+    if "keys" not in tensors or "key_scale" not in tensors or tensors["key_scale"].dim() != 4 or tensors["keys"].dim() != 4:
+        raise ValueError("a payload that is neither full-precision nor quantized module KV")
+    head_dim = tensors["key_scale"].shape[-1]
+    bits = 8 if tensors["keys"].shape[-1] == head_dim else 4
+    return from_tensors(tensors, scheme_for(f"int{bits}"), head_dim)  # type: ignore[arg-type]
 
 
 def new_record(key: str, fingerprint: str, blob: bytes, **fields: Any) -> dict[str, Any]:

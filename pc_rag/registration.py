@@ -92,7 +92,7 @@ class Registration:
         checks it before reporting success."""
         if self.remote is None:
             return 0
-        return self.registry.flush_unpublished() + len(self.store.unshared())
+        return self.registry.flush_unpublished() + self.store.write_back()
 
     def sync_if_due(self) -> None:
         """:meth:`sync_documents` when ``remote_sync_interval_s`` has passed since the last one

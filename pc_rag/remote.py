@@ -11,8 +11,9 @@ dtypes, versions or payload formats share one Redis without ever reading each ot
 then the collection, so that a Redis ACL (``%RW~pcrag:*:tenant-a:*``) can confine a tenant's
 replicas to its own collections: ``<collection>:kv:<digest>``: a module's record (the common
 record plus its chunk count); ``<collection>:kv:<digest>:<i>``: its payload in chunks of at most
-``chunk_bytes`` (Redis refuses values over 512 MB). Chunks first, record last, in one MULTI/EXEC
-transaction: a reader never sees a record whose payload is not complete. Entries are
+``chunk_bytes`` (Redis refuses values over 512 MB). Chunks first, record last, pipelined on one
+connection (not MULTI/EXEC, which holds the server for everyone while it runs): Redis runs one
+connection's commands in order, so a reader never sees a record whose payload was not written. Entries are
 content-addressed (the key hashes the engine, the collection, the tokens, their positions and
 what they were encoded behind) and immutable; ``ttl_s`` gives them an expiry. Eviction is
 Redis' own (``maxmemory-policy allkeys-lru``): a record whose chunk was evicted fails its check
@@ -25,6 +26,7 @@ and link: :mod:`pc_rag.replication`, reached as :attr:`RemoteTier.log`.
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -33,8 +35,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from .errors import PromptCacheError
-from .kvcache import ModuleKV
-from .records import FORMAT_VERSION, new_record, payload_problem, record_problem, serialize, split_key
+from .records import FORMAT_VERSION, StoredKV, deserialize, new_record, payload_problem, record_problem, serialize, split_key
 from .redis_link import RedisLink, redact_url
 from .replication import LogRead, RegistryLog
 
@@ -96,7 +97,7 @@ class RemoteTier:
 
         return self.link.call("exists", run, [False] * len(keys)) if keys else []
 
-    def save(self, key: str, module: ModuleKV, info: dict[str, Any]) -> bool:
+    def save(self, key: str, module: StoredKV, info: dict[str, Any]) -> bool:
         """Write the entry (chunks, then its record, in one transaction); False when the tier is unavailable."""
         blob = serialize(module)
         chunks = [blob[i : i + self.chunk_bytes] for i in range(0, len(blob), self.chunk_bytes)] or [b""]
@@ -105,7 +106,10 @@ class RemoteTier:
         value = self.link.signed(record_key, record, [blob])
 
         def run() -> bool:
-            pipe = self.link.bulk.pipeline(transaction=True)
+            # no MULTI/EXEC: a transaction runs all its SETs at once, holding the server for every
+            # other client while it does. One connection's commands run in order, so the record,
+            # sent last, appears only after every chunk; a reader checks size and checksum anyway.
+            pipe = self.link.bulk.pipeline(transaction=False)
             for index, chunk in enumerate(chunks):
                 pipe.set(f"{record_key}:{index}", chunk, px=self.ttl_ms)
             pipe.set(record_key, value, px=self.ttl_ms)
@@ -114,17 +118,21 @@ class RemoteTier:
 
         return bool(self.link.call("write", run, False))
 
-    def load(self, key: str, device: torch.device | str = "cpu") -> ModuleKV | None:
+    def load(self, key: str, device: torch.device | str = "cpu", timing: dict[str, float] | None = None) -> StoredKV | None:
         """The entry under ``key``, or None when absent, invalid (then deleted) or the tier is unavailable.
 
         The record must be this entry's (key, fingerprint, format), every chunk present, the
         payload of the recorded size and checksum and, with a key configured, its MAC must verify
         over the record and the payload before the payload is parsed. The tensors' shape, dtype
-        and positions are the store's to check (:class:`pc_rag.store.KVShape`)."""
+        and positions are the store's to check (:class:`pc_rag.store.KVShape`). ``timing``
+        receives the load's ``latency_s`` (the record's round trip), ``transfer_s`` (the payload:
+        read, checked, parsed) and ``bytes``."""
         record_key = self._record_key(key)
+        started = time.perf_counter()
         raw = self.link.call("read", lambda: self.link.client.get(record_key), None)
         if raw is None:
             return None
+        read_at = time.perf_counter()
         chunk_count = None
         try:
             record = json.loads(raw.decode("utf-8", errors="strict").partition(" ")[2])
@@ -146,8 +154,10 @@ class RemoteTier:
             if problem is not None:
                 raise PromptCacheError(problem)
             self.link.opened(record_key, raw, [blob])  # the MAC, over record and payload
-            tensors = load_safetensors(blob)
-            return ModuleKV(tensors["kv"].to(device), tensors["positions"])
+            module = deserialize(load_safetensors(blob)).to(device)
+            if timing is not None:
+                timing.update(latency_s=read_at - started, transfer_s=time.perf_counter() - read_at, bytes=len(blob))
+            return module
         except Exception as exc:  # noqa: BLE001 - anything unreadable is treated the same way
             problem = str(exc) if isinstance(exc, PromptCacheError) else f"unreadable ({type(exc).__name__}: {exc})"
         self.link.reject(f"entry {key[:48]}", f"{problem}; it will be re-encoded")
@@ -156,20 +166,34 @@ class RemoteTier:
 
     def discard(self, key: str, chunks: int | None = None) -> None:
         """Delete the entry: its record and its chunks (the record's count of them when it could be
-        read, else found by pattern: the record may be the broken part)."""
+        read, else found by probing :meth:`_delete_chunks`)."""
         record_key = self._record_key(key)
 
         def run() -> None:
             if chunks is not None:
-                names = [f"{record_key}:{i}" for i in range(chunks)]
+                self.link.client.delete(record_key, *[f"{record_key}:{i}" for i in range(chunks)])
             else:
-                names = list(self.link.client.scan_iter(match=f"{record_key}:*", count=1000))
-            self.link.client.delete(record_key, *names)
+                self.link.client.delete(record_key)
+                self._delete_chunks(record_key)
 
         self.link.call("delete", run, None)
 
+    def _delete_chunks(self, record_key: str) -> None:
+        """Delete the chunks of an entry whose record is unreadable: chunk names are ``<record>:0``,
+        ``:1``, ... written together, so they are deleted in pipelined batches until a batch finds
+        its last one absent. Never a SCAN: that walks every key of the server (every tenant's)."""
+        start, batch = 0, 16
+        while start < MAX_CHUNKS:
+            pipe = self.link.bulk.pipeline(transaction=False)
+            for index in range(start, start + batch):
+                pipe.delete(f"{record_key}:{index}")
+            if not pipe.execute()[-1]:
+                return
+            start += batch
+
     def delete_entries(self, keys: Sequence[str]) -> None:
-        """Delete several entries, each with every chunk its record names (two round trips)."""
+        """Delete several entries, each with every chunk its record names (two round trips; an
+        unreadable record's chunks are probed for)."""
         if not keys:
             return
         record_keys = [self._record_key(key) for key in keys]
@@ -177,6 +201,7 @@ class RemoteTier:
         def run() -> None:
             records = self.link.client.mget(record_keys)
             names: list[str] = list(record_keys)
+            unknown: list[str] = []
             for record_key, raw in zip(record_keys, records):
                 count = None
                 try:
@@ -186,7 +211,9 @@ class RemoteTier:
                 if isinstance(count, int) and 0 <= count <= MAX_CHUNKS:
                     names.extend(f"{record_key}:{i}" for i in range(count))
                 else:
-                    names.extend(self.link.client.scan_iter(match=f"{record_key}:*", count=1000))
+                    unknown.append(record_key)
             self.link.bulk.delete(*names)
+            for record_key in unknown:
+                self._delete_chunks(record_key)
 
         self.link.call("delete", run, None)

@@ -68,6 +68,19 @@ def rotate_with(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: t
         out[..., rot:].copy_(keys[..., rot:])
 
 
+def rotate_in_place(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """``keys = keys * cos + rotate_half(keys) * sin`` in place, one leading index (a layer) at a
+    time: the scratch is half of one layer's rotary dims, not a copy of all the keys. For KV
+    dequantized straight into a request's buffer (:mod:`pc_rag.quantize`)."""
+    rot = cos.shape[-1]
+    half = rot // 2
+    for layer in keys:
+        first, second = layer[..., :half], layer[..., half:rot]
+        saved = first.clone()
+        first.mul_(cos[..., :half]).addcmul_(second, sin[..., :half], value=-1.0)
+        second.mul_(cos[..., half:rot]).addcmul_(saved, sin[..., half:rot])
+
+
 def _rope_windows(config: Any) -> tuple[int, int]:
     """The lengths at which length-dependent RoPE variants may switch frequencies: the smallest
     and the largest of the configured windows (LongRoPE switches past its original window,

@@ -21,7 +21,8 @@ from .assemble import Assembler, Assembly
 from .background import BackgroundEncoder
 from .chat import render_chat
 from .constrained import Vocabulary
-from .encoder import Forward
+from .costs import CostModel, load_or_compute
+from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
 from .generate import decode
 from .generation import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
@@ -51,6 +52,7 @@ class Serving:
     store: ModuleStore
     remote: RemoteTier | None
     forward: Forward
+    encoder: ModuleEncoder
     assembler: Assembler
     buffers: BufferPool
     background: BackgroundEncoder
@@ -58,6 +60,7 @@ class Serving:
     generation_config: Any
     _vocabularies: dict[frozenset[int], Vocabulary]
     _kv_bytes_per_token: int
+    costs: CostModel
 
     # -- serving ------------------------------------------------------------------------------------
     def plan(self, prompt: str, *, collections: str | Sequence[str] | None = None) -> Plan:
@@ -202,6 +205,11 @@ class Serving:
                 raise
         planner.admit(plans, self.spec, use_cache=use_cache, memory_budget=self.store.memory_budget,
                       kv_bytes_per_token=self._kv_bytes_per_token)
+        if use_cache and (self.store.disk is not None or self.remote is not None):
+            # modules not in memory: loaded concurrently, or computed in the prompt where their
+            # tier is slower than prefill (pc_rag.costs)
+            plans, load = load_or_compute(plans, self.store, self.costs, self._kv_bytes_per_token)
+            self.encoder.prefetch(plans, load)
         return plans
 
     def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, *, share: bool) -> Prefilled:
@@ -243,6 +251,10 @@ class Serving:
         finally:  # also when a stream is closed or collected half-way: the buffer goes back to the pool
             if rows.batch == 1:
                 self.buffers.release(rows.buffer)
+        # the prefill rate the load-or-compute choice weighs fetches against: computed tokens over
+        # assembly-to-first-token (the first token synchronises with the device)
+        prefill_s = max((r.stats.ttft_s - r.stats.assemble_s for r in requests), default=0.0)
+        self.costs.observe_prefill(sum(r.stats.computed_tokens for r in requests), prefill_s)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("store after request: %s", {"encoded": self.forward.encoded, **self.store.stats(scan_disk=False)})
         results: list[Generation] = [None] * len(requests)  # type: ignore[list-item]

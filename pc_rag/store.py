@@ -34,8 +34,10 @@ import torch
 from safetensors import safe_open
 
 from .atomic import atomic_write
+from .costs import CostModel
 from .kvcache import ModuleKV
-from .records import KVShape, new_record, payload_problem, record_problem, serialize, split_key
+from .quantize import quantize
+from .records import KVShape, StoredKV, deserialize, new_record, payload_problem, record_problem, serialize, split_key
 
 __all__ = ["KVShape", "ModuleStore", "open_store", "serialize", "split_key"]
 
@@ -74,31 +76,37 @@ class DiskTier:
     def __contains__(self, key: str) -> bool:
         return self._paths(key)[1].is_file()
 
-    def save(self, key: str, module: ModuleKV, info: dict[str, Any]) -> None:
+    def save(self, key: str, module: StoredKV, info: dict[str, Any]) -> None:
         data_path, manifest_path = self._paths(key)
         data_path.parent.mkdir(parents=True, exist_ok=True)
         blob = serialize(module)
         atomic_write(data_path, blob)
         atomic_write(manifest_path, json.dumps(new_record(key, self.fingerprint, blob, **info), indent=1).encode())
 
-    def load(self, key: str, device: torch.device | str = "cpu") -> ModuleKV | None:
+    def load(self, key: str, device: torch.device | str = "cpu", timing: dict[str, float] | None = None) -> StoredKV | None:
         """The entry for ``key``, or ``None`` when absent or invalid (an invalid entry is removed).
 
         The data file is checksummed through a memory map and its tensors read from it straight
-        onto ``device`` (no copy of the file into Python bytes first).
+        onto ``device`` (no copy of the file into Python bytes first). ``timing`` receives the
+        load's ``latency_s`` (the record), ``transfer_s`` (the payload) and ``bytes``.
         """
         data_path, manifest_path = self._paths(key)
         if not manifest_path.is_file():
             return None
         try:
+            started = time.perf_counter()
             manifest = json.loads(manifest_path.read_text())
             problem = record_problem(manifest, key, self.fingerprint)
             if problem is None:
+                read_at = time.perf_counter()
                 with data_path.open("rb") as handle:
                     problem = payload_problem(manifest, data_path.stat().st_size, lambda: _file_crc32(handle))
                 if problem is None:
                     with safe_open(str(data_path), framework="pt", device=str(device)) as tensors:
-                        return ModuleKV(tensors.get_tensor("kv"), tensors.get_tensor("positions").to("cpu"))
+                        module = deserialize({name: tensors.get_tensor(name) for name in tensors.keys()})
+                    if timing is not None:
+                        timing.update(latency_s=read_at - started, transfer_s=time.perf_counter() - read_at, bytes=manifest["bytes"])
+                    return module
         except Exception as exc:  # noqa: BLE001 - any unreadable entry is treated the same way
             problem = f"unreadable ({exc})"
         logger.warning("discarding cache entry %s: %s; it will be re-encoded", key[:16], problem)
@@ -132,7 +140,9 @@ class ModuleStore:
     Entries evicted from memory are written to disk first (when a disk tier exists), so eviction
     never loses an encoding; a durable tier (``kv_dir``) is also written when a module is
     stored, a spill folder only on eviction. ``kv_dtype`` stores KV in a lower precision than the
-    model's; ``pin`` pins CPU-resident entries for fast host-to-device copies.
+    model's and ``shape.scheme`` (``kv_quantization``) in 8 or 4 bits (:mod:`pc_rag.quantize`);
+    the memory budget counts the bytes as stored. ``pin`` pins CPU-resident entries for fast
+    host-to-device copies.
 
     A remote tier (``remote``) sits behind disk: a miss in memory and on disk reads it before the
     caller encodes, and every stored encoding is written to it; when it is unavailable it is
@@ -161,13 +171,16 @@ class ModuleStore:
         self.disk = disk
         self.pin = pin
         self.remote = remote  # pc_rag.remote.RemoteTier or None
-        self._memory: OrderedDict[str, ModuleKV] = OrderedDict()
+        self.costs: CostModel | None = None  # told how long each disk and remote load took (pc_rag.costs)
+        self._memory: OrderedDict[str, StoredKV] = OrderedDict()
         self._info: dict[str, dict[str, Any]] = {}
         self._unsaved: set[str] = set()
-        self._writing: dict[str, ModuleKV] = {}  # evicted, file not complete yet
+        self._writing: dict[str, StoredKV] = {}  # evicted, file not complete yet
         self._remote_pending: set[str] = set()  # stored while the remote tier was unavailable: written when it returns
         self._bytes = 0
         self._lock = threading.Lock()
+        self._write_back_lock = threading.Lock()
+        self._write_back_thread: threading.Thread | None = None
         self.disk_loads = 0
         self.remote_loads = 0
         self.hits_memory = 0
@@ -189,14 +202,35 @@ class ModuleStore:
     def in_memory(self, key: str) -> bool:
         return key in self._memory
 
-    def get(self, key: str, positions: Sequence[int] | None = None, *, count: bool = True) -> ModuleKV | None:
+    def locate(self, keys: Sequence[str]) -> dict[str, str | None]:
+        """Which tier holds each of ``keys``: ``"memory"``, ``"disk"``, ``"remote"`` (asked in one
+        pipelined round trip) or None."""
+        where: dict[str, str | None] = {}
+        with self._lock:
+            for key in keys:
+                where[key] = "memory" if key in self._memory or key in self._writing else None
+        for key in keys:
+            if where[key] is None and self.disk is not None and key in self.disk:
+                where[key] = "disk"
+        ask = [key for key in keys if where[key] is None]
+        if self.remote is not None and ask:
+            for key, found in zip(ask, self.remote.contains_many(ask)):
+                where[key] = "remote" if found else None
+        return where
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Which of ``keys`` some tier holds (the remote tier asked in one round trip, not one EXISTS per key)."""
+        where = self.locate(keys)
+        return [where[key] is not None for key in keys]
+
+    def get(self, key: str, positions: Sequence[int] | None = None, *, count: bool = True) -> StoredKV | None:
         """The module under ``key`` from memory, else disk, else the remote tier (kept in memory
         then), else None; ``count=False`` leaves the hit/miss statistics alone (a second look by
         the same caller). An entry read from disk or the remote tier must be the KV of a module
         at ``positions`` on this model (:class:`KVShape`); one that is not is logged, deleted
         from its tier and passed over, so the caller encodes the module again."""
         if self._remote_pending and self.remote is not None and self.remote.available:
-            self._flush_remote()
+            self._write_back_soon()
         with self._lock:
             module = self._memory.get(key)
             if module is None:
@@ -209,9 +243,12 @@ class ModuleStore:
         device = self.device if not self.pin else "cpu"
         module, tier = None, None
         for tier, source in (("disk", self.disk), ("remote", self.remote)):
-            module = source.load(key, device) if source is not None else None
+            timing: dict[str, float] = {}
+            module = source.load(key, device, timing) if source is not None else None
             problem = self._problem(module, positions) if module is not None else None
             if problem is None and module is not None:
+                if self.costs is not None and timing:
+                    self.costs.observe_load(tier, timing["latency_s"], timing["transfer_s"], int(timing["bytes"]))
                 break
             if problem is not None:
                 logger.warning("discarding %s entry %s: %s; it will be re-encoded", tier, key[:48], problem)
@@ -232,16 +269,20 @@ class ModuleStore:
         self._write_out(victims)
         return module
 
-    def _problem(self, module: ModuleKV, positions: Sequence[int] | None) -> str | None:
+    def _problem(self, module: StoredKV, positions: Sequence[int] | None) -> str | None:
         if self.shape is None:
             return None
         return self.shape.problem(module, positions if positions is not None else module.positions.tolist())
 
-    def _stored_form(self, module: ModuleKV) -> ModuleKV:
-        """``module`` on the store's device, in its dtype (what every tier holds)."""
+    def _stored_form(self, module: StoredKV) -> StoredKV:
+        """``module`` on the store's device, in its dtype, quantized under the shape's scheme
+        (what every tier holds)."""
+        scheme = self.shape.scheme if self.shape is not None else None
+        if scheme is not None and isinstance(module, ModuleKV):
+            module = quantize(module.kv, module.positions, scheme)
         return module.to(self.device, self.kv_dtype, pin=self.pin)
 
-    def put(self, key: str, module: ModuleKV, info: dict[str, Any] | None = None, *, persist: bool = True) -> ModuleKV:
+    def put(self, key: str, module: ModuleKV, info: dict[str, Any] | None = None, *, persist: bool = True) -> StoredKV:
         """Store ``module`` under ``key``: in memory and, with ``persist``, in the durable disk tier
         and the remote tier, every tier holding the same bytes (the store dtype); what the remote
         tier could not take now is written back when it answers again."""
@@ -281,7 +322,7 @@ class ModuleStore:
         with self._lock:
             return sorted(self._remote_pending)
 
-    def _remember(self, key: str, module: ModuleKV, *, saved: bool) -> tuple[ModuleKV, list[tuple[str, ModuleKV]]]:
+    def _remember(self, key: str, module: StoredKV, *, saved: bool) -> tuple[StoredKV, list[tuple[str, StoredKV]]]:
         """Hold ``module`` (in its stored form) in memory (lock held); returns the evicted entries that need writing out."""
         old = self._memory.pop(key, None)
         if old is not None:
@@ -292,8 +333,8 @@ class ModuleStore:
             self._unsaved.add(key)
         return module, self._evict()
 
-    def _evict(self) -> list[tuple[str, ModuleKV]]:
-        victims: list[tuple[str, ModuleKV]] = []
+    def _evict(self) -> list[tuple[str, StoredKV]]:
+        victims: list[tuple[str, StoredKV]] = []
         if self.memory_budget is None:
             return victims
         # keep the newest entry even when it alone exceeds the budget: the caller is using it
@@ -308,21 +349,39 @@ class ModuleStore:
                 victims.append((key, module))
         return victims
 
-    def _flush_remote(self) -> None:
+    def write_back(self) -> int:
         """Write to the remote tier what was stored while it was unavailable (a restarted, empty
         Redis gets the encodings back), while it takes them; entries gone from memory since
-        (spilled to disk, or dropped) are left to whoever encodes them next."""
-        with self._lock:
-            pending = [(key, self._memory.get(key)) for key in self._remote_pending]
-        for key, module in pending:
-            if module is not None and not self.remote.save(key, module, self._info.get(key, {})):  # type: ignore[union-attr]
-                return  # unavailable again: keep the rest for later
+        (spilled to disk, or dropped) are left to whoever encodes them next. Returns how many
+        are still pending. Lookups start it in a background thread (:meth:`_write_back_soon`)."""
+        with self._write_back_lock:  # one writer: two would upload the same entries twice
             with self._lock:
-                self._remote_pending.discard(key)
-                if module is not None and self.disk is None:
-                    self._unsaved.discard(key)  # held by the remote tier now: memory may drop it
+                pending = [(key, self._memory.get(key)) for key in self._remote_pending]
+            for key, module in pending:
+                if module is not None and not self.remote.save(key, module, self._info.get(key, {})):  # type: ignore[union-attr]
+                    break  # unavailable again: keep the rest for later
+                with self._lock:
+                    self._remote_pending.discard(key)
+                    if module is not None and self.disk is None:
+                        self._unsaved.discard(key)  # held by the remote tier now: memory may drop it
+        return len(self.unshared())
 
-    def _write_out(self, victims: list[tuple[str, ModuleKV]]) -> None:
+    def _write_back_soon(self) -> None:
+        """:meth:`write_back` in a background thread, unless one runs: a lookup never waits for
+        uploads (a pending backlog of modules is hundreds of MB over the network)."""
+        with self._lock:
+            if self._write_back_thread is not None and self._write_back_thread.is_alive():
+                return
+            self._write_back_thread = threading.Thread(target=self.write_back, name="pc-rag-write-back", daemon=True)
+            self._write_back_thread.start()
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait for a background write-back in flight (before shutdown, and in tests)."""
+        thread = self._write_back_thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _write_out(self, victims: list[tuple[str, StoredKV]]) -> None:
         """Write evicted entries to disk (outside the lock), then forget them."""
         for key, module in victims:
             try:
@@ -359,7 +418,10 @@ class ModuleStore:
         """Hits per tier, misses, evictions and bytes held (see ``PromptCache.store_stats``)."""
         with self._lock:
             counts = {"hits_memory": self.hits_memory, "hits_disk": self.disk_loads, "hits_remote": self.remote_loads, "misses": self.misses,
-                      "evictions": self.evictions, "bytes_memory": self._bytes}
+                      "evictions": self.evictions, "bytes_memory": self._bytes,
+                      "tokens_memory": sum(len(module) for module in self._memory.values())}
+        # as stored (kv_quantization: codes, ranges and positions), over the entries in memory
+        counts["bytes_per_token"] = round(counts["bytes_memory"] / counts["tokens_memory"]) if counts["tokens_memory"] else 0
         counts["bytes_disk"] = self.disk.size_bytes() if self.disk is not None and scan_disk else 0
         return counts
 

@@ -177,3 +177,80 @@ def redis_server(tmp_path):
     server = RedisServer(folder).start()
     yield server
     server.stop()
+
+
+class ThrottledProxy:
+    """A TCP proxy in front of a real redis-server that forwards at ``bytes_per_s`` in each
+    direction (a distant or congested Redis): replies arrive slowly, commands still reach the
+    real server. ``bytes_per_s`` may be changed while it runs."""
+
+    def __init__(self, target_port: int, bytes_per_s: float) -> None:
+        import socket
+        import threading
+
+        self.target_port = target_port
+        self.bytes_per_s = bytes_per_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source, sink) -> None:
+        import time
+
+        piece = 16384
+        try:
+            while not self._closed.is_set():
+                data = source.recv(piece)
+                if not data:
+                    break
+                started = time.monotonic()
+                sink.sendall(data)
+                # pacing, not an assertion: each piece takes as long as the rate allows
+                pause = len(data) / self.bytes_per_s - (time.monotonic() - started)
+                if pause > 0:
+                    time.sleep(pause)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self.listener.close()
+
+
+@pytest.fixture
+def slow_redis(redis_server):
+    """``redis_server`` behind a :class:`ThrottledProxy` at ~2 MB/s."""
+    proxy = ThrottledProxy(redis_server.port, 2e6)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture(autouse=True)
+def _tiers_always_load(monkeypatch):
+    """Tests that count tier hits or compare cached answers need loads to stay loads: a tiny
+    model computes a module faster than a disk read, and the load-or-compute choice
+    (pc_rag.costs) would rightly compute it. tests/test_costs.py sets the saving back."""
+    import pc_rag.costs
+
+    monkeypatch.setattr(pc_rag.costs, "MIN_SAVING_S", 3600.0)

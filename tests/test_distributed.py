@@ -68,7 +68,7 @@ def test_two_ray_workers_encode_a_corpus_a_fresh_process_serves_it(saved_model, 
     assert served["stats"]["encoded"] == 0 and served["stats"]["hits_remote"] == len(probe) + 1
     assert served["answers"] == {n: single.generate(build_prompt(QUESTION, [n]), max_new_tokens=6).token_ids for n in probe}
     # the registry holds each document once, though two workers published batches side by side
-    records = [json.loads(r.decode().partition(" ")[2]) for r in redis_server.client().lrange(f"pcrag:{single.fingerprint}:v2:docs:log", 0, -1)]
+    records = [json.loads(r.decode().partition(" ")[2]) for r in redis_server.client().lrange(f"pcrag:{single.fingerprint}:v3:docs:log", 0, -1)]
     assert sorted(r["name"] for r in records) == sorted(names)
     assert {r["name"]: r["metadata"]["n"] for r in records}["p007"] == 7
 

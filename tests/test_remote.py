@@ -132,7 +132,7 @@ def test_large_values_are_chunked_and_read_back_whole(redis_server):
     key = "docs/" + "a" * 64
     assert tier.save(key, module, {"tokens": 37})
     client = redis_server.client()
-    record_key = f"pcrag:{'f' * 32}:v2:docs:kv:{'a' * 64}"
+    record_key = f"pcrag:{'f' * 32}:v3:docs:kv:{'a' * 64}"
     record = record_body(client, record_key)
     assert record["chunks"] > 5 and all(len(client.get(f"{record_key}:{i}")) <= 1000 for i in range(record["chunks"]))
     back = tier.load(key)

@@ -171,7 +171,7 @@ def test_key_rotation_accepts_the_previous_key(make_engine, redis_server, local,
 def test_an_older_format_is_neither_read_nor_overwritten(make_engine, redis_server, local):
     writer = make_engine(remote_store=redis_server.url)
     names = writer.add_documents(DOCS[:2], ids=["bell", "keepers"], progress=False)
-    assert ":v2:" in writer.remote.link.prefix  # the payload format is part of the namespace
+    assert ":v3:" in writer.remote.link.prefix  # the payload format is part of the namespace
     client = redis_server.client()
     target = writer.remote._record_key(writer.schemas["docs"].keys["bell"])
     mac, body = record(client, target)
@@ -214,7 +214,7 @@ def test_a_redis_acl_confines_a_tenants_replica_to_its_collections(make_engine, 
     admin = make_engine(remote_store=redis_server.url)
     admin.add_documents(DOCS[2:], ids=["river", "ferry"], schema="globex", progress=False)
     client = redis_server.client()
-    client.execute_command("ACL", "SETUSER", "acme", "on", ">acme-password", "~pcrag:*:v2:acme:*", "+@all", "-@dangerous")
+    client.execute_command("ACL", "SETUSER", "acme", "on", ">acme-password", "~pcrag:*:v3:acme:*", "+@all", "-@dangerous")
     url = redis_server.url.replace("redis://", "redis://acme:acme-password@")
     tenant = make_engine(remote_store=url, remote_collections=["acme"])
     names = tenant.add_documents(DOCS[:2], ids=["bell", "keepers"], schema="acme", progress=False)

@@ -1,0 +1,164 @@
+"""Load or recompute: for module KV that is not in memory, whichever is faster.
+
+A module in a slow tier (a distant or congested Redis, a network disk) can take longer to fetch
+than to compute: on a GPU a 4K-token prefill takes tens of milliseconds while 190 MB cross a
+socket. Per request, for the cached segments whose modules are not in memory, the engine
+compares
+
+    fetch   = tier latency + bytes x tier seconds-per-byte   (per tier, all its modules at once:
+                                                              they are read concurrently and
+                                                              share the tier's bandwidth)
+    compute = tokens x prefill seconds-per-token
+
+and either reads the modules (in parallel threads, before assembly) or computes their tokens in
+the prompt itself, as full prefill would (exact, and no more work than prefill). Every rate is
+measured online from this engine's own work: each disk and remote load reports its latency (the
+small read before the payload) and its transfer (payload read, checked, parsed); each request
+reports its prefill (computed tokens over the time from assembly to the first token, which on a
+GPU includes the synchronisation the first token forces). Estimates are exponentially weighted
+moving averages, so a tier that slows down or recovers is followed within a few loads.
+
+Until a tier has been measured its modules are loaded (the first load measures it); until a
+prefill has been measured, nothing is recomputed. Computing wins only when clearly faster
+(:data:`MARGIN`, :data:`MIN_SAVING_S`): the choice changes which tokens are computed, and must
+not flip on noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .layout import Plan
+
+logger = logging.getLogger(__name__)
+
+SMOOTHING = 0.3  # weight of the newest observation
+# computing replaces loading only when it is clearly faster: by this fraction of the load and by
+# at least MIN_SAVING_S. The choice changes what a request computes (exact tokens instead of
+# cached ones), so it should not flip back and forth on noise between two near-equal costs.
+MARGIN = 0.1
+MIN_SAVING_S = 0.005
+
+
+def _blend(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+@dataclass
+class TierRate:
+    """One tier's measured cost of a load: ``latency_s + bytes * s_per_byte``."""
+
+    latency_s: float | None = None
+    s_per_byte: float | None = None
+    loads: int = 0
+
+    def observe(self, latency_s: float, transfer_s: float, nbytes: int) -> None:
+        self.latency_s = _blend(self.latency_s, max(latency_s, 0.0))
+        if nbytes > 0:
+            self.s_per_byte = _blend(self.s_per_byte, max(transfer_s, 0.0) / nbytes)
+        self.loads += 1
+
+    def expect(self, nbytes: int) -> float | None:
+        """Seconds to load ``nbytes`` (None: not measured yet)."""
+        if self.latency_s is None or self.s_per_byte is None:
+            return None
+        return self.latency_s + nbytes * self.s_per_byte
+
+
+class CostModel:
+    """The rates :mod:`pc_rag.serving` decides with (see module docstring); thread-safe."""
+
+    def __init__(self, *, min_saving_s: float | None = None) -> None:
+        self.min_saving_s = MIN_SAVING_S if min_saving_s is None else min_saving_s
+        self.tiers: dict[str, TierRate] = {}
+        self.prefill_s_per_token: float | None = None
+        self.recomputed_tokens = 0  # cached tokens computed in the prompt because their tier was slower
+        self._lock = threading.Lock()
+
+    def observe_load(self, tier: str, latency_s: float, transfer_s: float, nbytes: int) -> None:
+        with self._lock:
+            self.tiers.setdefault(tier, TierRate()).observe(latency_s, transfer_s, nbytes)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self.prefill_s_per_token = _blend(self.prefill_s_per_token, seconds / tokens)
+
+    def load_s(self, tier: str, nbytes: int) -> float | None:
+        with self._lock:
+            rate = self.tiers.get(tier)
+            return rate.expect(nbytes) if rate is not None else None
+
+    def compute_s(self, tokens: int) -> float | None:
+        with self._lock:
+            return None if self.prefill_s_per_token is None else tokens * self.prefill_s_per_token
+
+    def recompute(self, tier: str, nbytes: int, tokens: int) -> bool:
+        """Whether computing ``tokens`` is expected to be faster than loading ``nbytes`` from ``tier``."""
+        load, compute = self.load_s(tier, nbytes), self.compute_s(tokens)
+        if load is None or compute is None:
+            return False
+        return compute < load * (1 - MARGIN) and load - compute > self.min_saving_s
+
+    def snapshot(self) -> dict[str, float]:
+        """The current estimates (for ``store_stats`` and logs)."""
+        with self._lock:
+            out: dict[str, float] = {}
+            if self.prefill_s_per_token is not None:
+                out["prefill_tokens_per_s"] = 1.0 / self.prefill_s_per_token
+            for name, rate in self.tiers.items():
+                if rate.latency_s is not None:
+                    out[f"{name}_latency_ms"] = rate.latency_s * 1000
+                if rate.s_per_byte:
+                    out[f"{name}_mb_per_s"] = 1e-6 / rate.s_per_byte
+            out["recomputed_tokens"] = self.recomputed_tokens
+            return out
+
+
+def load_or_compute(plans: Sequence[Plan], store: Any, costs: CostModel, bytes_per_token: float) -> tuple[list[Plan], list[str]]:
+    """The plans with the cached segments whose tier is slower than computing them turned into
+    computed ones, and the keys of the modules to load (not in memory, in a tier that is faster).
+
+    Modules are grouped by the tier that holds them (one pipelined lookup for the remote tier);
+    a tier's modules are loaded or computed together, since they would be read concurrently
+    over its one bandwidth. A module no tier holds is left to assembly, which encodes and stores
+    it (later requests find it in memory)."""
+    module_tokens: dict[str, int] = {}  # key -> the module's stored tokens (what a load reads)
+    read_tokens: dict[str, int] = {}  # key -> the tokens the plans read of it (what computing costs)
+    for plan in plans:
+        for segment in plan.segments:
+            if segment.cached and not store.in_memory(segment.key):
+                schema = plan.sources[segment.schema]
+                module_tokens[segment.key] = len(schema.layout.modules[segment.owner].token_ids)
+                read_tokens[segment.key] = read_tokens.get(segment.key, 0) + len(segment)
+    if not module_tokens:
+        return list(plans), []
+    where = store.locate(list(module_tokens))
+    slower: set[str] = set()
+    for tier in ("disk", "remote"):
+        keys = [key for key, found in where.items() if found == tier]
+        if keys and costs.recompute(tier, round(sum(module_tokens[k] for k in keys) * bytes_per_token),
+                                    sum(read_tokens[k] for k in keys)):
+            slower.update(keys)
+    load = [key for key, found in where.items() if found in ("disk", "remote") and key not in slower]
+    if not slower:
+        return list(plans), load
+    chosen = []
+    for plan in plans:
+        flags = plan.moved if plan.moved is not None else (False,) * len(plan.segments)
+        segments, moved = [], []
+        for segment, flag in zip(plan.segments, flags):
+            computed = segment.cached and segment.key in slower
+            segments.append(replace(segment, owner=None) if computed else segment)
+            moved.append(flag and not computed)
+            if computed:
+                with costs._lock:
+                    costs.recomputed_tokens += len(segment)
+        chosen.append(replace(plan, segments=segments, moved=tuple(moved) if plan.moved is not None else None))
+    logger.debug("computing %d modules in the prompt: their tier is slower than prefill", len(slower))
+    return chosen, load
