@@ -53,7 +53,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     from pc_rag.model import default_model_dir
 
     if args.model == "synthetic-8b":
-        tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model_dir())
         return synthetic_8b(args.device, tokenizer), tokenizer
     return load_model(None if args.model == "embedded" else args.model, device=args.device, dtype=args.dtype)
 
@@ -74,6 +74,9 @@ def main() -> None:
     parser.add_argument("--model", default="synthetic-8b", help='"synthetic-8b", "embedded", or a hub id/folder')
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--compile", action="store_true", help="decode through torch.compile (compile=True)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder for synthetic-8b (default: the embedded model's)")
+    parser.add_argument("--kv-quantization", nargs="*", default=["int8", "int4"], help="also cached TTFT with module KV stored so")
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--batch", type=int, default=8)
@@ -85,13 +88,14 @@ def main() -> None:
     model, tokenizer = load(args)
     article = json.loads((args.data / "squad_v1.1_dev_super_bowl_50.json").read_text())["data"][0]
     paragraphs = [p["context"] for p in article["paragraphs"]]
-    on_device = PromptCache(model, tokenizer, kv_location="device")
+    on_device = PromptCache(model, tokenizer, kv_location="device", compile=args.compile)
     on_host = PromptCache(model, tokenizer, kv_location="cpu")
+    quantized = {q: PromptCache(model, tokenizer, kv_location="device", kv_quantization=q) for q in args.kv_quantization}
     rows = []
     for length in args.lengths:
         docs = documents_of(length, paragraphs, tokenizer)
         ids = [f"len{length}-{i}" for i in range(len(docs))]
-        for engine in (on_device, on_host):
+        for engine in (on_device, on_host, *quantized.values()):
             engine.add_documents(docs, ids=ids, progress=False)
         prompt = build_prompt(QUESTIONS[0], ids)
         tokens = on_device.generate(prompt, max_new_tokens=1).stats
@@ -99,7 +103,11 @@ def main() -> None:
             "full prefill": 1000 * median_time(timed(lambda: on_device.generate(prompt, max_new_tokens=1, use_cache=False)), args.runs),  # noqa: B023
             "cached (GPU memory)": 1000 * median_time(timed(lambda: on_device.generate(prompt, max_new_tokens=1)), args.runs),  # noqa: B023
             "cached (host memory)": 1000 * median_time(timed(lambda: on_host.generate(prompt, max_new_tokens=1)), args.runs),  # noqa: B023
-        }}
+            **{f"cached (GPU memory, {q})": 1000 * median_time(timed(lambda e=e: e.generate(prompt, max_new_tokens=1)), args.runs)  # noqa: B023
+               for q, e in quantized.items()},
+        }, "prefill_tokens_per_s": on_device.costs.snapshot().get("prefill_tokens_per_s"),
+           "kv_bytes_per_token": {"none": on_device.store_stats()["bytes_per_token"],
+                                  **{q: e.store_stats()["bytes_per_token"] for q, e in quantized.items()}}}
         rows.append(row)
         print(json.dumps(row))
 
@@ -108,6 +116,7 @@ def main() -> None:
     on_device.stop_token_ids = set()  # every call generates exactly --new-tokens tokens
     prompts = [build_prompt(QUESTIONS[i % len(QUESTIONS)], ids) for i in range(args.batch)]
     n = args.new_tokens
+    on_device.generate(prompts[0], max_new_tokens=n)  # warm-up (with --compile: the compilation)
     ours = on_device.generate(prompts[0], max_new_tokens=n).stats
     decode_ms = 1000 * (ours.total_s - ours.ttft_s) / max(1, ours.generated_tokens - 1)
     reference = transformers_generate(model, tokenizer, on_device, prompts, n, args.runs)

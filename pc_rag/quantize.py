@@ -158,16 +158,25 @@ class QuantizedModuleKV:
         self._unpack_into(out[:, 1], self.values[:, :, start:end])
         keys = out[:, 0]
         _, per_group = self.scheme.key_groups(len(self))
-        token = start
-        while token < end:  # one multiply-add per key group the range touches
-            group = token // per_group
-            stop = min(end, (group + 1) * per_group)
-            part = keys[:, :, token - start : stop - start]
-            part.mul_(self.key_scale[:, :, group : group + 1].to(out.dtype)).add_(self.key_offset[:, :, group : group + 1].to(out.dtype))
-            token = stop
+        first, last = start // per_group, (end - 1) // per_group
+        scale = self.key_scale[:, :, first : last + 1].to(out.device, out.dtype)
+        offset = self.key_offset[:, :, first : last + 1].to(out.device, out.dtype)
+        if out.device.type != "cpu" and last > first:
+            # a GPU: the ranges gathered per token, two kernels (launches cost more than the bytes)
+            index = torch.arange(start, end, device=out.device) // per_group - first
+            keys.mul_(scale.index_select(2, index)).add_(offset.index_select(2, index))
+        else:
+            token = start
+            while token < end:  # a CPU: one multiply-add per key group the range touches, no temporaries
+                group = token // per_group
+                stop = min(end, (group + 1) * per_group)
+                part = keys[:, :, token - start : stop - start]
+                part.mul_(scale[:, :, group - first : group - first + 1]).add_(offset[:, :, group - first : group - first + 1])
+                token = stop
         width = self.scheme.value_group(self.head_dim)
         values = out[:, 1].unflatten(-1, (self.head_dim // width, width))
-        values.mul_(self.value_scale[:, :, start:end, :, None].to(out.dtype)).add_(self.value_offset[:, :, start:end, :, None].to(out.dtype))
+        values.mul_(self.value_scale[:, :, start:end, :, None].to(out.device, out.dtype))
+        values.add_(self.value_offset[:, :, start:end, :, None].to(out.device, out.dtype))
 
     def _unpack_into(self, out: torch.Tensor, codes: torch.Tensor) -> None:
         if codes.device != out.device:

@@ -69,13 +69,14 @@ def rotate_with(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 def rotate_in_place(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """``keys = keys * cos + rotate_half(keys) * sin`` in place, one leading index (a layer) at a
-    time: the scratch is half of one layer's rotary dims, not a copy of all the keys. For KV
-    dequantized straight into a request's buffer (:mod:`pc_rag.quantize`)."""
+    """``keys = keys * cos + rotate_half(keys) * sin`` in place, for KV dequantized straight into a
+    request's buffer (:mod:`pc_rag.quantize`). On a CPU one leading index (a layer) at a time, so
+    the scratch (half the rotary dims) stays in cache; on a GPU all at once (five kernels, not
+    five per layer: launches are what a segment's rotation costs there)."""
     rot = cos.shape[-1]
     half = rot // 2
-    for layer in keys:
-        first, second = layer[..., :half], layer[..., half:rot]
+    for part in (keys,) if keys.device.type != "cpu" else keys:
+        first, second = part[..., :half], part[..., half:rot]
         saved = first.clone()
         first.mul_(cos[..., :half]).addcmul_(second, sin[..., :half], value=-1.0)
         second.mul_(cos[..., half:rot]).addcmul_(saved, sin[..., half:rot])
@@ -104,6 +105,11 @@ def probe_position_kind(model: Any, forward_keys: Any) -> PositionKind:
     """
     ids = [11, 42, 7, 99]
     tol = 1e-4 if model.dtype == torch.float32 else 3e-2
+    # in 16 bits the rounding compounds with depth: measured on a Llama-3-8B-shaped bf16 model on
+    # an H100, 0.6% of the keys' scale at layer 0 and 5.6% at layer 31 for a true RoPE move. The
+    # first layer (no attention before it: only rounding) is held to `tol`, the whole stack to
+    # `deep`; a frequency switch or learned positions differ by O(0.1-1) already at layer 0.
+    deep = tol if model.dtype == torch.float32 else 0.15
     low, high = _rope_windows(model.config.get_text_config(decoder=True))
     # inside every window, so that length-dependent variants still use their short frequencies
     delta = min(37, low - len(ids) - 1) if low > 2 * len(ids) else 37
@@ -117,10 +123,14 @@ def probe_position_kind(model: Any, forward_keys: Any) -> PositionKind:
         # the model's own float32 angles (position x frequency) round more the further they go:
         # measured ~1e-8 x position relative; allow 10x that, far below what a switch of
         # frequencies changes (O(0.1) at twice the window)
-        return (rotated - moved).abs().max().item() <= (tol + 1e-7 * delta) * scale
+        return _close(rotated, moved, tol + 1e-7 * delta, deep + 1e-7 * delta)
+
+    def _close(a: torch.Tensor, b: torch.Tensor, first: float, every: float) -> bool:
+        error = (a - b).abs()
+        return error[0].max().item() <= first * (a[0].abs().max().item() + 1e-6) and error.max().item() <= every * scale
 
     moved = forward_keys(ids, delta).float()
-    if (at_zero - moved).abs().max().item() <= tol * scale:
+    if _close(at_zero, moved, tol, deep):
         return "alibi"
     if getattr(model.base_model, "rotary_emb", None) is not None:
         rotator = RopeRotator(model)
