@@ -15,8 +15,9 @@ the prompt itself, as full prefill would (exact, and no more work than prefill).
 measured online from this engine's own work: each disk and remote load reports its latency (the
 small read before the payload) and its transfer (payload read, checked, parsed); each request
 reports its prefill (computed tokens over the time from assembly to the first token, which on a
-GPU includes the synchronisation the first token forces). Estimates are exponentially weighted
-moving averages, so a tier that slows down or recovers is followed within a few loads.
+GPU includes the synchronisation the first token forces). Tier rates are exponentially weighted
+moving averages, so a tier that slows down or recovers is followed within a few loads; prefill
+time is a fixed cost plus a cost per token, fitted to the last prefills (:class:`PrefillRate`).
 
 Until a tier has been measured its modules are loaded (the first load measures it); until a
 prefill has been measured, nothing is recomputed. Computing wins only when clearly faster
@@ -69,13 +70,47 @@ class TierRate:
         return self.latency_s + nbytes * self.s_per_byte
 
 
+class PrefillRate:
+    """Seconds to prefill ``n`` tokens, ``fixed + n * per_token``, fitted by least squares to the
+    last :data:`WINDOW` prefills. A pass has a fixed cost (weights read once, launches), so the
+    ratio of a short prefill (a question, ~20 tokens) overstates what each token of a long one
+    costs (measured: 2.3x on the embedded model at 4K); until prefills of different sizes are
+    seen, the ratio of the longest one is used."""
+
+    WINDOW = 32
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[int, float]] = []
+
+    @property
+    def largest(self) -> int:
+        return max((n for n, _ in self.samples), default=0)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.samples = [*self.samples[-(self.WINDOW - 1):], (tokens, seconds)]
+
+    def expect(self, tokens: int) -> float | None:
+        if not self.samples:
+            return None
+        ns = [n for n, _ in self.samples]
+        ts = [t for _, t in self.samples]
+        mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
+        spread = sum((n - mean_n) ** 2 for n in ns)
+        if spread > 0 and max(ns) >= 4 * min(ns):
+            slope = sum((n - mean_n) * (t - mean_t) for n, t in zip(ns, ts)) / spread
+            if slope > 0:
+                return max(0.0, mean_t - slope * mean_n) + slope * tokens
+        n, t = max(self.samples)
+        return tokens * t / n
+
+
 class CostModel:
     """The rates :mod:`pc_rag.serving` decides with (see module docstring); thread-safe."""
 
     def __init__(self, *, min_saving_s: float | None = None) -> None:
         self.min_saving_s = MIN_SAVING_S if min_saving_s is None else min_saving_s
         self.tiers: dict[str, TierRate] = {}
-        self.prefill_s_per_token: float | None = None
+        self.prefill = PrefillRate()
         self.recomputed_tokens = 0  # cached tokens computed in the prompt because their tier was slower
         self._lock = threading.Lock()
 
@@ -87,7 +122,7 @@ class CostModel:
         if tokens <= 0 or seconds <= 0:
             return
         with self._lock:
-            self.prefill_s_per_token = _blend(self.prefill_s_per_token, seconds / tokens)
+            self.prefill.observe(tokens, seconds)
 
     def load_s(self, tier: str, nbytes: int) -> float | None:
         with self._lock:
@@ -96,21 +131,31 @@ class CostModel:
 
     def compute_s(self, tokens: int) -> float | None:
         with self._lock:
-            return None if self.prefill_s_per_token is None else tokens * self.prefill_s_per_token
+            return self.prefill.expect(tokens)
 
     def recompute(self, tier: str, nbytes: int, tokens: int) -> bool:
-        """Whether computing ``tokens`` is expected to be faster than loading ``nbytes`` from ``tier``."""
+        """Whether computing ``tokens`` is expected to be faster than loading ``nbytes`` from ``tier``.
+
+        Exploration: when no prefill near this size has been seen (the longest is under a quarter
+        of it) and the estimate, overstated by short prefills, is within 2x of the load, computing
+        is tried once; its measurement settles the rate (else a replica that only ever loads would
+        never learn that computing was faster)."""
         load, compute = self.load_s(tier, nbytes), self.compute_s(tokens)
         if load is None or compute is None:
             return False
+        with self._lock:
+            unexplored = self.prefill.largest * 4 < tokens
+        if unexplored and compute < 2 * load and load - compute / 2 > self.min_saving_s:
+            return True
         return compute < load * (1 - MARGIN) and load - compute > self.min_saving_s
 
     def snapshot(self) -> dict[str, float]:
         """The current estimates (for ``store_stats`` and logs)."""
         with self._lock:
             out: dict[str, float] = {}
-            if self.prefill_s_per_token is not None:
-                out["prefill_tokens_per_s"] = 1.0 / self.prefill_s_per_token
+            if self.prefill.samples:
+                n, t = self.prefill.samples[-1]
+                out["prefill_tokens_per_s"] = n / t  # the last prefill's
             for name, rate in self.tiers.items():
                 if rate.latency_s is not None:
                     out[f"{name}_latency_ms"] = rate.latency_s * 1000

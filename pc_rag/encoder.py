@@ -4,6 +4,7 @@ module encoding into the store."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -362,7 +363,9 @@ def _readers() -> ThreadPoolExecutor:
     global _READERS
     with _READERS_LOCK:
         if _READERS is None:
-            _READERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pc-rag-read")
+            # one per core, at most 8: checksums and parsing use the CPU too, and more readers than
+            # cores starved the small commands of their timeouts (measured on 2 cores)
+            _READERS = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="pc-rag-read")
         return _READERS
 
 

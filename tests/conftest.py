@@ -194,6 +194,9 @@ class ThrottledProxy:
         self.port = self.listener.getsockname()[1]
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._closed = threading.Event()
+        # one rate for the whole link (every connection, both directions), as a slow network has
+        self._lock = threading.Lock()
+        self._free_at = 0.0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -218,12 +221,13 @@ class ThrottledProxy:
                 data = source.recv(piece)
                 if not data:
                     break
-                started = time.monotonic()
+                # pacing, not an assertion: each piece waits for its share of the link's rate
+                with self._lock:
+                    now = time.monotonic()
+                    self._free_at = max(now, self._free_at) + len(data) / self.bytes_per_s
+                    pause = self._free_at - now
+                time.sleep(pause)
                 sink.sendall(data)
-                # pacing, not an assertion: each piece takes as long as the rate allows
-                pause = len(data) / self.bytes_per_s - (time.monotonic() - started)
-                if pause > 0:
-                    time.sleep(pause)
         except OSError:
             pass
         finally:

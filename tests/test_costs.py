@@ -49,6 +49,21 @@ def test_the_cost_model_weighs_measured_loads_against_measured_prefill():
     assert not slow.recompute("remote", 10**6, 100)  # faster, but by less than the floor: keep loading
 
 
+def test_prefill_time_is_a_fixed_cost_plus_a_cost_per_token_and_long_prompts_are_explored():
+    costs = CostModel(min_saving_s=0.0)
+    for _ in range(3):
+        costs.observe_prefill(20, 0.12)  # a question: 100 ms of fixed cost, 1 ms per token
+    assert costs.compute_s(4000) == pytest.approx(24.0)  # only short prefills seen: their ratio, overstated
+    costs.observe_load("remote", 0.0, 20.0, 10**6)
+    # 4,000 tokens, never prefilled near that size, estimated within 2x of the load: computed once to measure
+    assert costs.recompute("remote", 10**6, 4000)
+    costs.observe_prefill(4000, 4.1)
+    assert costs.compute_s(4000) == pytest.approx(4.1, rel=1e-6)  # the fit: 0.1 s + 1 ms per token
+    assert costs.compute_s(20) == pytest.approx(0.12, rel=1e-6)
+    assert costs.recompute("remote", 10**6, 4000)  # now because it is faster (4.1 s against 20 s)
+    assert not costs.recompute("remote", 10**5, 4000)  # a tenth of the bytes: 2 s, loaded
+
+
 def test_behind_a_slow_redis_the_engine_computes_and_at_full_speed_it_loads(smollm, redis_server, slow_redis,
                                                                             measured_choice):
     model, tokenizer = smollm.model, smollm.tokenizer
