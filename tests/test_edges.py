@@ -242,10 +242,10 @@ def test_a_memory_hit_does_not_wait_for_another_requests_disk_read(make_tiny, to
     entered, release = threading.Event(), threading.Event()
     original = type(engine.store.disk).load
 
-    def slow_load(self, key, device="cpu"):
+    def slow_load(self, key, device="cpu", timing=None):
         entered.set()
         release.wait(30)
-        return original(self, key, device)
+        return original(self, key, device, timing)
 
     monkeypatch.setattr(type(engine.store.disk), "load", slow_load)
     reader = threading.Thread(target=engine.store.get, args=(keys[1],))
