@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from quality import INSTRUCTION, load, margin  # noqa: E402
+from scaling import ttft  # noqa: E402 - the same TTFT timing as the tier table in README "Scaling out"
 
 import pc_rag.costs  # noqa: E402
 from pc_rag import PromptCache, build_prompt  # noqa: E402
@@ -119,15 +120,6 @@ def quality_table(report: dict[str, Any]) -> str:
 
 
 # --- TTFT by tier ------------------------------------------------------------------------------------
-def ttft(engine: PromptCache, prompt: Any, *, use_cache: bool = True, clear: bool, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up (and is dropped)
-        if clear:
-            engine.store.clear_memory()
-        times.append(engine.generate(prompt, max_new_tokens=1, use_cache=use_cache).stats.ttft_s)
-    return statistics.median(times[1:])
-
-
 def tiers(repeats: int, target_tokens: int) -> dict[str, Any]:
     from tests.conftest import RedisServer, ThrottledProxy
 

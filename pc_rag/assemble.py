@@ -97,8 +97,7 @@ class Assembler:
             table = {delta: (cos[i], sin[i]) for i, delta in enumerate(deltas)}
         for segment, (module, delta) in zip(segments, views):
             first, last = segment.offset, segment.offset + len(segment)
-            target = row if buffer.batch > 1 else None
-            if isinstance(module, QuantizedModuleKV) and (target is not None or buffer.batch == 1):
+            if isinstance(module, QuantizedModuleKV):
                 dest = buffer.slice(at, at + len(segment), row)
                 module.read_into(dest, first, last)
                 if delta:
@@ -109,8 +108,7 @@ class Assembler:
             if delta:
                 cos, sin = table[delta]
                 rotate = lambda out, keys, cos=cos, sin=sin: rotate_with(out, keys, cos, sin)  # noqa: E731
-            buffer.write(module.read(first, last, dtype=self.spec.dtype if isinstance(module, QuantizedModuleKV) else None),
-                         at, row=target, rotate=rotate)
+            buffer.write(module.read(first, last), at, row=row if buffer.batch > 1 else None, rotate=rotate)
             at += len(segment)
         return at
 

@@ -124,6 +124,10 @@ class CostModel:
         with self._lock:
             self.prefill.observe(tokens, seconds)
 
+    def count_recomputed(self, tokens: int) -> None:
+        with self._lock:
+            self.recomputed_tokens += tokens
+
     def load_s(self, tier: str, nbytes: int) -> float | None:
         with self._lock:
             rate = self.tiers.get(tier)
@@ -202,8 +206,7 @@ def load_or_compute(plans: Sequence[Plan], store: Any, costs: CostModel, bytes_p
             segments.append(replace(segment, owner=None) if computed else segment)
             moved.append(flag and not computed)
             if computed:
-                with costs._lock:
-                    costs.recomputed_tokens += len(segment)
+                costs.count_recomputed(len(segment))
         chosen.append(replace(plan, segments=segments, moved=tuple(moved) if plan.moved is not None else None))
     logger.debug("computing %d modules in the prompt: their tier is slower than prefill", len(slower))
     return chosen, load

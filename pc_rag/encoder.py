@@ -343,7 +343,7 @@ class ModuleEncoder:
                 encoded = self.forward.encode_batch(
                     [info.token_ids for _, info in batch], schema.layout.document_start, context, pad_id=self.spec.placeholder_id
                 )
-                costs = getattr(self.store, "costs", None)
+                costs = self.store.costs
                 if costs is not None:  # a prefill rate before the first request (pc_rag.costs)
                     if encoded[0].kv.device.type == "cuda":
                         torch.cuda.synchronize(encoded[0].kv.device)

@@ -57,10 +57,6 @@ class ModuleKV:
         kv = self.kv[:, :, :, start:end]
         return kv.to(device=device if device is not None else kv.device, dtype=dtype or kv.dtype)
 
-    def read_into(self, out: torch.Tensor, start: int, end: int) -> None:
-        """Copy tokens ``[start, end)`` into ``out`` (``[layers, 2, kv_heads, n, head_dim]``)."""
-        out.copy_(self.kv[:, :, :, start:end])
-
 
 def _check_capacity(end: int, capacity: int) -> None:
     if end > capacity:
