@@ -129,8 +129,42 @@ def squad_records(engine: PromptCache, data: Path, k: int, first: int | None, sk
 
 
 # --- variants ----------------------------------------------------------------------------------
-def variant(spec: str, engine: PromptCache) -> tuple[str, Recovery]:
-    """``head_tail:H:T``, ``query:B[:H:T]``, ``deviation:B[:H:T]`` or ``default``."""
+@dataclass(frozen=True)
+class Documents:
+    """How a variant's documents are encoded and placed: behind ``neighbours`` neighbours (whole,
+    or first ``sentences``), and (``reorder``) the prompt reordered to follow them."""
+
+    neighbours: int = 0
+    sentences: bool = False
+    reorder: bool = False
+
+    @property
+    def collection(self) -> str:
+        return "docs" if not self.neighbours else f"nb{self.neighbours}{'s' if self.sentences else ''}"
+
+    @property
+    def label(self) -> str:
+        if not self.neighbours:
+            return ""
+        form = "first sentences" if self.sentences else "whole"
+        return f" + {self.neighbours} neighbours ({form}){' reordered' if self.reorder else ''}"
+
+
+def variant(spec: str, engine: PromptCache) -> tuple[str, tuple[Recovery, Documents]]:
+    """``head_tail:H:T``, ``query:B[:H:T]``, ``deviation:B[:H:T]`` or ``default``; ``#nbK[s][r]``:
+    documents encoded behind K neighbours (``s``: their first sentences; ``r``: prompt reordered)."""
+    spec, _, mode = spec.partition("#")
+    documents = Documents()
+    if mode:
+        m = re.fullmatch(r"nb(\d+)(s?)(r?)", mode)
+        if m is None:
+            raise argparse.ArgumentTypeError(f"bad documents mode {mode!r}: nbK, nbKs, nbKr or nbKsr")
+        documents = Documents(int(m.group(1)), bool(m.group(2)), bool(m.group(3)))
+    name, recovery = _recovery(spec, engine)
+    return name + documents.label, (recovery, documents)
+
+
+def _recovery(spec: str, engine: PromptCache) -> tuple[str, Recovery]:
     if spec == "default":
         r = engine.recovery
         return f"default ({describe(r)})", r
@@ -217,27 +251,54 @@ def summarize(rows: list[dict[str, Any]], full_ttft: float) -> dict[str, Any]:
     }
 
 
-def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str, Recovery]], max_new: int, desc: str,
+def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str, tuple[Recovery, Documents]]], max_new: int, desc: str,
             *, drop: bool) -> dict[str, Any]:
     """Each record: its passages registered, full prefill, every variant; then (``drop``) its KV
     dropped, to bound memory (a corpus shared by the records, SQuAD's, stays)."""
     per_variant: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
     full_rows: list[dict[str, Any]] = []
     lengths = []
+    encode_s: dict[str, list[float]] = collections.defaultdict(list)  # per document, per documents mode
     for record in tqdm(records, desc=desc, unit="question"):
-        names = engine.add_documents(record.passages, progress=False)
+        modes = {Documents(): None, **{documents: None for _, (_, documents) in variants}}
+        named: dict[str, list[str]] = {}
+        for documents in modes:
+            if documents.collection in named:
+                continue
+            started = time.perf_counter()
+            if documents.neighbours:
+                # the record's passages are the corpus its neighbours come from (the distractor
+                # setting's retrieval pool): the previous record's are deleted first
+                held = engine.schemas.get(documents.collection)
+                if held is not None and held.documents:
+                    engine.delete_documents(list(held.documents), schema=documents.collection)
+                named[documents.collection] = engine.add_documents(
+                    record.passages, progress=False, schema=documents.collection,
+                    context="neighbour_sentences" if documents.sentences else "neighbours", neighbours=documents.neighbours)
+            else:
+                named[documents.collection] = engine.add_documents(record.passages, progress=False)
+            encode_s[documents.collection].append((time.perf_counter() - started) / len(record.passages))
+        names = named["docs"]
         prompt = build_prompt(record.question + INSTRUCTION, names)
         full = answer(engine, prompt, use_cache=False, max_new_tokens=max_new)
         full_rows.append(compare(full, full, record.answers))
         lengths.append(full["prompt"])
-        for name, recovery in variants:
+        fulls = {str(prompt): full}
+        for name, (recovery, documents) in variants:
             engine.recovery = recovery
-            per_variant[name].append(compare(answer(engine, prompt, use_cache=True, max_new_tokens=max_new), full, record.answers))
+            asked = build_prompt(record.question + INSTRUCTION, named[documents.collection], schema=documents.collection,
+                                 reorder=documents.reorder, engine=engine)
+            # the same tokens as the baseline's prompt unless reordered: then full prefill of the reordered prompt
+            key = str(asked).replace(f'schema="{documents.collection}"', 'schema="docs"')
+            if key not in fulls:
+                fulls[key] = answer(engine, asked, use_cache=False, max_new_tokens=max_new)
+            per_variant[name].append(compare(answer(engine, asked, use_cache=True, max_new_tokens=max_new), fulls[key], record.answers))
         if drop:
             engine.store.clear_memory()  # this record's passages are not read again
     full_ttft = statistics.mean(r["ttft_s"] for r in full_rows)
     result = {"questions": len(records), "mean_prompt_tokens": statistics.mean(lengths),
-              "variants": {"full prefill": summarize(full_rows, full_ttft)}}
+              "variants": {"full prefill": summarize(full_rows, full_ttft)},
+              "encode_ms_per_document": {mode: 1000 * statistics.mean(times) for mode, times in encode_s.items()}}
     for name, rows in per_variant.items():
         result["variants"][name] = summarize(rows, full_ttft)
     result["outputs"] = {"full prefill": [r["text"] for r in full_rows], **{n: [r["text"] for r in rows] for n, rows in per_variant.items()}}

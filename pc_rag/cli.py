@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 # light imports only: `pc-rag --help` answers without loading torch; commands import what they run
 from .errors import PromptCacheError
 from .layout import ENCODINGS
+from .neighbours import CONTEXTS, DEFAULT_NEIGHBOURS
 from .paths import expand
 from .pml import PML, is_pml_prompt
 
@@ -124,7 +125,8 @@ class DemoRAG:
         else:
             corpus = stdlib_corpus()
             names = self.engine.add_documents(
-                [p.text for p in corpus], ids=[p.id for p in corpus], metadatas=[p.metadata for p in corpus], system=DEMO_SYSTEM
+                [p.text for p in corpus], ids=[p.id for p in corpus], metadatas=[p.metadata for p in corpus], system=DEMO_SYSTEM,
+                context=args.context, neighbours=args.neighbours,
             )
             source = "passages of standard-library documentation"
         try:
@@ -140,6 +142,7 @@ class DemoRAG:
         print(f"corpus: {len(names)} {source}, {tokens} tokens, "
               f"ready in {time.perf_counter() - started:.1f} s (cache: {args.kv_dir})\n")
         self.k = args.k
+        self.reorder = args.context is not None  # retrieved passages follow the neighbours they were encoded behind
         self.max_new_tokens = args.max_new_tokens
 
     def chain(self, use_cache: bool = True):  # noqa: ANN201 - a LangChain Runnable
@@ -148,7 +151,7 @@ class DemoRAG:
 
         from .integrations.langchain import ChatPromptCache, PromptCacheRetriever, format_modules
 
-        retriever = PromptCacheRetriever(retriever=self.retriever, k=self.k)
+        retriever = PromptCacheRetriever(retriever=self.retriever, k=self.k, reorder=self.reorder)
         # a 135M instruct model loops without a repetition penalty; cached and full prefill use the same settings
         llm = ChatPromptCache(engine=self.engine, max_new_tokens=self.max_new_tokens, use_cache=use_cache,
                               repetition_penalty=DEMO_REPETITION_PENALTY, no_repeat_ngram_size=DEMO_NO_REPEAT_NGRAM, stop=DEMO_STOP)
@@ -234,11 +237,11 @@ def cmd_encode(args: argparse.Namespace) -> int:
         from .distributed import encode_documents
 
         names = encode_documents(texts, model=args.model, remote_store=args.remote_store, ids=ids, metadatas=metadatas,
-                                 num_workers=args.workers, system=DEMO_SYSTEM, device=args.device, encoding=args.encoding,
-                                 kv_quantization=args.kv_quantization)
+                                 num_workers=args.workers, system=DEMO_SYSTEM, context=args.context, neighbours=args.neighbours,
+                                 device=args.device, encoding=args.encoding, kv_quantization=args.kv_quantization)
     else:
         engine = _engine(args)
-        names = engine.add_documents(texts, ids=ids, metadatas=metadatas, system=DEMO_SYSTEM)
+        names = engine.add_documents(texts, ids=ids, metadatas=metadatas, system=DEMO_SYSTEM, context=args.context, neighbours=args.neighbours)
         unwritten = engine.remote_backlog()
         if engine.remote is None or unwritten:
             raise PromptCacheError(f"{unwritten} entries or registry records could not be written to {args.remote_store} "
@@ -260,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--kv-quantization", choices=("int8", "int4"), default=None,
                         help="store module KV in 8 or 4 bits in every tier (default: the model's precision)")
     common.add_argument("-v", "--verbose", action="store_true", help="log progress")
+
     decoding = argparse.ArgumentParser(add_help=False)  # commands that generate
     decoding.add_argument("--max-new-tokens", type=int, default=96)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -273,13 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     rag = argparse.ArgumentParser(add_help=False)
     rag.add_argument("-k", type=int, default=3, help="documents retrieved per question")
-    demo = sub.add_parser("demo", parents=[common, decoding, rag], help="RAG over standard-library documentation: cached vs full prefill")
+    corpus = argparse.ArgumentParser(add_help=False)
+    corpus.add_argument("--context", choices=CONTEXTS, default=None,
+                        help="encode each document behind its nearest documents (whole, or their first sentences); "
+                             "retrieved documents are then placed after the neighbour they were encoded behind")
+    corpus.add_argument("--neighbours", type=int, default=DEFAULT_NEIGHBOURS, metavar="K", help="how many neighbours, with --context")
+    demo = sub.add_parser("demo", parents=[common, decoding, rag, corpus], help="RAG over standard-library documentation: cached vs full prefill")
     demo.set_defaults(func=cmd_demo)
-    ask = sub.add_parser("ask", parents=[common, decoding, rag], help="answer one question over the demo corpus (or, with --remote-store, its documents)")
+    ask = sub.add_parser("ask", parents=[common, decoding, rag, corpus], help="answer one question over the demo corpus (or, with --remote-store, its documents)")
     ask.add_argument("question")
     ask.add_argument("--compare", action="store_true", help="also run full prefill and print the TTFT speedup")
     ask.set_defaults(func=cmd_ask)
-    encode = sub.add_parser("encode", parents=[common], help="encode documents into a remote store, for every replica")
+    encode = sub.add_parser("encode", parents=[common, corpus], help="encode documents into a remote store, for every replica")
     encode.add_argument("files", nargs="+", help="text files, JSONL files (a 'text' field per line) or folders")
     encode.add_argument("--workers", type=int, default=0, help="Ray workers (RAY_ADDRESS joins a cluster; 0: this process)")
     encode.set_defaults(func=cmd_encode)

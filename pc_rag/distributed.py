@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from . import documents as docs_mod
 from .documents import DEFAULT_SCHEMA
 from .errors import PromptCacheError
+from .neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, check_context
 from .remote import RemoteTier, redact_url
 
 logger = logging.getLogger(__name__)
@@ -46,14 +47,18 @@ class _Encoder:
         if not self.engine.remote.ping():  # type: ignore[union-attr]
             raise PromptCacheError(f"remote store {redact_url(remote_store)!r} is not reachable from this worker")
 
-    def encode(self, batch: list[tuple[str, str, dict[str, Any]]], schema: str, system: str | None) -> tuple[int, int]:
+    def encode(self, batch: list[tuple[str, str, dict[str, Any]]], schema: str, system: str | None,
+               context: tuple[str, dict[str, list[str]], dict[str, str]] | None = None) -> tuple[int, int]:
         """Encode one batch into the remote tier; a PromptCacheError unless every entry and the
         batch's records were written there (what the tier could not take would otherwise wait
-        for a write-back that dies with this actor)."""
+        for a write-back that dies with this actor). ``context``: the form, each document's
+        neighbours and the texts of those outside the batch (:mod:`pc_rag.neighbours`)."""
         before = self.engine.store_stats()["encoded"]
         names = [name for name, _, _ in batch]
-        self.engine.add_documents([text for _, text, _ in batch], ids=names, metadatas=[meta for _, _, meta in batch],
-                                  schema=schema, system=system, progress=False)
+        form, neighbours_of, texts = context if context is not None else (None, None, None)
+        self.engine.registry.add_documents([text for _, text, _ in batch], ids=names, metadatas=[meta for _, _, meta in batch],
+                                           schema=schema, system=system, progress=False, context=form, neighbours_of=neighbours_of,
+                                           context_texts=texts)
         unwritten = self.engine.remote_backlog()
         if unwritten:
             raise PromptCacheError(f"{unwritten} entries or registry records could not be written to the remote store "
@@ -74,6 +79,9 @@ def encode_documents(
     system: str | None = None,
     batch_size: int = 16,
     progress: bool = True,
+    context: str | None = None,
+    neighbours: int = DEFAULT_NEIGHBOURS,
+    embedding: Any = None,
     **engine_kwargs: Any,
 ) -> list[str]:
     """Encode documents on Ray workers into ``remote_store``; return their module names in input order.
@@ -82,8 +90,11 @@ def encode_documents(
     node id, or one derived from the text), so a replica built with the same ``remote_store``
     serves ``build_prompt(question, names)`` at once, encoding nothing. ``num_workers`` actors
     (default: the cluster's CPUs), each with one CPU and ``engine_kwargs`` for
-    :meth:`PromptCache.from_pretrained`; ``batch_size`` documents per task.
+    :meth:`PromptCache.from_pretrained`; ``batch_size`` documents per task. ``context`` and
+    ``neighbours`` as :meth:`PromptCache.add_documents` takes them: neighbours are found here, among
+    the documents of this call (``embedding``), and each batch carries its neighbours' texts.
     """
+    check_context(context, neighbours)
     import ray
     from ray.util import ActorPool
 
@@ -109,12 +120,20 @@ def encode_documents(
     unique = list(named.items())
     batches = [[(name, text, meta) for name, (text, meta) in unique[i : i + batch_size]] for i in range(0, len(unique), batch_size)]
     workers = min(workers, len(batches)) or 1
+    contexts: list[Any] = [None] * len(batches)
+    if context is not None and neighbours:
+        chosen = _neighbours(named, neighbours, embedding)
+        for i, batch in enumerate(batches):
+            inside = {name for name, _, _ in batch}
+            wanted = {name: chosen[name] for name in inside}
+            outside = {n for names in wanted.values() for n in names if n not in inside}
+            contexts[i] = (context, wanted, {n: named[n][0] for n in outside})
     actor = ray.remote(num_cpus=1, max_restarts=2, max_task_retries=2)(_Encoder)
     pool = ActorPool([actor.remote(model, remote_store, 1, engine_kwargs) for _ in range(workers)])
     encoded = 0
     with tqdm(total=len(unique), desc="encoding on ray", unit="doc", disable=not progress) as bar:
         try:
-            for done, fresh in pool.map_unordered(lambda a, batch: a.encode.remote(batch, schema, system), batches):
+            for done, fresh in pool.map_unordered(lambda a, job: a.encode.remote(job[0], schema, system, job[1]), list(zip(batches, contexts))):
                 encoded += fresh
                 bar.update(done)
         except ray.exceptions.RayError as err:
@@ -124,3 +143,13 @@ def encode_documents(
             raise
     logger.info("encoded %d of %d documents on %d Ray workers into %s", encoded, len(unique), workers, remote_store)
     return names
+
+
+def _neighbours(named: dict[str, tuple[str, dict[str, Any]]], k: int, embedding: Any) -> dict[str, list[str]]:
+    """Each document's ``k`` nearest among ``named`` by ``embedding``, the farthest first."""
+    from .retrievers.faiss_retriever import embed_texts, load_embedder
+
+    model, _ = load_embedder(embedding)
+    index = NeighbourIndex(lambda texts: embed_texts(model, texts))
+    index.add({name: text for name, (text, _) in named.items()})
+    return index.neighbours(list(named), k)

@@ -138,15 +138,22 @@ def _valid(doc_id: Any) -> bool:
     return isinstance(doc_id, str) and _NAME.fullmatch(doc_id) is not None and doc_id not in _RESERVED
 
 
-def build_prompt(question: str, modules: Sequence[str], *, schema: str = DEFAULT_SCHEMA, system: str | None = None) -> PML:
+def build_prompt(question: str, modules: Sequence[str], *, schema: str = DEFAULT_SCHEMA, system: str | None = None,
+                 reorder: bool = False, engine: Any = None) -> PML:
     """The PML prompt that imports ``modules`` (in that order) and asks ``question``.
 
     The question is escaped: whatever it contains is read as text. ``system`` adds a system turn
-    as uncached text, for schemas without a system prompt of their own.
+    as uncached text, for schemas without a system prompt of their own. ``reorder=True`` (with
+    the ``engine`` that holds the documents) places each document after the neighbour it was
+    encoded behind where the order allows (:meth:`pc_rag.PromptCache.reorder_documents`).
     """
     if not isinstance(question, str):
         raise PromptCacheError(f"question must be a str, got {type(question).__name__}")
     check_name(schema, "schema name")
+    if reorder:
+        if engine is None or not hasattr(engine, "reorder_documents"):
+            raise PromptCacheError("reorder=True needs engine=, the PromptCache whose documents these are")
+        modules = engine.reorder_documents(modules, schema=schema)
     refs = "".join(f"<{check_name(m, 'module name')}/>" for m in modules)
     system_turn = f"<system>{escape(system)}</system>" if system else ""
     return PML(f'<prompt schema="{schema}">{system_turn}<user>{refs}{escape(question)}</user></prompt>')

@@ -7,7 +7,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -156,13 +156,15 @@ class Forward:
 
     @torch.inference_mode()
     def encode_batch(
-        self, sequences: Sequence[Sequence[int]], start: int, prefix: ModuleKV | None = None, *, pad_id: int = 0
+        self, sequences: Sequence[Sequence[int]], start: int, prefix: ModuleKV | None = None, *, pad_id: int = 0,
+        keep_from: Sequence[int] | None = None,
     ) -> list[ModuleKV]:
         """The KV of several token sequences, each at positions ``start, start+1, ...`` behind ``prefix``.
 
         One forward pass for all: rows are right-padded, and since attention is causal a real
         token never sees the padding after it, so no mask is needed and each row's KV equals
-        what :meth:`encode` gives it alone.
+        what :meth:`encode` gives it alone. ``keep_from[row]``: only that row's tokens from there
+        on are returned (the ones before were its context: :mod:`pc_rag.neighbours`).
         """
         before = len(prefix) if prefix is not None else 0
         width = max(len(s) for s in sequences)
@@ -176,9 +178,10 @@ class Forward:
         positions = torch.arange(start, start + width, dtype=torch.long).expand(len(sequences), -1)
         self._count(1, len(sequences))
         self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), past_key_values=buffer.cache, use_cache=True)
+        kept = keep_from if keep_from is not None else [0] * len(sequences)
         return [
-            ModuleKV(buffer.slice(before, before + len(seq), row).clone(), torch.arange(start, start + len(seq), dtype=torch.long))
-            for row, seq in enumerate(sequences)
+            ModuleKV(buffer.slice(before + skip, before + len(seq), row).clone(), torch.arange(start + skip, start + len(seq), dtype=torch.long))
+            for row, (seq, skip) in enumerate(zip(sequences, kept))
         ]
 
     def keys_at(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
@@ -275,6 +278,15 @@ class ModuleEncoder:
             return module
         if name in schema.joint:
             return self._encode_joint(schema, name, key)
+        if name in schema.contexts:
+            with self._lock:
+                module = self.store.get(key, info.positions, count=False)
+                if module is None:
+                    self._encode_in_context(schema, [(key, info)], 0)
+                    module = self.store.get(key, info.positions, count=False)
+                if module is None:  # stored nowhere that keeps it (a budget smaller than the module)
+                    raise RuntimeError(f"module {name!r} was encoded but the store does not hold it")
+                return module
         context = self.context(schema) if name != schema.layout.prefix else None
         return self.ensure(key, info.token_ids, info.positions, context, _info(schema, name), count=False)
 
@@ -320,8 +332,10 @@ class ModuleEncoder:
             assert found is not None
             return found
 
-    def encode_documents(self, schema: Any, modules: Sequence[tuple[str, Any]], *, progress: bool, batch_tokens: int) -> None:
-        """Encode the documents whose KV the store lacks, longest first, several per forward pass."""
+    def encode_documents(self, schema: Any, modules: Sequence[tuple[str, Any]], *, progress: bool, batch_tokens: int,
+                         contexts: Mapping[str, Any] | None = None) -> None:
+        """Encode the documents whose KV the store lacks, longest first, several per forward pass;
+        a document with a neighbour context (``contexts``, by name) behind it."""
         todo: dict[str, Any] = {}  # key -> module: two names with one text share one entry
         for key, info in modules:
             todo.setdefault(key, info)
@@ -332,26 +346,35 @@ class ModuleEncoder:
         if not todo:
             return
         with self._lock:
-            context = self.context(schema)
-            queue = sorted(todo.items(), key=lambda item: -len(item[1].token_ids))
-            bar = tqdm(total=len(queue), desc=f"encoding {schema.name}", unit="doc", disable=not progress, leave=False)
-            while queue:
-                width = len(queue[0][1].token_ids)
-                take = max(1, min(len(queue), batch_tokens // max(width, 1)))
-                batch, queue = queue[:take], queue[take:]
-                started = time.perf_counter()
-                encoded = self.forward.encode_batch(
-                    [info.token_ids for _, info in batch], schema.layout.document_start, context, pad_id=self.spec.placeholder_id
-                )
-                costs = self.store.costs
-                if costs is not None:  # a prefill rate before the first request (pc_rag.costs)
-                    if encoded[0].kv.device.type == "cuda":
-                        torch.cuda.synchronize(encoded[0].kv.device)
-                    costs.observe_prefill(sum(len(m) for m in encoded), time.perf_counter() - started)
-                for (key, info), module in zip(batch, encoded):
-                    self.store.put(key, module, {"schema": schema.name, "module": info.name, "tokens": len(module)})
-                bar.update(len(batch))
-            bar.close()
+            self._encode_in_context(schema, list(todo.items()), batch_tokens, contexts, progress=progress)
+
+    def _encode_in_context(self, schema: Any, todo: list[tuple[str, Any]], batch_tokens: int, contexts: Mapping[str, Any] | None = None,
+                           *, progress: bool = False) -> None:
+        """Encode documents ``(key, module)`` behind the prefix and lead, each behind its neighbour
+        context (``contexts``, else the schema's) too; only their own KV is stored."""
+        contexts = schema.contexts if contexts is None else contexts
+        behind = {key: tuple(contexts[info.name].token_ids) if info.name in contexts else () for key, info in todo}
+        context = self.context(schema)
+        queue = sorted(todo, key=lambda item: -(len(behind[item[0]]) + len(item[1].token_ids)))
+        bar = tqdm(total=len(queue), desc=f"encoding {schema.name}", unit="doc", disable=not progress, leave=False)
+        while queue:
+            width = len(behind[queue[0][0]]) + len(queue[0][1].token_ids)
+            take = max(1, min(len(queue), batch_tokens // max(width, 1)))
+            batch, queue = queue[:take], queue[take:]
+            started = time.perf_counter()
+            encoded = self.forward.encode_batch(
+                [behind[key] + tuple(info.token_ids) for key, info in batch], schema.layout.document_start, context,
+                pad_id=self.spec.placeholder_id, keep_from=[len(behind[key]) for key, _ in batch],
+            )
+            costs = self.store.costs
+            if costs is not None:  # a prefill rate before the first request (pc_rag.costs)
+                if encoded[0].kv.device.type == "cuda":
+                    torch.cuda.synchronize(encoded[0].kv.device)
+                costs.observe_prefill(sum(len(behind[key]) + len(m) for (key, _), m in zip(batch, encoded)), time.perf_counter() - started)
+            for (key, info), module in zip(batch, encoded):
+                self.store.put(key, module, {"schema": schema.name, "module": info.name, "tokens": len(module)})
+            bar.update(len(batch))
+        bar.close()
 
 
 _READERS: ThreadPoolExecutor | None = None

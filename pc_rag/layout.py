@@ -357,17 +357,19 @@ def document_layout(name: str, prefix_ids: Sequence[int], lead_ids: Sequence[int
     return layout
 
 
-def document_module(layout: SchemaLayout, name: str, text: str, text_ids: Sequence[int], separator_ids: Sequence[int]) -> ModuleInfo:
+def document_module(layout: SchemaLayout, name: str, text: str, text_ids: Sequence[int], separator_ids: Sequence[int],
+                    behind: int = 0) -> ModuleInfo:
     """A document module (its text's tokens, then the separator's) for ``layout``, not yet added to it.
 
     Building and adding are separate so that the engine can encode a document before any
-    prompt can see it (:func:`add_document`).
+    prompt can see it (:func:`add_document`). ``behind``: the length of the neighbour context
+    it is encoded behind (:mod:`pc_rag.neighbours`), which its positions follow.
     """
     if not layout.documents:
         raise PromptCacheError(f"schema {layout.name!r} is a PML schema, not a document collection")
     if name in layout.modules:
         raise PromptCacheError(f"duplicate module name {name!r} in schema {layout.name!r}")
-    start = layout.document_start
+    start = layout.document_start + behind
     ids = list(text_ids) + list(separator_ids)
     info = ModuleInfo(name, None, None, ids, list(range(start, start + len(ids))), first_piece=-1, last_piece=-1)
     info.text, info.text_tokens = text, len(text_ids)

@@ -249,7 +249,8 @@ def moved(planned: Plan, encoding: str) -> list[bool]:
 def encoded_behind(schema: "Schema", name: str, offset: int, encoding: str) -> list[int]:
     """The tokens that token ``offset`` of module ``name`` was encoded behind: the path before it
     (``scaffold``), else what the schema's modules are encoded behind (nothing for ``isolated``;
-    the prefix and lead for ``shared_prefix``) and the module's own tokens before it."""
+    the prefix and lead for ``shared_prefix``), a document's neighbour context, and the module's
+    own tokens before it."""
     joint = schema.joint.get(name)
     if joint is not None:
         return list(joint.token_ids[: joint.index[offset]])
@@ -258,6 +259,9 @@ def encoded_behind(schema: "Schema", name: str, offset: int, encoding: str) -> l
     before: list[int] = []
     if encoding != "isolated" and layout.prefix is not None and name != layout.prefix:
         before = list(layout.modules[layout.prefix].token_ids) + list(layout.lead)
+    context = schema.contexts.get(name)
+    if context is not None:  # a document encoded behind its neighbours (pc_rag.neighbours)
+        before += context.token_ids
     return before + list(module.token_ids[:offset])
 
 

@@ -5,11 +5,13 @@ the remote registry shared with other replicas. Every method hands its work to t
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .background import BackgroundEncoder
 from .documents import DEFAULT_SCHEMA, check_name, default_name, normalize
+from .errors import PromptCacheError
+from .neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, check_context, reorder
 from .registry import Registry, Schema
 from .remote import RemoteTier
 from .store import ModuleStore
@@ -33,7 +35,8 @@ class Registration:
     def add_documents(self, texts: Sequence[Any], *, ids: Sequence[str] | None = None,
                       metadatas: Sequence[dict[str, Any] | None] | None = None, schema: str = DEFAULT_SCHEMA,
                       system: str | None = None, progress: bool = True, batch_tokens: int | None = None,
-                      replace_changed: bool = False, background: bool = False) -> list[str]:
+                      replace_changed: bool = False, background: bool = False, context: str | None = None,
+                      neighbours: int | Mapping[str, Sequence[str]] = DEFAULT_NEIGHBOURS, embedding: Any = None) -> list[str]:
         """Store documents as movable modules of the document schema ``schema``; return their names.
 
         ``texts`` holds strings, LangChain ``Document``s or LlamaIndex nodes. A document's name is
@@ -53,7 +56,28 @@ class Registration:
         requests (after the request being served, never during one: :mod:`pc_rag.background`).
         Until a document is encoded, a prompt reads it as text. :meth:`wait_for_documents`
         waits for the queue.
+
+        ``context="neighbours"`` encodes each new document behind the texts of the ``neighbours``
+        documents it is most likely to be retrieved with (:mod:`pc_rag.neighbours`): the nearest
+        ones of the collection (held, or added in this call) by ``embedding`` (a sentence-transformers
+        model or its name, or a LangChain ``Embeddings``; default: the retriever's default model),
+        the farthest first; ``"neighbour_sentences"`` behind their first sentences only. A prompt
+        reads such a document more as full prefill would (encoding costs about ``neighbours + 1``
+        times as much, once); storage does not grow. ``neighbours`` may instead map each new
+        document's id to the ids it is to be encoded behind, in order (your own choice: what a
+        retriever returns together). Documents added later are encoded against the collection
+        as it is then; to encode a corpus that changed a lot against itself again, delete and
+        add it again (:meth:`reencode_documents`).
         """
+        check_context(context, neighbours if isinstance(neighbours, int) else 0)
+        if context is not None and not isinstance(neighbours, (int, Mapping)):
+            raise PromptCacheError(f"neighbours must be an int or a mapping of document ids to neighbour ids, got {type(neighbours).__name__}")
+        if background and context is not None:
+            raise PromptCacheError("context= is not available with background=True: add the documents with background=False")
+        if context is not None and neighbours:
+            return self._add_with_neighbours(texts, ids=ids, metadatas=metadatas, schema=schema, system=system, progress=progress,
+                                             batch_tokens=batch_tokens, replace_changed=replace_changed, context=context,
+                                             neighbours=neighbours, embedding=embedding)
         if background:
             records = normalize(texts, ids, metadatas)
             check_name(schema, "schema name")
@@ -62,6 +86,67 @@ class Registration:
             return [name for name, _, _ in named]
         return self.registry.add_documents(texts, ids=ids, metadatas=metadatas, schema=schema, system=system,
                                            progress=progress, batch_tokens=batch_tokens, replace_changed=replace_changed)
+
+    def _add_with_neighbours(self, texts: Sequence[Any], *, schema: str, context: str, neighbours: int | Mapping[str, Sequence[str]],
+                             embedding: Any, **kwargs: Any) -> list[str]:
+        """:meth:`add_documents` with a neighbour context: each new document's neighbours found
+        (by embedding, or as given), then the registry encodes it behind them."""
+        records = normalize(texts, kwargs.pop("ids"), kwargs.pop("metadatas"))
+        check_name(schema, "schema name")
+        named = {doc_id or default_name(text): text for doc_id, text, _ in records}
+        if isinstance(neighbours, Mapping):
+            unknown = [n for n in neighbours if n not in named]
+            if unknown:
+                raise PromptCacheError(f"neighbours names {unknown[0]!r}, which is not among the documents added")
+            chosen = {n: list(v) for n, v in neighbours.items()}
+        else:
+            held = self.registry.snapshot().schemas.get(schema)
+            index = self._neighbour_index(schema, embedding)
+            documents = held.documents if held is not None and held.layout.documents else {}
+            # deleted since: never a neighbour; this call's ids embedded anew (a text replaced under its id)
+            index.forget([n for n in index.names if n not in documents or n in named])
+            index.add({n: r.text for n, r in documents.items()})
+            index.add(named)
+            chosen = index.neighbours(list(named), neighbours)
+        return self.registry.add_documents([text for _, text, _ in records], ids=[doc_id or default_name(text) for doc_id, text, _ in records],
+                                           metadatas=[meta for _, _, meta in records], schema=schema, context=context,
+                                           neighbours_of=chosen, **kwargs)
+
+    def _neighbour_index(self, schema: str, embedding: Any) -> NeighbourIndex:
+        """The embeddings of collection ``schema``'s documents under ``embedding`` (kept per
+        collection and embedding model; documents deleted leave it)."""
+        from .retrievers.faiss_retriever import embed_texts, load_embedder
+
+        indexes = self.__dict__.setdefault("_neighbour_indexes", {})
+        # a model given by name (or the default) is loaded once; a model object is its own key
+        key = (schema, embedding if embedding is None or isinstance(embedding, str) else id(embedding))
+        index = indexes.get(key)
+        if index is None:
+            model, _ = load_embedder(embedding)
+            index = indexes[key] = NeighbourIndex(lambda texts: embed_texts(model, texts))
+        return index
+
+    def reorder_documents(self, names: Sequence[str], *, schema: str = DEFAULT_SCHEMA) -> list[str]:
+        """``names`` (retrieved documents of ``schema``, best first) placed so that each follows the
+        neighbour it was encoded behind where the ranking allows (:func:`pc_rag.neighbours.reorder`):
+        ``build_prompt(question, names, reorder=True, engine=engine)`` does it for you."""
+        held = self.registry.snapshot().schemas.get(schema)
+        return reorder(list(names), held.contexts if held is not None else {})
+
+    def reencode_documents(self, *, schema: str = DEFAULT_SCHEMA, context: str = "neighbours", neighbours: int = DEFAULT_NEIGHBOURS,
+                           embedding: Any = None, progress: bool = True) -> list[str]:
+        """Encode every document of collection ``schema`` again against the collection as it is
+        now (after it changed a lot: documents added later found only the earlier ones as
+        neighbours, and the early ones never saw the later): each one deleted and added again
+        with ``context``/``neighbours``, ids, texts and metadata kept. Returns their names."""
+        check_context(context, neighbours)
+        held = self.registry.snapshot().schemas.get(schema)
+        if held is None or not held.layout.documents:
+            raise PromptCacheError(f"no document collection {schema!r}")
+        records = list(held.documents.values())
+        self.registry.delete_documents([r.name for r in records], schema=schema)
+        return self.add_documents([r.text for r in records], ids=[r.name for r in records], metadatas=[r.metadata for r in records],
+                                  schema=schema, context=context, neighbours=neighbours, embedding=embedding, progress=progress)
 
     def wait_for_documents(self, timeout: float | None = None) -> bool:
         """Encode the documents queued by ``add_documents(background=True)`` now (still between

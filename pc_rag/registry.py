@@ -28,6 +28,7 @@ from .encoder import ModuleEncoder
 from .errors import PromptCacheError
 from .layout import SchemaLayout, add_document, document_layout, document_module, layout_schema, remove_documents, scaffold_paths
 from .model import ModelSpec
+from .neighbours import DocumentContext, first_sentence
 from .pml import parse_schema
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class Schema:
     system: str | None = None
     # encoding="scaffold": each module's path (modules of one path share its tuples)
     joint: Mapping[str, JointPath] = field(default_factory=dict, repr=False)
+    # documents encoded behind neighbours (add_documents(context=...)): what each one read first
+    contexts: Mapping[str, DocumentContext] = field(default_factory=dict, repr=False)
 
     @property
     def modules(self) -> list[str]:
@@ -76,6 +79,14 @@ class Schema:
 class _Joint:
     path: JointPath
     context_key: str
+
+
+def _context_key(base: str | None, context: DocumentContext | None) -> str | None:
+    """What a document's store key says it was encoded behind: the prefix and lead (``base``),
+    and its neighbour context's tokens (an entry is never served for another context)."""
+    if context is None:
+        return base
+    return f"{base}+{context.form}:" + hashlib.sha256(repr(context.token_ids).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -187,6 +198,9 @@ class Registry:
         publish: bool = True,
         encode: bool = True,
         replace_changed: bool = False,
+        context: str | None = None,
+        neighbours_of: Mapping[str, Sequence[str]] | None = None,
+        context_texts: Mapping[str, str] | None = None,
     ) -> list[str]:
         """Store documents as movable modules of the document schema ``schema`` (see
         :meth:`pc_rag.PromptCache.add_documents`); returns their names. With a remote tier, the
@@ -196,7 +210,13 @@ class Registry:
         it then (records taken in from the remote tier, whose KV is there).
         ``replace_changed=True``: a name that holds another text or metadata (a document edited
         under the same id) is deleted first (:meth:`delete_documents`) and added anew; without
-        it, another text is an error (and other metadata is ignored)."""
+        it, another text is an error (and other metadata is ignored).
+
+        ``context`` (``"neighbours"`` or ``"neighbour_sentences"``, :mod:`pc_rag.neighbours`) with
+        ``neighbours_of`` (a new document's name -> the names it is encoded behind, the farthest
+        first): each new document is encoded behind those documents' texts (or first sentences),
+        found among this call's documents, the collection's and ``context_texts`` (name -> text,
+        for documents held elsewhere: an encoding worker's batch)."""
         records = docs_mod.normalize(texts, ids, metadatas)
         spec = self.spec
         if not spec.movable:
@@ -233,15 +253,20 @@ class Registry:
             context_key = None
             if self.encoding != "isolated" and layout.prefix:  # scaffold: documents behind the prefix too
                 context_key = f"{target.keys[layout.prefix]}+{layout.lead}"
-            built = {name: document_module(layout, name, text, text_ids, spec.separator_ids) for name, (text, text_ids, _) in fresh.items()}
-            keys = {name: self.encoder.key(schema, info.token_ids, info.positions, context_key) for name, info in built.items()}
+            contexts = self._document_contexts(target, fresh, context, neighbours_of, context_texts) if context else {}
+            built = {name: document_module(layout, name, text, text_ids, spec.separator_ids,
+                                           len(contexts[name].token_ids) if name in contexts else 0)
+                     for name, (text, text_ids, _) in fresh.items()}
+            keys = {name: self.encoder.key(schema, info.token_ids, info.positions, _context_key(context_key, contexts.get(name)))
+                    for name, info in built.items()}
             if batch_tokens is None:
                 # on CPU a 2-core machine is compute-bound at batch 1 and padding only adds work
                 batch_tokens = 512 if spec.device.type == "cpu" else 8192
             # encode first, publish after: a prompt served meanwhile never sees a document whose
             # KV is not stored yet (it would encode it a second time)
             if encode:
-                self.encoder.encode_documents(target, [(keys[n], built[n]) for n in built], progress=progress, batch_tokens=batch_tokens)
+                self.encoder.encode_documents(target, [(keys[n], built[n]) for n in built], progress=progress, batch_tokens=batch_tokens,
+                                              contexts=contexts)
             if built:
                 # copy on write: plans made against the old Schema keep reading it unchanged
                 new_layout = replace(layout, modules=dict(layout.modules), pieces=list(layout.pieces))
@@ -251,13 +276,62 @@ class Registry:
                     add_document(new_layout, info)
                     if self.drop_in:
                         self.index.add(schema, name, info.text or "")
-                target = replace(target, layout=new_layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents))
+                target = replace(target, layout=new_layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents),
+                                 contexts=MappingProxyType({**target.contexts, **contexts}) if contexts else target.contexts)
                 self._publish(target)
             if self.remote is not None and publish and fresh:
                 self._publish_remote(partial(self.remote.log.publish_documents, schema, target.system, [
-                    {"name": name, "text": text, "metadata": meta} for name, (text, _, meta) in fresh.items()]))
+                    {"name": name, "text": text, "metadata": meta,
+                     **({"context": {"form": contexts[name].form, "names": list(contexts[name].names)}} if name in contexts else {})}
+                    for name, (text, _, meta) in fresh.items()]))
             logger.info("documents %r: %d added (%d new), %d held", schema, len(names), len(fresh), len(target.documents))
             return names
+
+    def _document_contexts(self, target: Schema, fresh: Mapping[str, tuple[str, list[int], dict[str, Any]]], form: str,
+                           neighbours_of: Mapping[str, Sequence[str]] | None, extra: Mapping[str, str] | None) -> dict[str, DocumentContext]:
+        """What each new document is encoded behind (see :meth:`add_documents`): its neighbours'
+        tokens as a prompt places them (text, separator), the farthest dropped first where the
+        context would not leave the document inside the model's context window."""
+        if self.encoding == "isolated":
+            raise PromptCacheError("context= needs documents encoded behind the system turn (encoding='shared_prefix'), not 'isolated'")
+        layout, spec = target.layout, self.spec
+        held = target.documents
+        wanted: dict[str, list[str]] = {}
+        for name, names in (neighbours_of or {}).items():
+            if name not in fresh:
+                continue  # a document held already keeps what it was encoded behind
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise PromptCacheError(f"document {name!r}: its neighbours must be a list of document ids")
+            chosen = list(dict.fromkeys(n for n in names if n != name))
+            for other in chosen:
+                if other not in fresh and other not in held and other not in (extra or {}):
+                    raise PromptCacheError(f"document {name!r}: neighbour {other!r} is neither in collection {layout.name!r} "
+                                           "nor among the documents added")
+            if chosen:
+                wanted[name] = chosen
+        needed = {n for names in wanted.values() for n in names}
+        tokens: dict[str, list[int]] = {}
+        for other in needed:
+            if form == "neighbours" and other in held:
+                tokens[other] = list(layout.modules[other].token_ids)  # text and separator, as stored
+            elif form == "neighbours" and other in fresh:
+                tokens[other] = list(fresh[other][1]) + list(spec.separator_ids)
+        todo = sorted(needed - set(tokens))
+        if todo:
+            texts = [held[n].text if n in held else fresh[n][0] if n in fresh else extra[n] for n in todo]  # type: ignore[index]
+            if form == "neighbour_sentences":
+                texts = [first_sentence(t) for t in texts]
+            for other, ids in zip(todo, spec.tokenize_many(texts)):
+                tokens[other] = list(ids) + list(spec.separator_ids)
+        window = spec.context_window
+        out: dict[str, DocumentContext] = {}
+        for name, names in wanted.items():
+            own = len(fresh[name][1]) + len(spec.separator_ids)
+            while names and window is not None and layout.document_start + sum(len(tokens[n]) for n in names) + own > window:
+                names = names[1:]  # the farthest first: a document never leaves the window for its context
+            if names:
+                out[name] = DocumentContext(tuple(names), tuple(t for n in names for t in tokens[n]), form)
+        return out
 
     # -----------------------------------------------------------------------------------------
     def delete_documents(self, names: Iterable[str], *, schema: str = DEFAULT_SCHEMA, publish: bool = True) -> list[str]:
@@ -278,11 +352,30 @@ class Registry:
                 return []
             gone = set(removed)
             keys = {n: k for n, k in target.keys.items() if n not in gone}
-            dead = sorted({target.keys[n] for n in removed} - set(keys.values()))  # two ids may share one text's entry
             documents = {n: r for n, r in target.documents.items() if n not in gone}
+            # documents encoded behind a deleted one read its text: they lose it from their
+            # context (their KV is encoded again, behind the neighbours left, when next needed)
+            dependents = [n for n, c in target.contexts.items() if n not in gone and gone & set(c.names)]
+            layout = remove_documents(target.layout, [*removed, *dependents])
+            contexts = {n: c for n, c in target.contexts.items() if n not in gone and n not in dependents}
+            for name in dependents:
+                old = target.layout.modules[name]
+                left = [n for n in target.contexts[name].names if n not in gone]
+                context = None
+                if left:
+                    form = target.contexts[name].form
+                    texts = [documents[n].text if form == "neighbours" else first_sentence(documents[n].text) for n in left]
+                    ids = [t for part in self.spec.tokenize_many(texts) for t in (*part, *self.spec.separator_ids)]
+                    context = contexts[name] = DocumentContext(tuple(left), tuple(ids), form)
+                info = document_module(layout, name, old.text or "", old.token_ids[: old.text_tokens], old.token_ids[old.text_tokens :],
+                                       len(context.token_ids) if context is not None else 0)
+                add_document(layout, info)
+                base = f"{target.keys[layout.prefix]}+{layout.lead}" if self.encoding != "isolated" and layout.prefix else None
+                keys[name] = self.encoder.key(schema, info.token_ids, info.positions, _context_key(base, context))
+            dead = sorted({target.keys[n] for n in [*removed, *dependents]} - set(keys.values()))  # two ids may share one text's entry
             self.index.remove(schema, removed)
-            self._publish(replace(target, layout=remove_documents(target.layout, removed), keys=MappingProxyType(keys),
-                                  documents=MappingProxyType(documents)))
+            self._publish(replace(target, layout=layout, keys=MappingProxyType(keys), documents=MappingProxyType(documents),
+                                  contexts=MappingProxyType(contexts)))
             # a replica replaying a deletion leaves the shared entries to the replica that deleted
             # them (the log may add the same text again after it)
             self.encoder.store.delete(dead, remote=publish)
@@ -291,7 +384,8 @@ class Registry:
             listeners = list(self._listeners)
         for listener in listeners:
             listener.forget(schema, removed)
-        logger.info("documents %r: %d deleted, %d held", schema, len(removed), len(documents))
+        logger.info("documents %r: %d deleted, %d held (%d lost a neighbour from their context)", schema, len(removed), len(documents),
+                    len(dependents))
         return removed
 
     def watch(self, listener: Any) -> None:
@@ -406,16 +500,28 @@ class Registry:
                 logger.warning("remote document %r in %r holds another text than this process; skipped", name, collection)
             elif have is None:
                 todo[name] = record
-        batches = [list(todo.values())]
+        # one call per context form (the records say what their publisher encoded them behind)
+        forms: dict[str | None, list[dict[str, Any]]] = {}
+        for record in todo.values():
+            forms.setdefault((record.get("context") or {}).get("form"), []).append(record)
+        # plain documents first: the others may be encoded behind them
+        batches = sorted(forms.values(), key=lambda batch: batch[0].get("context") is not None)
         taken = 0
         while batches:
-            batch = batches.pop()
+            batch = batches.pop(0)
+            form = (batch[0].get("context") or {}).get("form")
             try:
                 self.add_documents([r["text"] for r in batch], ids=[r["name"] for r in batch], metadatas=[r["metadata"] for r in batch],
-                                   schema=collection, system=system, progress=False, publish=False, encode=False)
+                                   schema=collection, system=system, progress=False, publish=False, encode=False, context=form,
+                                   neighbours_of={r["name"]: r["context"]["names"] for r in batch if r.get("context")} if form else None)
                 taken += len(batch)
             except PromptCacheError as err:
-                if len(batch) == 1:
+                if len(batch) == 1 and form is not None:
+                    # its context names documents this process lacks: taken as a plain document
+                    # (another key: the publisher's entry, encoded behind them, is never read for it)
+                    logger.warning("remote document %r of %r taken without its context: %s", batch[0]["name"], collection, err)
+                    batches.append([{k: v for k, v in batch[0].items() if k != "context"}])
+                elif len(batch) == 1:
                     logger.warning("remote document %r of %r not taken in: %s", batch[0]["name"], collection, err)
                 else:  # find the bad ones by halving: the good ones are taken
                     batches.extend([batch[: len(batch) // 2], batch[len(batch) // 2 :]])

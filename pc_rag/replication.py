@@ -28,6 +28,7 @@ from typing import Any
 
 from .documents import check_name
 from .errors import PromptCacheError
+from .neighbours import CONTEXTS, MAX_NEIGHBOURS
 from .redis_link import RedisLink
 
 
@@ -179,7 +180,15 @@ class RegistryLog:
                 raise PromptCacheError("a document record without text")
             if meta is not None and not isinstance(meta, dict):
                 raise PromptCacheError(f"metadata is a {type(meta).__name__}, not an object")
-            return {"op": "add", "name": entry["name"], "text": text, "metadata": meta or {}}
+            out = {"op": "add", "name": entry["name"], "text": text, "metadata": meta or {}}
+            context = entry.get("context")
+            if context is not None:  # what the publisher encoded it behind (pc_rag.neighbours)
+                names = context.get("names") if isinstance(context, dict) else None
+                if not isinstance(context, dict) or context.get("form") not in CONTEXTS or not isinstance(names, list) \
+                        or not 0 < len(names) <= MAX_NEIGHBOURS:
+                    raise PromptCacheError("a document record with a malformed context")
+                out["context"] = {"form": context["form"], "names": [check_name(n, "neighbour id") for n in names]}
+            return out
         if op == "delete":
             names = entry.get("names")
             if not isinstance(names, list) or not names:

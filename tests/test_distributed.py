@@ -104,3 +104,24 @@ def test_entries_redis_refuses_fail_the_encoding(saved_model, redis_server, ray_
     client.config_set("maxmemory", "1")  # every write refused (OOM)
     with pytest.raises(PromptCacheError, match="could not be written"):
         encode_documents(hotpot_paragraphs(3), model=str(saved_model), remote_store=redis_server.url, num_workers=1, progress=False)
+
+
+def test_encode_documents_carries_the_neighbour_context(saved_model, redis_server, ray_runtime):
+    from pc_rag.distributed import encode_documents
+
+    with pytest.raises(PromptCacheError, match="unknown context"):
+        encode_documents(["a", "b"], remote_store=redis_server.url, context="nearby")
+    texts = hotpot_paragraphs(8)
+    names = encode_documents(texts, model=str(saved_model), remote_store=redis_server.url, num_workers=2, batch_size=4,
+                             progress=False, context="neighbours", neighbours=2)
+    replica = PromptCache.from_pretrained(str(saved_model), remote_store=redis_server.url)
+    contexts = replica.schemas["docs"].contexts
+    assert set(contexts) == set(names) and all(len(c.names) == 2 for c in contexts.values())
+    # a document behind exactly its context (its neighbours were encoded by the other worker too)
+    name = names[-1]
+    prompt = build_prompt(QUESTION, [*contexts[name].names, name])
+    result = replica.generate(prompt, max_new_tokens=4)
+    assert replica.store_stats()["encoded"] == 0 and result.stats.cached_tokens > 0
+    plan = replica.plan(prompt)
+    own = [moved for segment, moved in zip(plan.segments, plan.moved) if segment.owner == name]
+    assert own and not any(own)  # read as full prefill computes it: no recovery for it

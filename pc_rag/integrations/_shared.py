@@ -13,6 +13,7 @@ from ..documents import DEFAULT_SCHEMA, check_name, module_name, module_referenc
 from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..generation import Generation
+from ..neighbours import DocumentContext, reorder
 from ..planner import scope
 from ..pml import PML, is_pml_prompt
 
@@ -230,3 +231,22 @@ def as_modules(engine: PromptCache, collection: str, hits: Sequence[tuple[Any, s
         if encode == "eager":
             held = _held_text(engine, collection)
     return [(name, module_reference(name, collection) if held(name) == text else None) for name, (_, text, _) in zip(names, hits)]
+
+
+def reordered(engine: PromptCache, items: Sequence[T], where: Callable[[T], tuple[str, str] | None]) -> list[T]:
+    """``items`` (retrieved, best first) placed so that each document follows the neighbour it was
+    encoded behind where the ranking allows (:func:`pc_rag.neighbours.reorder`); ``where`` gives
+    an item's (collection, module), None for one the engine does not hold (it keeps its rank)."""
+    keys = [where(item) for item in items]
+    contexts: dict[Any, DocumentContext] = {}
+    schemas = engine.registry.snapshot().schemas
+    for key in keys:
+        held = schemas.get(key[0]) if key is not None else None
+        context = held.contexts.get(key[1]) if held is not None else None
+        if context is not None:
+            contexts[key] = DocumentContext(tuple((key[0], n) for n in context.names), context.token_ids, context.form)
+    labels = [key if key is not None else ("", str(index)) for index, key in enumerate(keys)]
+    if len(set(labels)) != len(labels):  # one document twice: the order stays as retrieved
+        return list(items)
+    position = {label: index for index, label in enumerate(labels)}
+    return [items[position[label]] for label in reorder(labels, contexts)]

@@ -63,6 +63,7 @@ from ._shared import (
     iterate_in_thread,
     model_name,
     narrow,
+    reordered,
     shared_engine,
     target_collection,
 )
@@ -616,6 +617,10 @@ class PromptCacheRetriever(BaseRetriever):
     collection, else ``"docs"``)."""
     encode: Literal["background", "eager", "off"] = "background"
     """A user's retriever: when hits the engine has not encoded are encoded (see the class docstring)."""
+    reorder: bool = False
+    """Place each returned document after the neighbour it was encoded behind where the ranking
+    allows (documents added with ``context="neighbours"``; :func:`pc_rag.neighbours.reorder`),
+    as LangChain's ``LongContextReorder`` reorders: more of the prompt reads as full prefill."""
 
     def model_post_init(self, context: Any) -> None:
         if self.engine is not None and not isinstance(self.engine, PromptCache):
@@ -667,20 +672,26 @@ class PromptCacheRetriever(BaseRetriever):
     ) -> list[Document]:
         allowed = narrow(self.collections, kwargs.pop("collections", None))
         if isinstance(self.retriever, FaissModuleRetriever):
-            return self._search_index(query, allowed, kwargs)
+            return self._ordered(self._search_index(query, allowed, kwargs))
         collection = target_collection(self.collection, allowed)
         found = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
-        return self._as_modules(found, collection)
+        return self._ordered(self._as_modules(found, collection))
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
         allowed = narrow(self.collections, kwargs.pop("collections", None))
         if isinstance(self.retriever, FaissModuleRetriever):
-            return await asyncio.to_thread(self._search_index, query, allowed, kwargs)
+            return self._ordered(await asyncio.to_thread(self._search_index, query, allowed, kwargs))
         collection = target_collection(self.collection, allowed)
         found = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
-        return await asyncio.to_thread(self._as_modules, found, collection)
+        return self._ordered(await asyncio.to_thread(self._as_modules, found, collection))
+
+    def _ordered(self, docs: list[Document]) -> list[Document]:
+        """``docs`` as returned, or (``reorder=True``) each after the neighbour it was encoded behind."""
+        if not self.reorder:
+            return docs
+        return reordered(self.engine, docs, lambda d: (d.metadata["schema"], d.metadata["module"]) if "reference" in d.metadata else None)
 
     def _as_modules(self, found: list[Document], collection: str) -> list[Document]:
         """A user's retriever's documents, named as modules of ``collection`` (see :func:`as_modules`)."""

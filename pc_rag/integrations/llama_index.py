@@ -56,6 +56,7 @@ from ._shared import (
     generation_info,
     iterate_in_thread,
     model_name,
+    reordered,
     shared_engine,
     target_collection,
     usage,
@@ -439,7 +440,7 @@ class PromptCacheRetriever(BaseRetriever):
 
     def __init__(self, retriever: Any = None, k: int = 4, *, engine: PromptCache | None = None, references: bool = True,
                  collections: Sequence[str] | None = None, collection: str | None = None, filter: Any = None,  # noqa: A002 - the name users know
-                 encode: Encode = "background", **kwargs: Any) -> None:
+                 encode: Encode = "background", reorder: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if engine is not None and not isinstance(engine, PromptCache):
             raise PromptCacheError(f"engine must be a pc_rag.PromptCache, got {type(engine).__name__}")
@@ -466,20 +467,29 @@ class PromptCacheRetriever(BaseRetriever):
         self.collections = list(collections) if collections is not None else None
         self.collection = collection
         self.encode = check_encode(encode)
+        # each node after the neighbour it was encoded behind, where the ranking allows (pc_rag.neighbours)
+        self.reorder = bool(reorder)
         # metadata conditions, as FaissModuleRetriever.search takes them, or LlamaIndex's MetadataFilters
         self.filter = as_filter(filter)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         if isinstance(self.retriever, FaissModuleRetriever):
             hits = self.retriever.search(query_bundle.query_str, k=self.k, filter=self.filter, collections=self.collections)
-            return [self._node(hit.text, document_id(hit.module), hit.metadata, hit.module, hit.schema, True, hit.score) for hit in hits]
-        return self._as_modules(self.retriever.retrieve(query_bundle))
+            return self._ordered([self._node(hit.text, document_id(hit.module), hit.metadata, hit.module, hit.schema, True, hit.score)
+                                  for hit in hits])
+        return self._ordered(self._as_modules(self.retriever.retrieve(query_bundle)))
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         if isinstance(self.retriever, FaissModuleRetriever):
             return await asyncio.to_thread(self._retrieve, query_bundle)
         found = await self.retriever.aretrieve(query_bundle)
-        return await asyncio.to_thread(self._as_modules, found)
+        return self._ordered(await asyncio.to_thread(self._as_modules, found))
+
+    def _ordered(self, nodes: list[NodeWithScore]) -> list[NodeWithScore]:
+        """``nodes`` as retrieved, or (``reorder=True``) each after the neighbour it was encoded behind."""
+        if not self.reorder:
+            return nodes
+        return reordered(self.engine, nodes, lambda n: (n.node.metadata["schema"], n.node.metadata["module"]))
 
     def _as_modules(self, found: list[NodeWithScore]) -> list[NodeWithScore]:
         """A user's retriever's nodes, named as modules of the target collection (see :func:`as_modules`)."""

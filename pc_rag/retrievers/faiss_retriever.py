@@ -24,6 +24,7 @@ import numpy as np
 from ..atomic import atomic_write
 from ..documents import DEFAULT_SCHEMA, check_name, default_name, normalize
 from ..errors import PromptCacheError
+from ..neighbours import DEFAULT_NEIGHBOURS, check_context, nearest
 from ..planner import scope
 
 if TYPE_CHECKING:
@@ -65,6 +66,15 @@ def load_embedder(embedding: Any = None) -> tuple[Any, str]:
                                f"got {type(embedding).__name__}")
     card = getattr(embedding, "model_card_data", None)
     return embedding, str(getattr(card, "base_model", None) or getattr(embedding, "_pc_rag_name", None) or type(embedding).__name__)
+
+
+def embed_texts(embedder: Any, texts: list[str], progress: bool = False) -> np.ndarray:
+    """Unit vectors ``[len(texts), dimension]`` of ``texts`` under ``embedder`` (a sentence-transformers
+    model, or a LangChain ``Embeddings``, normalised here so that scores are cosines)."""
+    if hasattr(embedder, "embed_documents"):
+        return _normalised(np.asarray(embedder.embed_documents(texts), dtype=np.float32).reshape(len(texts), -1))
+    vectors = embedder.encode(texts, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=progress, batch_size=64)
+    return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
 def _normalised(vectors: np.ndarray) -> np.ndarray:
@@ -203,6 +213,8 @@ class FaissModuleRetriever:
         progress: bool = True,
         schema: str | None = None,
         replace_changed: bool = False,
+        context: str | None = None,
+        neighbours: int = DEFAULT_NEIGHBOURS,
     ) -> list[str]:
         """Add documents (str, LangChain Documents, LlamaIndex nodes) to collection ``schema``
         (default: the retriever's); returns their module names.
@@ -210,29 +222,56 @@ class FaissModuleRetriever:
         Documents already indexed are skipped, so calling it again with a grown corpus only
         embeds (and, when bound to an engine, encodes) the new ones. A name that holds another
         text or metadata is an error, or, with ``replace_changed=True``, replaced (see
-        :meth:`pc_rag.PromptCache.add_documents`).
+        :meth:`pc_rag.PromptCache.add_documents`). ``context="neighbours"`` (bound to an engine):
+        each new document is encoded behind its ``neighbours`` nearest documents of the collection
+        by this index's embeddings, the ones a search returns with it (:mod:`pc_rag.neighbours`).
         """
+        check_context(context, neighbours)
         schema = check_name(schema if schema is not None else self.schema, "schema name")
         records = normalize(texts, ids, metadatas)
         names = [doc_id or default_name(text) for doc_id, text, _ in records]
+        if context is not None and self.engine is None:
+            raise PromptCacheError("context= encodes documents: bind the retriever to an engine (engine= or from_engine)")
+        embedded: dict[str, np.ndarray] = {}
         if self.engine is not None:
+            chosen: dict[str, list[str]] | int = 0
+            if context is not None and neighbours:
+                chosen, embedded = self._neighbours(schema, dict(zip(names, (text for _, text, _ in records))), neighbours)
             names = self.engine.add_documents([text for _, text, _ in records], ids=names, metadatas=[meta for _, _, meta in records],
-                                              schema=schema, progress=progress, replace_changed=replace_changed)
+                                              schema=schema, progress=progress, replace_changed=replace_changed,
+                                              context=context if chosen else None, neighbours=chosen)
         elif replace_changed:
             with self._lock:
                 held = {n: self._records[self._ids[(schema, n)]] for n in names if (schema, n) in self._ids}
             self.forget(schema, [n for n, (_, text, meta) in zip(names, records) if n in held and (held[n].text, held[n].metadata) != (text, meta)])
-        self._index_records(schema, [(name, text, meta) for name, (_, text, meta) in zip(names, records)], progress)
+        self._index_records(schema, [(name, text, meta) for name, (_, text, meta) in zip(names, records)], progress, embedded)
         return names
 
-    def _index_records(self, schema: str, records: list[tuple[str, str, dict[str, Any]]], progress: bool) -> None:
+    def _neighbours(self, schema: str, named: dict[str, str], k: int) -> tuple[dict[str, list[str]], dict[str, np.ndarray]]:
+        """Each new document's ``k`` nearest documents of ``schema`` (held here or among ``named``)
+        by this index's embeddings, the farthest first; and the new documents' vectors."""
+        new = {n: t for n, t in named.items() if (schema, n) not in self._ids}
+        vectors = self._embed(list(new.values())) if new else np.zeros((0, self.dimension), dtype=np.float32)
+        with self._lock:
+            held = [(row, r.name) for row, r in self._records.items() if r.schema == schema and r.name not in new]
+            corpus = np.concatenate([np.stack([self.index.reconstruct(row) for row, _ in held]) if held else
+                                     np.zeros((0, self.dimension), dtype=np.float32), vectors])
+        names = [name for _, name in held] + list(new)
+        found = nearest(vectors, corpus, k, exclude=list(range(len(held), len(names))))
+        return {name: [names[i] for i in reversed(hits)] for name, hits in zip(new, found)}, dict(zip(new, vectors))
+
+    def _index_records(self, schema: str, records: list[tuple[str, str, dict[str, Any]]], progress: bool,
+                       embedded: Mapping[str, np.ndarray] | None = None) -> None:
         fresh: dict[str, tuple[str, dict[str, Any]]] = {}
         for name, text, meta in records:
             if (schema, name) not in self._ids and name not in fresh:
                 fresh[name] = (text, dict(meta))
         if not fresh:
             return
-        vectors = self._embed([text for text, _ in fresh.values()], progress and len(fresh) > 32)
+        if embedded and all(name in embedded for name in fresh):  # embedded already to find their neighbours
+            vectors = np.stack([embedded[name] for name in fresh])
+        else:
+            vectors = self._embed([text for text, _ in fresh.values()], progress and len(fresh) > 32)
         with self._lock:
             ids = np.arange(self._next_id, self._next_id + len(fresh), dtype=np.int64)
             self._next_id += len(fresh)
@@ -271,11 +310,7 @@ class FaissModuleRetriever:
         return [Hit(r.name, 1.0, r.text, dict(r.metadata), r.schema) for r in records]
 
     def _embed(self, texts: list[str], progress: bool = False) -> np.ndarray:
-        if hasattr(self.embedder, "embed_documents"):  # a LangChain Embeddings: normalised here, so scores are cosines
-            vectors = np.asarray(self.embedder.embed_documents(texts), dtype=np.float32).reshape(len(texts), self.dimension)
-            return _normalised(vectors)
-        vectors = self.embedder.encode(texts, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=progress, batch_size=64)
-        return np.ascontiguousarray(vectors, dtype=np.float32)
+        return embed_texts(self.embedder, texts, progress).reshape(len(texts), self.dimension)
 
     def embed_query(self, query: str) -> np.ndarray:
         """The query's unit vector (``[1, dimension]``), as :meth:`search` compares it."""

@@ -1,0 +1,199 @@
+"""Neighbour context (pc_rag.neighbours): documents encoded behind the documents they are retrieved
+with, keyed by that context, carried by persistence, the remote tier and encode_documents, and
+prompt orders that follow it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig
+
+from pc_rag import PromptCache, PromptCacheError, build_prompt
+from pc_rag.neighbours import DocumentContext, nearest, reorder
+
+DOCS = {
+    "eiffel": "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France.",
+    "louvre": "The Louvre in Paris is the most visited art museum in the world, home of the Mona Lisa.",
+    "fuji": "Mount Fuji is the highest mountain in Japan, about 3,776 metres tall, on Honshu island.",
+    "amazon": "The Amazon river in South America is the largest river by discharge volume of water.",
+}
+QUESTION = "Which of these is in Paris?"
+
+
+def tiny(make_tiny, tokenizer, arch: str) -> PromptCache:
+    if arch == "mistral":  # a sliding window shorter than the documents and their context
+        torch.manual_seed(5)
+        config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    else:
+        model = make_tiny(arch, seed=5)
+    return PromptCache(model, tokenizer, recompute=0, attention_temperature=1.0, attention_scale=1.0)
+
+
+def add_chain(engine: PromptCache, **kwargs) -> None:
+    """eiffel plain; louvre behind eiffel; fuji behind [eiffel, louvre]: the prompt
+    eiffel, louvre, fuji places each exactly behind what it was encoded behind."""
+    engine.add_documents([DOCS["eiffel"]], ids=["eiffel"], progress=False, **kwargs)
+    engine.add_documents([DOCS["louvre"], DOCS["fuji"]], ids=["louvre", "fuji"], progress=False, context="neighbours",
+                         neighbours={"louvre": ["eiffel"], "fuji": ["eiffel", "louvre"]}, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_a_document_behind_exactly_its_context_is_full_prefill(make_tiny, tokenizer, arch):
+    engine = tiny(make_tiny, tokenizer, arch)
+    add_chain(engine)
+    prompt = build_prompt(QUESTION, ["eiffel", "louvre", "fuji"])
+    plan = engine.plan(prompt)
+    assert plan.modules == ["eiffel", "louvre", "fuji"]
+    assert plan.moved is not None and not any(plan.moved)  # every document where, and behind what, it was encoded
+    cached = engine.next_token_logits(prompt)
+    full = engine.next_token_logits(prompt, use_cache=False)
+    assert (cached - full).abs().max().item() <= 1e-4
+    # the stored KV of fuji was encoded behind its context: its positions follow it
+    schema = engine.schemas["docs"]
+    assert schema.contexts["fuji"].names == ("eiffel", "louvre")
+    assert schema.layout.modules["fuji"].positions[0] == schema.layout.document_start + len(schema.contexts["fuji"].token_ids)
+
+
+def test_other_orders_still_plan_and_answer(make_tiny, tokenizer):
+    engine = tiny(make_tiny, tokenizer, "llama")
+    add_chain(engine)
+    prompt = build_prompt(QUESTION, ["fuji", "eiffel"])
+    plan = engine.plan(prompt)
+    assert plan.moved is not None and any(plan.moved)  # fuji first: not behind its context, a moved module
+    result = engine.generate(prompt, max_new_tokens=4)
+    assert result.stats.cached_tokens > 0 and len(result.token_ids) > 0
+    cached = engine.next_token_logits(prompt)
+    assert torch.isfinite(cached).all()
+
+
+def exact(engine: PromptCache, names: list[str]) -> float:
+    prompt = build_prompt(QUESTION, names)
+    return (engine.next_token_logits(prompt) - engine.next_token_logits(prompt, use_cache=False)).abs().max().item()
+
+
+def test_entries_are_keyed_by_their_context_and_persist(make_tiny, tokenizer, tmp_path):
+    model = make_tiny("llama", seed=5)
+
+    def engine() -> PromptCache:
+        return PromptCache(model, tokenizer, kv_dir=tmp_path, recompute=0, attention_temperature=1.0, attention_scale=1.0)
+
+    first = engine()
+    add_chain(first)
+    keys = dict(first.schemas["docs"].keys)
+    again = engine()
+    add_chain(again)
+    assert dict(again.schemas["docs"].keys) == keys and exact(again, ["eiffel", "louvre", "fuji"]) <= 1e-4
+    stats = again.store_stats()
+    assert stats["encoded"] == 0 and stats["hits_disk"] >= 4  # every entry read back from kv_dir
+    # the same text behind another context is another entry: never the one encoded behind eiffel, louvre
+    other = engine()
+    other.add_documents([DOCS["louvre"]], ids=["louvre"], progress=False)
+    other.add_documents([DOCS["eiffel"]], ids=["eiffel"], progress=False, context="neighbours", neighbours={"eiffel": ["louvre"]})
+    before = other.forward.encoded
+    other.add_documents([DOCS["fuji"]], ids=["fuji"], progress=False, context="neighbours", neighbours={"fuji": ["louvre", "eiffel"]})
+    assert other.forward.encoded == before + 1
+    assert other.schemas["docs"].keys["fuji"] != keys["fuji"]
+    assert other.schemas["docs"].keys["louvre"] != keys["louvre"]  # plain here, behind eiffel there
+    assert exact(other, ["louvre", "eiffel", "fuji"]) <= 1e-4
+    # first sentences are a context of their own too
+    sentences = engine()
+    sentences.add_documents([DOCS["eiffel"], DOCS["louvre"], DOCS["fuji"]], ids=["eiffel", "louvre", "fuji"], progress=False,
+                            context="neighbour_sentences", neighbours={"fuji": ["eiffel", "louvre"]})
+    assert sentences.schemas["docs"].keys["fuji"] not in (keys["fuji"], other.schemas["docs"].keys["fuji"])
+    assert sentences.schemas["docs"].contexts["fuji"].form == "neighbour_sentences"
+
+
+def test_a_lost_entry_is_encoded_again_behind_its_context(make_tiny, tokenizer):
+    engine = tiny(make_tiny, tokenizer, "llama")
+    add_chain(engine)
+    engine.store.clear_memory()  # no disk tier: every document is encoded again when a prompt needs it
+    assert exact(engine, ["eiffel", "louvre", "fuji"]) <= 1e-4
+
+
+def test_deleting_a_neighbour_takes_it_out_of_the_context_of_the_documents_behind_it(make_tiny, tokenizer):
+    engine = tiny(make_tiny, tokenizer, "llama")
+    add_chain(engine)
+    old = dict(engine.schemas["docs"].keys)
+    assert engine.delete_documents(["eiffel"]) == ["eiffel"]
+    schema = engine.schemas["docs"]
+    assert "louvre" not in schema.contexts and schema.contexts["fuji"].names == ("louvre",)
+    assert schema.keys["fuji"] != old["fuji"] and old["fuji"] not in engine.store and old["louvre"] not in engine.store
+    assert exact(engine, ["louvre", "fuji"]) <= 1e-4  # louvre now plain and first, fuji behind louvre
+
+
+def test_reorder_follows_the_nearest_neighbour_where_the_ranking_allows():
+    def ctx(*names: str) -> DocumentContext:
+        return DocumentContext(tuple(names), ())
+
+    contexts = {"a": ctx("x", "b"), "b": ctx("a"), "c": ctx("b"), "d": ctx("zz")}
+    # a wants b before it (granted: a ranks first); b wants a (a loop: refused); c wants b (taken by a)
+    assert reorder(["a", "b", "c", "d"], contexts) == ["b", "a", "c", "d"]
+    assert reorder(["c", "d"], contexts) == ["c", "d"]
+    chain = {"fuji": ctx("eiffel", "louvre"), "louvre": ctx("eiffel")}
+    assert reorder(["fuji", "louvre", "eiffel"], chain) == ["eiffel", "louvre", "fuji"]
+    assert nearest(torch.eye(3).numpy(), torch.eye(3).numpy(), 2, exclude=[0, 1, 2]) == [[1, 2], [0, 2], [0, 1]]
+
+
+def test_build_prompt_reorders_with_the_engine(make_tiny, tokenizer):
+    engine = tiny(make_tiny, tokenizer, "llama")
+    add_chain(engine)
+    prompt = build_prompt(QUESTION, ["fuji", "louvre", "eiffel"], reorder=True, engine=engine)
+    assert prompt == build_prompt(QUESTION, ["eiffel", "louvre", "fuji"])
+    assert not any(engine.plan(prompt).moved)
+    with pytest.raises(PromptCacheError, match="needs engine"):
+        build_prompt(QUESTION, ["fuji"], reorder=True)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"context": "neighbors"}, "unknown context"),
+    ({"context": "neighbours", "neighbours": -1}, "neighbours must be"),
+    ({"context": "neighbours", "neighbours": 1.5}, "neighbours must be"),
+    ({"context": "neighbours", "neighbours": {"ghost": ["eiffel"]}}, "not among the documents added"),
+    ({"context": "neighbours", "neighbours": {"louvre": ["ghost"]}}, "neither in collection"),
+    ({"context": "neighbours", "background": True}, "background"),
+])
+def test_bad_arguments_are_typed_errors(make_tiny, tokenizer, kwargs, match):
+    engine = tiny(make_tiny, tokenizer, "llama")
+    with pytest.raises(PromptCacheError, match=match):
+        engine.add_documents([DOCS["louvre"]], ids=["louvre"], progress=False, **kwargs)
+    assert "louvre" not in (engine.schemas["docs"].documents if "docs" in engine.schemas else {})
+
+
+def test_the_retriever_encodes_behind_its_own_nearest_documents_and_adapters_reorder(make_tiny, tokenizer):
+    from langchain_core.documents import Document
+    from llama_index.core.schema import QueryBundle
+
+    from pc_rag.integrations.langchain import PromptCacheRetriever as LangChainRetriever
+    from pc_rag.integrations.llama_index import PromptCacheRetriever as LlamaIndexRetriever
+    from pc_rag.retrievers import FaissModuleRetriever
+
+    engine = tiny(make_tiny, tokenizer, "llama")
+    retriever = FaissModuleRetriever(engine=engine)
+    with pytest.raises(PromptCacheError, match="neighbours must be"):
+        retriever.add(list(DOCS.values()), ids=list(DOCS), context="neighbours", neighbours=-2, progress=False)
+    retriever.add(list(DOCS.values()), ids=list(DOCS), context="neighbours", neighbours=1, progress=False)
+    contexts = engine.schemas["docs"].contexts
+    for name, text in DOCS.items():
+        nearest_hit = [h.module for h in retriever.search(text, k=2) if h.module != name][0]
+        assert contexts[name].names == (nearest_hit,)
+    ranked = [h.module for h in retriever.search("Paris museum tower", k=4)]
+    expected = engine.reorder_documents(ranked)
+    assert sorted(expected) == sorted(ranked)
+    got = LangChainRetriever(retriever=retriever, k=4, reorder=True).invoke("Paris museum tower")
+    assert [d.metadata["module"] for d in got] == expected and all(isinstance(d, Document) for d in got)
+    assert [d.metadata["module"] for d in LangChainRetriever(retriever=retriever, k=4).invoke("Paris museum tower")] == ranked
+    nodes = LlamaIndexRetriever(retriever, k=4, reorder=True).retrieve(QueryBundle("Paris museum tower"))
+    assert [n.node.metadata["module"] for n in nodes] == expected
+
+
+def test_the_remote_tier_carries_the_context(make_engine, redis_server):
+    writer = make_engine(remote_store=redis_server.url)
+    add_chain(writer)
+    replica = make_engine(remote_store=redis_server.url)  # takes the records in at start
+    assert replica.schemas["docs"].contexts["fuji"].names == ("eiffel", "louvre")
+    assert dict(replica.schemas["docs"].keys) == dict(writer.schemas["docs"].keys)
+    assert exact(replica, ["eiffel", "louvre", "fuji"]) <= 1e-4
+    stats = replica.store_stats()
+    assert stats["encoded"] == 0 and stats["hits_remote"] >= 3
