@@ -352,6 +352,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 family += f" @{layers.group(1)} layers"
             if "APE" in variant_name:
                 family += " +APE (T, S varied)"
+            context = re.search(r" \+ \d+ neighbours \((\w+ ?\w*)\)( reordered)?", variant_name)
+            if context:  # documents encoded behind neighbours: a family per form (k varies along it)
+                family = f"{family.split(' +')[0]} + neighbour context ({context.group(1)}{', reordered' if context.group(2) else ''})"
             families[family].append((v["speedup"], v["decisive_agreement"], v["first_token_kl"]))
             if family == "head_tail" and variant_name == "paper (no recovery)":
                 for other in ("query", "deviation"):  # budget 0 of every strategy is the paper's scheme

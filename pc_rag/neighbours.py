@@ -130,7 +130,9 @@ def reorder(names: Sequence[str], contexts: Mapping[str, DocumentContext]) -> li
     when two want the same one; a link that would close a loop is skipped. Where a document's
     whole context precedes it in this order, its KV is what full prefill computes there.
     """
-    order = list(dict.fromkeys(names))
+    order = list(names)
+    if len(set(order)) != len(order):  # a document imported twice: placed as asked, twice
+        return order
     wanted = set(order)
     before: dict[str, str] = {}  # document -> the one placed right before it
     after: dict[str, str] = {}

@@ -131,6 +131,7 @@ def test_reorder_follows_the_nearest_neighbour_where_the_ranking_allows():
     # a wants b before it (granted: a ranks first); b wants a (a loop: refused); c wants b (taken by a)
     assert reorder(["a", "b", "c", "d"], contexts) == ["b", "a", "c", "d"]
     assert reorder(["c", "d"], contexts) == ["c", "d"]
+    assert reorder(["a", "b", "a"], contexts) == ["a", "b", "a"]  # a duplicate is never dropped
     chain = {"fuji": ctx("eiffel", "louvre"), "louvre": ctx("eiffel")}
     assert reorder(["fuji", "louvre", "eiffel"], chain) == ["eiffel", "louvre", "fuji"]
     assert nearest(torch.eye(3).numpy(), torch.eye(3).numpy(), 2, exclude=[0, 1, 2]) == [[1, 2], [0, 2], [0, 1]]
@@ -197,3 +198,22 @@ def test_the_remote_tier_carries_the_context(make_engine, redis_server):
     assert exact(replica, ["eiffel", "louvre", "fuji"]) <= 1e-4
     stats = replica.store_stats()
     assert stats["encoded"] == 0 and stats["hits_remote"] >= 3
+
+
+def test_the_engine_finds_neighbours_by_embedding_and_reencodes_a_collection(make_tiny, tokenizer):
+    from pc_rag.retrievers import FaissModuleRetriever
+
+    engine = tiny(make_tiny, tokenizer, "llama")
+    engine.add_documents(list(DOCS.values())[:2], ids=list(DOCS)[:2], progress=False)  # plain, before any context
+    engine.add_documents(list(DOCS.values())[2:], ids=list(DOCS)[2:], progress=False, context="neighbours", neighbours=3)
+    contexts = engine.schemas["docs"].contexts
+    assert set(contexts) == {"fuji", "amazon"} and all(len(contexts[n].names) == 3 for n in contexts)
+    # the default embedder's nearest comes last, right before the document
+    index = FaissModuleRetriever(engine=None)
+    index.add(list(DOCS.values()), ids=list(DOCS), progress=False)
+    assert contexts["fuji"].names[-1] == [h.module for h in index.search(DOCS["fuji"], k=2) if h.module != "fuji"][0]
+    names = engine.reencode_documents(neighbours=1)
+    assert sorted(names) == sorted(DOCS)
+    assert {n: len(c.names) for n, c in engine.schemas["docs"].contexts.items()} == {n: 1 for n in DOCS}
+    with pytest.raises(PromptCacheError, match="no document collection"):
+        engine.reencode_documents(schema="nothing")
