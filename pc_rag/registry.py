@@ -250,9 +250,7 @@ class Registry:
             for (name, (text, meta)), text_ids in zip(new.items(), spec.tokenize_many([text for text, _ in new.values()])):
                 self._check_window(layout.document_start + len(text_ids) + len(spec.separator_ids), f"document {name!r}")
                 fresh[name] = (text, text_ids, meta)
-            context_key = None
-            if self.encoding != "isolated" and layout.prefix:  # scaffold: documents behind the prefix too
-                context_key = f"{target.keys[layout.prefix]}+{layout.lead}"
+            context_key = self._documents_key(target)
             contexts = self._document_contexts(target, fresh, context, neighbours_of, context_texts) if context else {}
             built = {name: document_module(layout, name, text, text_ids, spec.separator_ids,
                                            len(contexts[name].token_ids) if name in contexts else 0)
@@ -286,6 +284,14 @@ class Registry:
                     for name, (text, _, meta) in fresh.items()]))
             logger.info("documents %r: %d added (%d new), %d held", schema, len(names), len(fresh), len(target.documents))
             return names
+
+    def _documents_key(self, target: Schema) -> str | None:
+        """What a collection's documents are encoded behind, as their keys say: the prefix and
+        the lead (scaffold too), nothing for ``isolated``."""
+        layout = target.layout
+        if self.encoding == "isolated" or not layout.prefix:
+            return None
+        return f"{target.keys[layout.prefix]}+{layout.lead}"
 
     def _document_contexts(self, target: Schema, fresh: Mapping[str, tuple[str, list[int], dict[str, Any]]], form: str,
                            neighbours_of: Mapping[str, Sequence[str]] | None, extra: Mapping[str, str] | None) -> dict[str, DocumentContext]:
@@ -358,19 +364,22 @@ class Registry:
             dependents = [n for n, c in target.contexts.items() if n not in gone and gone & set(c.names)]
             layout = remove_documents(target.layout, [*removed, *dependents])
             contexts = {n: c for n, c in target.contexts.items() if n not in gone and n not in dependents}
+            base = self._documents_key(target)
             for name in dependents:
                 old = target.layout.modules[name]
                 left = [n for n in target.contexts[name].names if n not in gone]
                 context = None
                 if left:
                     form = target.contexts[name].form
-                    texts = [documents[n].text if form == "neighbours" else first_sentence(documents[n].text) for n in left]
-                    ids = [t for part in self.spec.tokenize_many(texts) for t in (*part, *self.spec.separator_ids)]
+                    if form == "neighbours":  # whole neighbours: their stored tokens, text and separator
+                        ids = [t for n in left for t in target.layout.modules[n].token_ids]
+                    else:
+                        texts = [first_sentence(documents[n].text) for n in left]
+                        ids = [t for part in self.spec.tokenize_many(texts) for t in (*part, *self.spec.separator_ids)]
                     context = contexts[name] = DocumentContext(tuple(left), tuple(ids), form)
                 info = document_module(layout, name, old.text or "", old.token_ids[: old.text_tokens], old.token_ids[old.text_tokens :],
                                        len(context.token_ids) if context is not None else 0)
                 add_document(layout, info)
-                base = f"{target.keys[layout.prefix]}+{layout.lead}" if self.encoding != "isolated" and layout.prefix else None
                 keys[name] = self.encoder.key(schema, info.token_ids, info.positions, _context_key(base, context))
             dead = sorted({target.keys[n] for n in [*removed, *dependents]} - set(keys.values()))  # two ids may share one text's entry
             self.index.remove(schema, removed)

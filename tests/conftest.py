@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, BloomConfig, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, BloomConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from pc_rag import PromptCache
 from pc_rag.model import default_model_dir
@@ -32,6 +32,9 @@ def tiny_config(arch: str, vocab: int, **overrides):
         settings = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
         return (LlamaConfig if arch == "llama" else Qwen2Config)(**{**settings, **overrides})
+    if arch == "mistral":  # sliding_window= in overrides
+        return MistralConfig(**{**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024), **overrides})
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
                           bos_token_id=None, eos_token_id=None, **overrides)

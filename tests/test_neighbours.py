@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
 from pc_rag.neighbours import DocumentContext, nearest, reorder
@@ -21,13 +20,8 @@ QUESTION = "Which of these is in Paris?"
 
 
 def tiny(make_tiny, tokenizer, arch: str) -> PromptCache:
-    if arch == "mistral":  # a sliding window shorter than the documents and their context
-        torch.manual_seed(5)
-        config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=16)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    else:
-        model = make_tiny(arch, seed=5)
+    # mistral: a sliding window shorter than the documents and their context
+    model = make_tiny(arch, seed=5, **({"sliding_window": 16} if arch == "mistral" else {}))
     return PromptCache(model, tokenizer, recompute=0, attention_temperature=1.0, attention_scale=1.0)
 
 
