@@ -109,8 +109,9 @@ def load(name: str, data: Path, first: int | None, skip: int) -> Iterator[Record
     return records[skip:][:first] if first else records[skip:]
 
 
-def squad_records(engine: PromptCache, data: Path, k: int, first: int | None, skip: int, spread: int) -> tuple[list[Record], float]:
-    """SQuAD questions spread over the article, each with its top-``k`` paragraphs; and recall@k."""
+def squad_records(engine: PromptCache, data: Path, k: int, first: int | None, skip: int, spread: int) -> tuple[list[Record], float, list[str]]:
+    """SQuAD questions spread over the article, each with its top-``k`` paragraphs; recall@k; the
+    article's paragraphs (the corpus neighbours come from)."""
     from pc_rag.retrievers import FaissModuleRetriever
 
     article = json.loads((data / "squad_v1.1_dev_super_bowl_50.json").read_text())["data"]
@@ -125,7 +126,7 @@ def squad_records(engine: PromptCache, data: Path, k: int, first: int | None, sk
         texts = [h.text for h in retriever.search(qa["question"], k=k)]
         hits += paragraphs[index]["context"] in texts
         records.append(Record(qa["question"], texts, [a["text"] for a in qa["answers"]]))
-    return records, 100 * hits / max(1, len(pairs))
+    return records, 100 * hits / max(1, len(pairs)), [p["context"] for p in paragraphs]
 
 
 # --- variants ----------------------------------------------------------------------------------
@@ -252,18 +253,35 @@ def summarize(rows: list[dict[str, Any]], full_ttft: float) -> dict[str, Any]:
 
 
 def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str, tuple[Recovery, Documents]]], max_new: int, desc: str,
-            *, drop: bool) -> dict[str, Any]:
+            *, drop: bool, corpus: list[str] | None = None) -> dict[str, Any]:
     """Each record: its passages registered, full prefill, every variant; then (``drop``) its KV
-    dropped, to bound memory (a corpus shared by the records, SQuAD's, stays)."""
+    dropped, to bound memory (a corpus shared by the records, SQuAD's, stays).
+
+    With a ``corpus`` (SQuAD's article), neighbour modes encode the whole corpus once, each
+    paragraph behind its nearest paragraphs of the article, as a deployment would; a record's
+    retrieved passages are then looked up in it. Without one, a record's passages are the pool
+    their neighbours come from (the distractor setting's)."""
     per_variant: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
     full_rows: list[dict[str, Any]] = []
     lengths = []
     encode_s: dict[str, list[float]] = collections.defaultdict(list)  # per document, per documents mode
+    modes = {Documents(): None, **{documents: None for _, (_, documents) in variants}}
+    in_corpus: dict[str, dict[str, str]] = {}  # collection -> paragraph text -> its name there
+    for documents in modes if corpus else ():
+        if documents.neighbours and documents.collection not in in_corpus:
+            started = time.perf_counter()
+            names = engine.add_documents(corpus, progress=False, schema=documents.collection,
+                                         context="neighbour_sentences" if documents.sentences else "neighbours",
+                                         neighbours=documents.neighbours)
+            encode_s[documents.collection].append((time.perf_counter() - started) / len(corpus))
+            in_corpus[documents.collection] = dict(zip(corpus, names))
     for record in tqdm(records, desc=desc, unit="question"):
-        modes = {Documents(): None, **{documents: None for _, (_, documents) in variants}}
         named: dict[str, list[str]] = {}
         for documents in modes:
             if documents.collection in named:
+                continue
+            if documents.collection in in_corpus:
+                named[documents.collection] = [in_corpus[documents.collection][text] for text in record.passages]
                 continue
             started = time.perf_counter()
             if documents.neighbours:
@@ -277,7 +295,8 @@ def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str
                     context="neighbour_sentences" if documents.sentences else "neighbours", neighbours=documents.neighbours)
             else:
                 named[documents.collection] = engine.add_documents(record.passages, progress=False)
-            encode_s[documents.collection].append((time.perf_counter() - started) / len(record.passages))
+            if corpus is None:  # with a corpus, its plain encoding was done (and timed) by whoever retrieved from it
+                encode_s[documents.collection].append((time.perf_counter() - started) / len(record.passages))
         names = named["docs"]
         prompt = build_prompt(record.question + INSTRUCTION, names)
         full = answer(engine, prompt, use_cache=False, max_new_tokens=max_new)
@@ -304,6 +323,41 @@ def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str
     result["outputs"] = {"full prefill": [r["text"] for r in full_rows], **{n: [r["text"] for r in rows] for n, rows in per_variant.items()}}
     result["gold"] = [r.answers for r in records]
     return result
+
+
+def pool(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One set's runs over disjoint records (``--skip``/``--first`` ranges), pooled as if one run:
+    every mean weighted by its questions (decisive agreement by its decisive questions), the
+    speedup from the pooled mean TTFTs."""
+    parts = sorted(parts, key=lambda part: part.get("skip") or 0)
+    total = sum(part["questions"] for part in parts)
+
+    def mean(values: list[tuple[float, int]]) -> float:
+        weight = sum(w for _, w in values)
+        return sum(v * w for v, w in values) / weight if weight else 0.0
+
+    variants: dict[str, dict[str, Any]] = {}
+    for name in [name for name in parts[0]["variants"] if all(name in part["variants"] for part in parts)]:  # run in every part
+        rows = [part["variants"][name] for part in parts]
+        pooled = {key: mean([(row[key], row["questions"]) for row in rows])
+                  for key in ("first_token_agreement", "first_token_kl", "answer_agreement", "answer_f1_vs_full", "em", "f1",
+                              "computed_fraction", "mean_ttft_ms")}
+        pooled["questions"] = total
+        pooled["decisive_questions"] = sum(row["decisive_questions"] for row in rows)
+        pooled["decisive_agreement"] = mean([(row["decisive_agreement"], row["decisive_questions"]) for row in rows])
+        variants[name] = pooled
+    for pooled in variants.values():
+        pooled["speedup"] = variants["full prefill"]["mean_ttft_ms"] / pooled["mean_ttft_ms"]
+    modes = {mode for part in parts for mode in part.get("encode_ms_per_document", {})}
+    return {"questions": total, "skip": parts[0].get("skip"), "first": total,
+            "mean_prompt_tokens": mean([(part["mean_prompt_tokens"], part["questions"]) for part in parts]),
+            "encode_ms_per_document": {mode: mean([(part["encode_ms_per_document"][mode], part["questions"])
+                                                   for part in parts if mode in part.get("encode_ms_per_document", {})])
+                                       for mode in modes},
+            "variants": variants,
+            "outputs": {name: [text for part in parts for text in part["outputs"][name]] for name in variants},
+            "gold": [answers for part in parts for answers in part["gold"]],
+            **({"recall": mean([(part["recall"], part["questions"]) for part in parts])} if "recall" in parts[0] else {})}
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -390,8 +444,23 @@ def main() -> None:
     parser.add_argument("--plot", action="store_true", help="also draw the frontier plot")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                         help="merge earlier runs (variants per set) into --out and its tables (and the plot with --plot), then exit")
+    parser.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
+                        help="pool runs of the same sets over disjoint records (e.g. --skip 0 --first 20 and --skip 20 "
+                             "--first 40) into --out and its tables, then exit")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality.json")
     args = parser.parse_args()
+    if args.pool:
+        reports = [json.loads(file.read_text()) for file in args.pool]
+        pooled: dict[str, Any] = {"pooled_from": [str(f) for f in args.pool], "sets": {}}
+        for key in ("model", "device", "dtype", "machine", "greedy_max_new_tokens", "variants"):
+            pooled[key] = reports[0].get(key)
+        for name in reports[0]["sets"]:
+            pooled["sets"][name] = pool([{**report["sets"][name], "skip": report["sets"][name].get("skip", report.get("skip"))}
+                                         for report in reports if name in report["sets"]])
+        args.out.write_text(json.dumps(pooled, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(pooled))
+        print(markdown(pooled))
+        return
     if args.merge:
         merged: dict[str, Any] = {"merged_from": [str(f) for f in args.merge], "sets": {}}
         for file in args.merge:
@@ -425,12 +494,13 @@ def main() -> None:
     warm = build_prompt("Warm-up?", engine.add_documents(["A warm-up passage.", "Another one."], progress=False))
     engine.generate(warm, max_new_tokens=2)
     for name in args.sets:
-        recall = None
+        recall, corpus = None, None
         if name.startswith("squad"):
-            records, recall = squad_records(engine, args.data, int(name[len("squad"):]), args.first, args.skip, args.squad_questions)
+            records, recall, corpus = squad_records(engine, args.data, int(name[len("squad"):]), args.first, args.skip,
+                                                    args.squad_questions)
         else:
             records = load(name, args.data, args.first, args.skip)
-        part = run_set(engine, list(records), variants, args.max_new_tokens, name, drop=recall is None)
+        part = run_set(engine, list(records), variants, args.max_new_tokens, name, drop=recall is None, corpus=corpus)
         part.update(skip=args.skip, first=args.first)
         if recall is not None:
             part["recall"] = recall

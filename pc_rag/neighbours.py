@@ -16,6 +16,7 @@ a moved module like any other and recovered as configured (:mod:`pc_rag.recovery
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,16 +92,22 @@ class NeighbourIndex:
         self.names: list[str] = []
         self.vectors = np.zeros((0, 0), dtype=np.float32)
         self._rows: dict[str, int] = {}
+        self._texts: dict[str, str] = {}  # what each row embeds: a text replaced under its name is embedded again
+        # held by a caller across forget/add/neighbours: concurrent add_documents calls on one
+        # collection would otherwise interleave their updates
+        self.lock = threading.Lock()
 
     def add(self, named: Mapping[str, str]) -> None:
-        """Embed the documents ``{name: text}`` this index does not hold yet."""
+        """Embed the documents ``{name: text}`` this index does not hold yet (or holds with another text)."""
+        self.forget([n for n, t in named.items() if n in self._texts and self._texts[n] != t])
         todo = {n: t for n, t in named.items() if n not in self._rows}
         if not todo:
             return
         vectors = np.asarray(self.embed(list(todo.values())), dtype=np.float32)
         self.vectors = vectors if not self.names else np.concatenate([self.vectors, vectors])
-        for name in todo:
+        for name, text in todo.items():
             self._rows[name] = len(self.names)
+            self._texts[name] = text
             self.names.append(name)
 
     def forget(self, names: Sequence[str]) -> None:
@@ -111,6 +118,8 @@ class NeighbourIndex:
         self.names = [self.names[i] for i in keep]
         self.vectors = self.vectors[keep]
         self._rows = {n: i for i, n in enumerate(self.names)}
+        for name in gone:
+            del self._texts[name]
 
     def neighbours(self, names: Sequence[str], k: int) -> dict[str, list[str]]:
         """Each of ``names`` (held here): its ``k`` nearest other documents, the farthest first."""

@@ -103,11 +103,11 @@ class Registration:
             held = self.registry.snapshot().schemas.get(schema)
             index = self._neighbour_index(schema, embedding)
             documents = held.documents if held is not None and held.layout.documents else {}
-            # deleted since: never a neighbour; this call's ids embedded anew (a text replaced under its id)
-            index.forget([n for n in index.names if n not in documents or n in named])
-            index.add({n: r.text for n, r in documents.items()})
-            index.add(named)
-            chosen = index.neighbours(list(named), neighbours)
+            with index.lock:
+                index.forget([n for n in index.names if n not in documents and n not in named])  # deleted since: never a neighbour
+                index.add({n: r.text for n, r in documents.items() if n not in named})
+                index.add(named)  # only texts new to it are embedded (a text replaced under its id: again)
+                chosen = index.neighbours(list(named), neighbours)
         return self.registry.add_documents([text for _, text, _ in records], ids=[doc_id or default_name(text) for doc_id, text, _ in records],
                                            metadatas=[meta for _, _, meta in records], schema=schema, context=context,
                                            neighbours_of=chosen, **kwargs)

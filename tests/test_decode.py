@@ -28,15 +28,7 @@ def _record_steps(model: torch.nn.Module) -> tuple[list[tuple[tuple[int, ...], i
 def test_every_decode_step_has_the_same_shapes_and_the_answer_is_unchanged(make_tiny, tokenizer, arch, overrides):
     """One row and a batch: after prefill, every step feeds [rows, 1] tokens against the same
     number of keys (the row's fixed decode capacity), and the tokens are transformers' own."""
-    if arch == "mistral":
-        from transformers import AutoModelForCausalLM, MistralConfig
-
-        torch.manual_seed(3)
-        config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **overrides)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    else:
-        model = make_tiny(arch, seed=3, **overrides)
+    model = make_tiny(arch, seed=3, **overrides)
     engine = PromptCache(model, tokenizer, recompute=0)
     engine.stop_token_ids = set()
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]

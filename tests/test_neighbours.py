@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
-from pc_rag.neighbours import DocumentContext, nearest, reorder
+from pc_rag.neighbours import DocumentContext, NeighbourIndex, nearest, reorder
 
 DOCS = {
     "eiffel": "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France.",
@@ -129,6 +129,29 @@ def test_reorder_follows_the_nearest_neighbour_where_the_ranking_allows():
     chain = {"fuji": ctx("eiffel", "louvre"), "louvre": ctx("eiffel")}
     assert reorder(["fuji", "louvre", "eiffel"], chain) == ["eiffel", "louvre", "fuji"]
     assert nearest(torch.eye(3).numpy(), torch.eye(3).numpy(), 2, exclude=[0, 1, 2]) == [[1, 2], [0, 2], [0, 1]]
+
+
+def test_the_neighbour_index_embeds_a_text_once_and_a_replaced_text_again():
+    embedded: list[str] = []
+
+    def embed(texts: list[str]) -> torch.Tensor:  # a bag of letters, unit length: texts sharing letters are near
+        embedded.extend(texts)
+        vectors = torch.zeros(len(texts), 26)
+        for row, text in enumerate(texts):
+            for char in text:
+                vectors[row, ord(char) - ord("a")] += 1
+        return torch.nn.functional.normalize(vectors, dim=1).numpy()
+
+    index = NeighbourIndex(embed)
+    index.add({"a": "aaab", "b": "bbbc", "c": "cccd"})
+    index.add({"a": "aaab", "b": "bbbc"})  # held, same texts: nothing embedded again
+    assert embedded == ["aaab", "bbbc", "cccd"]
+    assert index.neighbours(["a"], 1) == {"a": ["b"]}
+    index.add({"c": "aaaa"})  # "c" replaced under its name: embedded again, and now a's nearest
+    assert embedded[3:] == ["aaaa"] and index.names.count("c") == 1
+    assert index.neighbours(["a"], 2) == {"a": ["b", "c"]}  # the farthest first
+    index.forget(["c"])
+    assert index.neighbours(["a"], 2) == {"a": ["b"]}
 
 
 def test_build_prompt_reorders_with_the_engine(make_tiny, tokenizer):

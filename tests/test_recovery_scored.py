@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig
+from transformers import DynamicCache
 
 from pc_rag import PML, PromptCache, PromptCacheError, build_prompt
 from pc_rag.probe import Probe
@@ -40,13 +40,8 @@ def _prompts(engine: PromptCache) -> list[str]:
 @pytest.mark.parametrize("strategy", ["query", "deviation"])
 @pytest.mark.parametrize("budget", [1.0, 10_000])
 def test_recomputing_every_moved_token_is_full_prefill(make_tiny, tokenizer, arch, strategy, budget):
-    if arch == "mistral":  # a 16-token sliding window on every layer
-        torch.manual_seed(0)
-        config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=16)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    else:
-        model = make_tiny(arch, num_hidden_layers=4)
+    # Mistral: a 16-token sliding window on every layer
+    model = make_tiny(arch, num_hidden_layers=4, **({"sliding_window": 16} if arch == "mistral" else {}))
     engine = _engine(model, tokenizer, recovery=strategy, recovery_budget=budget)
     for prompt in _prompts(engine):
         cached = engine.generate(prompt, max_new_tokens=8, output_logits=True)
