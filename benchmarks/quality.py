@@ -119,7 +119,7 @@ def squad_records(engine: PromptCache, data: Path, k: int, first: int | None, sk
     pairs = [(i, qa) for i, p in enumerate(paragraphs) for qa in p["qas"]]
     pairs = pairs[:: max(1, len(pairs) // spread)][:spread]  # deterministic, over the whole article
     pairs = pairs[skip:][:first] if first else pairs[skip:]
-    retriever = FaissModuleRetriever(engine=engine)
+    retriever = FaissModuleRetriever(engine=None)  # search only: each variant encodes the article as it needs (timed)
     retriever.add([p["context"] for p in paragraphs], progress=False)
     records, hits = [], 0
     for index, qa in pairs:
@@ -257,9 +257,9 @@ def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str
     """Each record: its passages registered, full prefill, every variant; then (``drop``) its KV
     dropped, to bound memory (a corpus shared by the records, SQuAD's, stays).
 
-    With a ``corpus`` (SQuAD's article), neighbour modes encode the whole corpus once, each
-    paragraph behind its nearest paragraphs of the article, as a deployment would; a record's
-    retrieved passages are then looked up in it. Without one, a record's passages are the pool
+    With a ``corpus`` (SQuAD's article), every documents mode encodes the whole corpus once (timed),
+    neighbour modes each paragraph behind its nearest paragraphs of the article, as a deployment
+    would; a record's retrieved passages are then looked up in it. Without one, a record's passages are the pool
     their neighbours come from (the distractor setting's)."""
     per_variant: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
     full_rows: list[dict[str, Any]] = []
@@ -268,11 +268,11 @@ def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str
     modes = {Documents(): None, **{documents: None for _, (_, documents) in variants}}
     in_corpus: dict[str, dict[str, str]] = {}  # collection -> paragraph text -> its name there
     for documents in modes if corpus else ():
-        if documents.neighbours and documents.collection not in in_corpus:
+        if documents.collection not in in_corpus:
             started = time.perf_counter()
-            names = engine.add_documents(corpus, progress=False, schema=documents.collection,
-                                         context="neighbour_sentences" if documents.sentences else "neighbours",
-                                         neighbours=documents.neighbours)
+            context = {"context": "neighbour_sentences" if documents.sentences else "neighbours",
+                       "neighbours": documents.neighbours} if documents.neighbours else {}
+            names = engine.add_documents(corpus, progress=False, schema=documents.collection, **context)
             encode_s[documents.collection].append((time.perf_counter() - started) / len(corpus))
             in_corpus[documents.collection] = dict(zip(corpus, names))
     for record in tqdm(records, desc=desc, unit="question"):
@@ -295,8 +295,7 @@ def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str
                     context="neighbour_sentences" if documents.sentences else "neighbours", neighbours=documents.neighbours)
             else:
                 named[documents.collection] = engine.add_documents(record.passages, progress=False)
-            if corpus is None:  # with a corpus, its plain encoding was done (and timed) by whoever retrieved from it
-                encode_s[documents.collection].append((time.perf_counter() - started) / len(record.passages))
+            encode_s[documents.collection].append((time.perf_counter() - started) / len(record.passages))
         names = named["docs"]
         prompt = build_prompt(record.question + INSTRUCTION, names)
         full = answer(engine, prompt, use_cache=False, max_new_tokens=max_new)
