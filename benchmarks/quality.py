@@ -393,8 +393,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, len(sets), figsize=(5 * len(sets), 7), squeeze=False)
     for column, (name, part) in enumerate(sets):
         families: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
+        labels: list[tuple[float, float, float, str]] = []  # neighbour points: their k written beside them
         for variant_name, v in part["variants"].items():
             if variant_name == "full prefill":
+                continue
+            if variant_name.startswith("default (") and " neighbours (" not in variant_name:
+                families["default (documents encoded alone)"].append((v["speedup"], v["decisive_agreement"], v["first_token_kl"]))
                 continue
             family = variant_name.split(" ")[0]
             family = {"paper": "head_tail"}.get(family, family)
@@ -408,6 +412,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
             context = re.search(r" \+ \d+ neighbours \((\w+ ?\w*)\)( reordered)?", variant_name)
             if context:  # documents encoded behind neighbours: a family per form (k varies along it)
                 family = f"{family.split(' +')[0]} + neighbour context ({context.group(1)}{', reordered' if context.group(2) else ''})"
+                k = re.search(r" \+ (\d+) neighbours", variant_name).group(1)  # type: ignore[union-attr]
+                labels.append((v["speedup"], v["decisive_agreement"], v["first_token_kl"], f"k={k}"))
             families[family].append((v["speedup"], v["decisive_agreement"], v["first_token_kl"]))
             if family == "head_tail" and variant_name == "paper (no recovery)":
                 for other in ("query", "deviation"):  # budget 0 of every strategy is the paper's scheme
@@ -418,6 +424,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
             style = {"linestyle": "none", "marker": "*", "markersize": 9} if "APE" in family else {"marker": "o"}
             axes[0][column].plot(xs, [p[1] for p in points], label=family, **style)
             axes[1][column].plot(xs, [p[2] for p in points], label=family, **style)
+        for x, decisive, kl, text in labels:
+            axes[0][column].annotate(text, (x, decisive), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            axes[1][column].annotate(text, (x, kl), fontsize=7, xytext=(3, 3), textcoords="offset points")
         axes[0][column].set_title(f"{name} ({part['questions']} q.)")
         axes[0][column].set_ylabel("decisive first-token agreement (%)")
         axes[1][column].set_ylabel("first-token KL (nats)")
