@@ -315,20 +315,7 @@ class Registry:
                                            "nor among the documents added")
             if chosen:
                 wanted[name] = chosen
-        needed = {n for names in wanted.values() for n in names}
-        tokens: dict[str, list[int]] = {}
-        for other in needed:
-            if form == "neighbours" and other in held:
-                tokens[other] = list(layout.modules[other].token_ids)  # text and separator, as stored
-            elif form == "neighbours" and other in fresh:
-                tokens[other] = list(fresh[other][1]) + list(spec.separator_ids)
-        todo = sorted(needed - set(tokens))
-        if todo:
-            texts = [held[n].text if n in held else fresh[n][0] if n in fresh else extra[n] for n in todo]  # type: ignore[index]
-            if form == "neighbour_sentences":
-                texts = [first_sentence(t) for t in texts]
-            for other, ids in zip(todo, spec.tokenize_many(texts)):
-                tokens[other] = list(ids) + list(spec.separator_ids)
+        tokens = self._context_tokens(layout, held, {n for names in wanted.values() for n in names}, form, fresh, extra)
         window = spec.context_window
         out: dict[str, DocumentContext] = {}
         for name, names in wanted.items():
@@ -338,6 +325,30 @@ class Registry:
             if names:
                 out[name] = DocumentContext(tuple(names), tuple(t for n in names for t in tokens[n]), form)
         return out
+
+    def _context_tokens(self, layout: SchemaLayout, held: Mapping[str, DocumentRecord], names: Iterable[str], form: str,
+                        fresh: Mapping[str, tuple[str, list[int], dict[str, Any]]] | None = None,
+                        extra: Mapping[str, str] | None = None) -> dict[str, list[int]]:
+        """Each of ``names`` as a context places it (text, separator): whole neighbours from their
+        stored or fresh tokens, first sentences (and texts held elsewhere, ``extra``) tokenised in
+        one batch."""
+        spec, fresh, extra = self.spec, fresh or {}, extra or {}
+        tokens: dict[str, list[int]] = {}
+        todo: list[str] = []
+        for name in sorted(set(names)):
+            if form == "neighbours" and name in held:
+                tokens[name] = list(layout.modules[name].token_ids)  # text and separator, as stored
+            elif form == "neighbours" and name in fresh:
+                tokens[name] = list(fresh[name][1]) + list(spec.separator_ids)
+            else:
+                todo.append(name)
+        if todo:
+            texts = [held[n].text if n in held else fresh[n][0] if n in fresh else extra[n] for n in todo]
+            if form == "neighbour_sentences":
+                texts = [first_sentence(t) for t in texts]
+            for name, ids in zip(todo, spec.tokenize_many(texts)):
+                tokens[name] = list(ids) + list(spec.separator_ids)
+        return tokens
 
     # -----------------------------------------------------------------------------------------
     def delete_documents(self, names: Iterable[str], *, schema: str = DEFAULT_SCHEMA, publish: bool = True) -> list[str]:
@@ -365,18 +376,18 @@ class Registry:
             layout = remove_documents(target.layout, [*removed, *dependents])
             contexts = {n: c for n, c in target.contexts.items() if n not in gone and n not in dependents}
             base = self._documents_key(target)
+            left = {name: [n for n in target.contexts[name].names if n not in gone] for name in dependents}
+            by_form: dict[str, set[str]] = {}  # the neighbours left, tokenised once per context form
+            for name in dependents:
+                by_form.setdefault(target.contexts[name].form, set()).update(left[name])
+            tokens = {form: self._context_tokens(target.layout, documents, names, form) for form, names in by_form.items()}
             for name in dependents:
                 old = target.layout.modules[name]
-                left = [n for n in target.contexts[name].names if n not in gone]
                 context = None
-                if left:
+                if left[name]:
                     form = target.contexts[name].form
-                    if form == "neighbours":  # whole neighbours: their stored tokens, text and separator
-                        ids = [t for n in left for t in target.layout.modules[n].token_ids]
-                    else:
-                        texts = [first_sentence(documents[n].text) for n in left]
-                        ids = [t for part in self.spec.tokenize_many(texts) for t in (*part, *self.spec.separator_ids)]
-                    context = contexts[name] = DocumentContext(tuple(left), tuple(ids), form)
+                    ids = tuple(t for n in left[name] for t in tokens[form][n])
+                    context = contexts[name] = DocumentContext(tuple(left[name]), ids, form)
                 info = document_module(layout, name, old.text or "", old.token_ids[: old.text_tokens], old.token_ids[old.text_tokens :],
                                        len(context.token_ids) if context is not None else 0)
                 add_document(layout, info)
