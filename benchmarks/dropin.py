@@ -31,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modules", type=int, default=10_000)
     parser.add_argument("--runs", type=int, default=50)
-    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    parser.add_argument("--data", default=str(ROOT / "benchmarks" / "data"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dropin.json"))
     args = parser.parse_args()
 

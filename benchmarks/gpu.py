@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="decode through torch.compile (compile=True)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder for synthetic-8b (default: the embedded model's)")
     parser.add_argument("--kv-quantization", nargs="*", default=["int8", "int4"], help="also cached TTFT with module KV stored so")
-    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)

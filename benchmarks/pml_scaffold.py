@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=20)
     parser.add_argument("--variants", nargs="+", default=["isolated:0:0", "shared_prefix:0:0", "shared_prefix:4:1", "scaffold:0:0", "scaffold:4:1"])
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "pml_scaffold.json")
     args = parser.parse_args()
     records = [json.loads(line) for line in (args.data / "hotpotqa_dev_distractor_53.jsonl").read_text().splitlines()[: args.records]]

@@ -13,7 +13,7 @@ back to back, so machine noise hits them alike):
   the cached and the full answer; EM/F1 against the gold answers (SQuAD normalisation);
 - mean time to first token and the speedup over full prefill's.
 
-Sets (``../shared/data``; see its README): ``hotpotqa53`` (10 paragraphs), ``hotpotqa_more``
+Sets (``benchmarks/data``, or ``--data DIR``; see its README): ``hotpotqa53`` (10 paragraphs), ``hotpotqa_more``
 (190 more records), ``nq`` (NaturalQuestions-Open, 10 retrieved passages, Lost in the Middle),
 ``musique`` (20 paragraphs), ``squad10`` and ``squad3`` (SQuAD "Super_Bowl_50": each question
 retrieves its top 10 / top 3 of the article's 54 paragraphs with ``FaissModuleRetriever``).
@@ -440,7 +440,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
     parser.add_argument("--model", default=None, help="hub id or folder (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))

@@ -40,7 +40,7 @@ from scaling import ttft  # noqa: E402 - the same TTFT timing as the tier table 
 import pc_rag.costs  # noqa: E402
 from pc_rag import PromptCache, build_prompt  # noqa: E402
 
-DATA = ROOT.parent / "shared/data"
+DATA = ROOT / "benchmarks" / "data"  # --data changes it
 SCHEMES = (None, "int8", "int4")
 MAX_NEW = 16
 
@@ -59,13 +59,13 @@ def kl(p: torch.Tensor, q: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-def quality(sets: list[str]) -> dict[str, Any]:
+def quality(sets: list[str], data_dir: Path) -> dict[str, Any]:
     base = PromptCache.from_pretrained()
     engines = {s: base if s is None else PromptCache(base.model, base.tokenizer, kv_quantization=s) for s in SCHEMES}
     report: dict[str, Any] = {}
     for spec in sets:
         name, _, count = spec.partition(":")
-        records = load(name, DATA, int(count) if count else None, 0)
+        records = load(name, data_dir, int(count) if count else None, 0)
         rows: list[dict[str, Any]] = []
         for record in tqdm(records, desc=name, unit="question"):
             row: dict[str, Any] = {}
@@ -120,11 +120,11 @@ def quality_table(report: dict[str, Any]) -> str:
 
 
 # --- TTFT by tier ------------------------------------------------------------------------------------
-def tiers(repeats: int, target_tokens: int) -> dict[str, Any]:
+def tiers(repeats: int, target_tokens: int, data_dir: Path) -> dict[str, Any]:
     from tests.conftest import RedisServer, ThrottledProxy
 
     pc_rag.costs.MIN_SAVING_S = 0.005  # as shipped
-    paragraphs = [p["context"] for a in json.loads((DATA / "squad_v1.1_dev_super_bowl_50.json").read_text())["data"]
+    paragraphs = [p["context"] for a in json.loads((data_dir / "squad_v1.1_dev_super_bowl_50.json").read_text())["data"]
                   for p in a["paragraphs"]]
     base = PromptCache.from_pretrained()
     rows = []
@@ -190,12 +190,13 @@ def main() -> None:
     parser.add_argument("--sets", nargs="+", default=["hotpotqa_more:40", "nq:20", "musique:10"], help="SET[:FIRST]")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=4000, help="ttft: document tokens in the prompt")
+    parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.part == "quality":
-        report, table = quality(args.sets), quality_table
+        report, table = quality(args.sets, args.data), quality_table
     else:
-        report, table = tiers(args.repeats, args.tokens), ttft_table
+        report, table = tiers(args.repeats, args.tokens, args.data), ttft_table
     (ROOT / f"benchmarks/results/quantization_{args.part}.json").write_text(json.dumps(report, indent=1))
     print(table(report))
 

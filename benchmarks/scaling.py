@@ -28,19 +28,20 @@ import torch
 from pc_rag import PromptCache, build_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
-SQUAD = ROOT.parent / "shared/data/squad_v1.1_dev_super_bowl_50.json"
-HOTPOT = ROOT.parent / "shared/data/hotpotqa_dev_distractor_more.jsonl"
+DATA = ROOT / "benchmarks" / "data"  # --data changes it
+SQUAD = "squad_v1.1_dev_super_bowl_50.json"
+HOTPOT = "hotpotqa_dev_distractor_more.jsonl"
 QUESTION = "Which team won Super Bowl 50?"
 
 
-def squad_paragraphs() -> list[str]:
-    data = json.loads(SQUAD.read_text())["data"]
+def squad_paragraphs(data_dir: Path = DATA) -> list[str]:
+    data = json.loads((data_dir / SQUAD).read_text())["data"]
     return [p["context"] for a in data for p in a["paragraphs"]]
 
 
-def hotpot_paragraphs(count: int) -> list[str]:
+def hotpot_paragraphs(count: int, data_dir: Path = DATA) -> list[str]:
     out: list[str] = []
-    for line in HOTPOT.read_text().splitlines():
+    for line in (data_dir / HOTPOT).read_text().splitlines():
         for passage in json.loads(line)["passages"]:
             text = f"{passage['title']}: {passage['text'].strip()}"
             if text not in out:
@@ -59,8 +60,8 @@ def ttft(engine: PromptCache, prompt, *, use_cache: bool = True, clear: bool, re
     return statistics.median(times[1:])
 
 
-def tiers(url: str, repeats: int) -> dict:
-    paragraphs = squad_paragraphs()
+def tiers(url: str, repeats: int, data_dir: Path) -> dict:
+    paragraphs = squad_paragraphs(data_dir)
     with tempfile.TemporaryDirectory() as kv_dir:
         writer = PromptCache.from_pretrained(kv_dir=kv_dir, remote_store=url)
         names = writer.add_documents(paragraphs, progress=False)
@@ -92,12 +93,12 @@ def tiers(url: str, repeats: int) -> dict:
     return {"rows": rows}
 
 
-def encoding(url: str, documents: int) -> dict:
+def encoding(url: str, documents: int, data_dir: Path) -> dict:
     import ray
 
     from pc_rag.distributed import encode_documents
 
-    texts = hotpot_paragraphs(documents)
+    texts = hotpot_paragraphs(documents, data_dir)
     client = redis.Redis.from_url(url)
     out = {"documents": len(texts)}
     client.flushdb()
@@ -131,12 +132,13 @@ def main() -> None:
     parser.add_argument("--redis", required=True, help="redis://HOST:PORT/DB (flushed)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--documents", type=int, default=120)
+    parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
     parser.add_argument("--tiers-from", type=Path, default=None, help="take part 1 from this earlier scaling.json")
     args = parser.parse_args()
     torch.set_num_threads(2)
     redis.Redis.from_url(args.redis).flushdb()
-    measured = json.loads(args.tiers_from.read_text())["tiers"] if args.tiers_from else tiers(args.redis, args.repeats)
-    report = {"tiers": measured, "encoding": encoding(args.redis, args.documents)}
+    measured = json.loads(args.tiers_from.read_text())["tiers"] if args.tiers_from else tiers(args.redis, args.repeats, args.data)
+    report = {"tiers": measured, "encoding": encoding(args.redis, args.documents, args.data)}
     out = ROOT / "benchmarks/results/scaling.json"
     out.write_text(json.dumps(report, indent=1))
     t, e = report["tiers"], report["encoding"]

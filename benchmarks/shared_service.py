@@ -32,7 +32,8 @@ from pc_rag import PromptCache, build_prompt, parse_schema
 from scaling import hotpot_paragraphs  # benchmarks/ is on the path of a script run from it
 
 ROOT = Path(__file__).resolve().parents[1]
-SQUAD = ROOT.parent / "shared/data/squad_v1.1_dev_super_bowl_50.json"
+DATA = ROOT / "benchmarks" / "data"  # --data changes it
+SQUAD = "squad_v1.1_dev_super_bowl_50.json"
 KEY = "benchmark-key"
 
 
@@ -52,15 +53,15 @@ def redis_server(folder: str) -> tuple[subprocess.Popen, str]:
     return process, f"redis://127.0.0.1:{port}/0"
 
 
-def paragraphs(count: int) -> list[str]:
+def paragraphs(count: int, data_dir: Path) -> list[str]:
     """``count`` distinct documents: every HotpotQA paragraph scaling.py reads, again and again, each numbered."""
-    base = hotpot_paragraphs(1 << 30)
+    base = hotpot_paragraphs(1 << 30, data_dir)
     return [f"{base[i % len(base)]} (record {i})" for i in range(count)]
 
 
-def registry_sync(url: str, sizes: list[int], repeats: int) -> list[dict]:
+def registry_sync(url: str, sizes: list[int], repeats: int, data_dir: Path) -> list[dict]:
     rows = []
-    texts = paragraphs(max(sizes))
+    texts = paragraphs(max(sizes), data_dir)
     for size in sizes:
         redis.Redis.from_url(url).flushdb()
         writer = PromptCache.from_pretrained(remote_store=url, remote_sync=False, remote_key=KEY)
@@ -84,8 +85,8 @@ def registry_sync(url: str, sizes: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def authentication(url: str, repeats: int) -> dict:
-    data = json.loads(SQUAD.read_text())["data"]
+def authentication(url: str, repeats: int, data_dir: Path) -> dict:
+    data = json.loads((data_dir / SQUAD).read_text())["data"]
     texts = [p["context"] for a in data for p in a["paragraphs"]][:8]
     out: dict = {}
     for label, key in (("unsigned", None), ("hmac", KEY)):
@@ -143,13 +144,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 30000])
+    parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as folder:
         process, url = redis_server(folder)
         try:
-            report = {"pml": pml(args.repeats), "registry_sync": registry_sync(url, args.sizes, args.repeats),
-                      "authentication": authentication(url, max(args.repeats, 5))}
+            report = {"pml": pml(args.repeats), "registry_sync": registry_sync(url, args.sizes, args.repeats, args.data),
+                      "authentication": authentication(url, max(args.repeats, 5), args.data)}
         finally:
             process.kill()
     (ROOT / "benchmarks/results/shared_service.json").write_text(json.dumps(report, indent=1))

@@ -92,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
     parser.add_argument("--shared", type=int, nargs="+", default=[2048, 4096], help="shared document tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--modes", nargs="+", default=["sequential", "naive batch", "shared batch"])

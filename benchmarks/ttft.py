@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--synthetic-7b", action="store_true", help="a randomly initialised Llama-7B-shaped model in bf16")
     parser.add_argument("--device", default=None)
     parser.add_argument("--kv-location", choices=["device", "cpu"], nargs="+", default=["device"])
-    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 7680])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--no-chains", action="store_true", help="skip the LangChain series")

@@ -80,7 +80,8 @@ def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-SQUAD = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "squad_v1.1_dev_super_bowl_50.json"
+DATA = Path(__file__).resolve().parent / "data"  # tests/data/README.md: each file's source and licence
+SQUAD = DATA / "squad_v1.1_dev_super_bowl_50.json"
 
 
 @pytest.fixture(scope="session")

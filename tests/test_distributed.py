@@ -12,7 +12,7 @@ import pytest
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
 
-HOTPOT = Path(__file__).resolve().parents[1].parent / "shared/data/hotpotqa_dev_distractor_53.jsonl"
+HOTPOT = Path(__file__).resolve().parent / "data" / "hotpotqa_dev_distractor_first21.jsonl"
 QUESTION = "Who is it about?"
 
 

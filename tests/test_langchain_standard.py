@@ -18,11 +18,13 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheRetriever
 
+from .conftest import SQUAD
+
 _retriever = None
 
 
 def squad_passages() -> list[str]:
-    data = json.loads((Path(__file__).resolve().parents[1].parent / "shared/data/squad_v1.1_dev_super_bowl_50.json").read_text())
+    data = json.loads(SQUAD.read_text())
     return [p["context"] for a in data["data"] for p in a["paragraphs"]]
 
 
