@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .documents import DocumentRecord, build_prompt, module_reference
     from .engine import DEFAULT_ENCODING, PromptCache
-    from .errors import PromptCacheError
+    from .errors import PromptCacheError, QueueFull
     from .generation import CacheStats, Generation
     from .layout import Plan, Segment
     from .pml import PML, escape, parse_prompt, parse_schema
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 # imported on first use (PEP 562): `pc-rag --help` and light tools do not pay for torch
 _WHERE = {
     "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry", "DocumentRecord": "documents",
-    "build_prompt": "documents", "module_reference": "documents", "PromptCacheError": "errors", "CacheStats": "generation",
+    "build_prompt": "documents", "module_reference": "documents", "PromptCacheError": "errors", "QueueFull": "errors", "CacheStats": "generation",
     "Generation": "generation", "Plan": "layout", "Segment": "layout", "PML": "pml", "escape": "pml",
     "parse_prompt": "pml", "parse_schema": "pml",
 }
@@ -47,6 +47,7 @@ __all__ = [
     "Plan",
     "PromptCache",
     "PromptCacheError",
+    "QueueFull",
     "Schema",
     "Segment",
     "build_prompt",

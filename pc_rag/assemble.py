@@ -29,7 +29,7 @@ import torch
 from .ape import Ape, adjust_attention, moved_entries
 from .encoder import ModuleEncoder
 from .errors import PromptCacheError
-from .kvcache import BufferPool, KVBuffer
+from .kvcache import BufferPool, KVBuffer, batch_capacity
 from .layout import Plan, Segment
 from .model import ModelSpec
 from .quantize import QuantizedModuleKV
@@ -37,9 +37,6 @@ from .records import StoredKV
 from .rope import rotate_in_place, rotate_with
 from .rows import Inputs, Rows
 from .shared_attention import SharedKV, SharedPart, share_prefixes
-
-# a batch's cache capacity is rounded up to a multiple of this many entries
-BATCH_GRANULARITY = 256
 
 Assembly = Literal["copy", "in_place"]
 
@@ -186,7 +183,7 @@ class Assembler:
             buffer = self.buffers.acquire(capacity)
         else:
             # rounded up like the pool's buffers: a compiled decode step sees few shapes
-            capacity = -(-capacity // BATCH_GRANULARITY) * BATCH_GRANULARITY
+            capacity = batch_capacity(capacity)
             buffer = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, capacity, dtype=spec.dtype, device=spec.device, batch=batch)
             # masked entries still meet the values in a product (weight 0 x value): uninitialised
             # memory can hold NaN, and 0 x NaN is NaN

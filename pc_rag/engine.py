@@ -49,6 +49,7 @@ from .registration import Registration
 from .registry import Registry, Schema
 from .remote import RemoteTier
 from .rope import RopeRotator
+from .scheduler import DEFAULT_MAX_QUEUED, DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, Limits, Scheduler
 from .serving import Serving
 from .store import KVShape, open_store
 
@@ -93,6 +94,10 @@ class PromptCache(Registration, Serving):
     buffer; a budget then holds ~3.8x (int8) or ~6.6x (int4) the modules of float32.
     Speed: ``compile=True`` runs decode steps through ``torch.compile`` (fixed shapes; compiled
     once per batch size and answer budget, so it pays off for long-lived engines with steady settings).
+    Serving many callers (:mod:`pc_rag.scheduler`: one loop runs every request, batching whatever
+    arrives): ``max_running`` rows decode together, ``max_step_tokens`` are prefilled per step
+    while others decode, ``max_queued`` requests wait (then :class:`~pc_rag.errors.QueueFull`, at
+    once or after ``queue_timeout_s``), ``buffer_budget`` bounds the bytes of KV buffers held.
     """
 
     def __init__(
@@ -123,6 +128,11 @@ class PromptCache(Registration, Serving):
         remote_sync_interval_s: float | None = 1.0,
         compile: bool = False,
         kv_quantization: Literal["int8", "int4"] | None = None,
+        max_running: int = DEFAULT_MAX_RUNNING,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        queue_timeout_s: float | None = None,
+        buffer_budget: int | None = None,
     ) -> None:
         encoding = encoding or DEFAULT_ENCODING
         if encoding not in ENCODINGS:
@@ -180,6 +190,14 @@ class PromptCache(Registration, Serving):
         self.background = BackgroundEncoder(self.registry.add_documents)
         self.buffers = BufferPool(model)
         self.assembler = Assembler(self.spec, self.encoder, self.buffers)
+        self.scheduler = Scheduler(
+            spec=self.spec, buffers=self.buffers, kv_bytes_per_token=self.spec.kv_bytes_per_token(self.spec.dtype),
+            limits=Limits(max_running, max_step_tokens, max_queued, queue_timeout_s, buffer_budget),
+            prefill=lambda plans, new, use_cache, share: self._prefill(plans, new, use_cache, share=share),
+            assemble=lambda plans, new, use_cache, share: recovery_mod.assemble_plain(
+                plans, new, use_cache=use_cache, share=share, recovery=self.recovery, encoding=self.encoding,
+                assembler=self.assembler, assembly=self.assembly, spec=self.spec),
+            serving=self.background.serving, observe_prefill=self.costs.observe_prefill, forward=self.forward)
         # tokens that end an answer (EOS, end of turn); empty it for fixed-length generations
         self.stop_token_ids: set[int] = set(self.spec.stop_token_ids)
         # the model's generation defaults (do_sample, temperature, top_p, top_k, repetition_penalty,

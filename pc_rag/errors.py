@@ -15,3 +15,7 @@ class PromptCacheError(ValueError):
         self.column = column
         where = f" (line {line}, column {column})" if line is not None else ""
         super().__init__(message + where)
+
+
+class QueueFull(PromptCacheError):
+    """The scheduler's queue is full (``max_queued`` requests wait): retry later. A server answers 429."""

@@ -21,16 +21,35 @@ from .attention import attention_mask
 from .constrained import allowed_tokens
 from .encoder import Forward
 from .generation import RequestState, TokenHistory
-from .kvcache import KVBuffer
+from .kvcache import KVBuffer, batch_capacity
 from .layout import Plan, Segment
 from .model import ModelSpec
 from .rows import Inputs, Rows
+from .shared_attention import SharedKV, SharedPart
 
 
 def prefill(forward: Forward, rows: Rows, inputs: Inputs, spec: ModelSpec) -> torch.Tensor:
     """Every row's computed tokens in one forward pass; the logits of each row's last token, ``[rows, vocab]``."""
     mask = place_inputs(rows, inputs, spec)
     return forward.prefill_batch(rows.buffer, inputs.ids, inputs.positions, mask, rows.shared, inputs.bounds)
+
+
+def prefill_chunks(forward: Forward, rows: Rows, inputs: Inputs, spec: ModelSpec, size: int
+                   ) -> Generator[torch.Tensor | None, None, None]:
+    """:func:`prefill` of one row in chunks of ``size`` tokens, one pass per ``next()``: None after
+    every chunk but the last, then the row's last-token logits ``[1, vocab]``. Each chunk attends
+    to what the chunks before it wrote (causality follows positions), so the result is the one
+    pass's, computed in pieces that let other rows decode in between."""
+    if rows.batch != 1:
+        raise ValueError("chunked prefill takes one row (left padding would leave a chunk's padding queries no key)")
+    width = inputs.ids.shape[1]
+    for start in range(0, width, size):
+        stop = min(start + size, width)
+        positions = inputs.positions[:, start:stop]
+        low, high = torch.aminmax(positions)  # one host read per chunk (a chunk is a whole forward pass)
+        chunk = Inputs(inputs.ids[:, start:stop], positions, inputs.real[:, start:stop], (int(low), int(high)))
+        logits = prefill(forward, rows, chunk, spec)
+        yield logits if stop == width else None
 
 
 def place_inputs(rows: Rows, inputs: Inputs, spec: ModelSpec) -> Any:
@@ -127,42 +146,133 @@ def decode_one_token(forward: Forward, rows: Rows, ids: torch.Tensor, cursor: Cu
     return logits
 
 
+class RunningBatch:
+    """Rows decoding together, one token per row per step: the state :func:`decode` loops over,
+    and what the scheduler (:mod:`pc_rag.scheduler`) keeps running while callers come and go.
+
+    A step is :meth:`take` (every row's next token chosen from the pending logits, on the device
+    for the whole batch, and read back in one transfer; each request records its own) then
+    :meth:`feed` (those tokens, a finished row's replaced by a placeholder, through the model:
+    the next pending logits). Between the two the scheduler hands out the text, and may rebuild
+    the batch from the rows that go on plus newly prefilled ones (:meth:`combine`).
+    """
+
+    def __init__(self, forward: Forward, rows: Rows, requests: Sequence[RequestState], logits: torch.Tensor, spec: ModelSpec) -> None:
+        self.forward, self.rows, self.requests, self.logits, self.spec = forward, rows, list(requests), logits, spec
+        self.length = len(rows.buffer)  # cache entries written (read on the host: the cursor's column)
+        steps = max((request.budget - request.steps for request in self.requests), default=0)
+        self.cursor = Cursor(rows, [request.next_position for request in self.requests], steps, spec, whole=forward.compiled)
+        self.history = None
+        if any(request.processors is not None for request in self.requests):
+            # what the processors read: the prompt and every token fed so far (a row taken over
+            # from another batch brings what it generated there)
+            self.history = TokenHistory([[*request.prompt_ids, *request.detok.tokens] for request in self.requests], steps,
+                                        logits.device)
+        self.alive = [True] * len(self.requests)  # every row takes the pending logits
+        self.live = torch.ones(len(self.requests), 1, dtype=torch.bool, device=logits.device)
+        self.placeholder = torch.tensor(spec.placeholder_id, device=logits.device)
+        self.fed: list[int | None] = []
+        self._tokens: torch.Tensor | None = None
+        self._chosen: list[int] = []
+
+    @property
+    def batch(self) -> int:
+        return len(self.requests)
+
+    @property
+    def finished(self) -> bool:
+        """Whether every row is done (after :meth:`take`)."""
+        return all(token is None for token in self.fed)
+
+    def take(self) -> list[str]:
+        """Every row's next token from the pending logits, recorded by its request; the new text, one string per row."""
+        tokens = choose(self.requests, self.logits, self.history, self.alive)
+        self._chosen = tokens.tolist()  # the one host transfer of the step
+        self._tokens = tokens
+        self.fed, deltas = _take(self.requests, self.logits, self._chosen, self.alive)
+        return deltas
+
+    def feed(self) -> None:
+        """The tokens :meth:`take` chose through the model, one per row: the next pending logits.
+        What is fed is those same tokens (a finished row's replaced by a placeholder) unless the
+        host changed one (a grammar closing its document)."""
+        fed, chosen = self.fed, self._chosen
+        assert self._tokens is not None, "take() comes first"
+        if [token is not None for token in fed] != self.alive:  # a row finished: it feeds placeholders from now on
+            self.alive = [token is not None for token in fed]
+            self.live = torch.tensor(self.alive, device=self.logits.device)[:, None]
+        if any(token is not None and token != chosen[row] for row, token in enumerate(fed)):
+            ids = torch.tensor([[self.spec.placeholder_id if token is None else token] for token in fed], device=self.logits.device)
+        else:
+            ids = torch.where(self.live, self._tokens[:, None], self.placeholder)
+        if self.history is not None:
+            self.history.append(ids)
+        self.logits = decode_one_token(self.forward, self.rows, ids, self.cursor, self.spec)
+        self.length += 1
+        for request in self.requests:
+            request.next_position += 1
+
+    @classmethod
+    def combine(cls, sources: Sequence[tuple["RunningBatch", Sequence[int]]]) -> "RunningBatch":
+        """Rows ``rows`` (ascending) of each source batch, in that order, as one new batch.
+
+        Every source waits between steps (its pending logits unread). Each row's own cache
+        entries are copied into one new buffer, up to the longest source's length (shorter rows
+        are padded with masked entries, which cost nothing but their place); what a row read in
+        place (shared parts) it still reads in place. Sources need a model whose attention
+        follows a position mask (``spec.one_pass``); their buffers are left to the caller.
+        """
+        first = sources[0][0]
+        spec, forward = first.spec, first.forward
+        requests = [batch.requests[row] for batch, rows in sources for row in rows]
+        count = len(requests)
+        length = max(batch.length for batch, _ in sources)
+        steps = max(request.budget - request.steps for request in requests)
+        capacity = batch_capacity(length + max(steps, 0))
+        device = first.logits.device
+        buffer = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, capacity, dtype=spec.dtype, device=spec.device, batch=count)
+        key_positions = torch.zeros(count, capacity, dtype=torch.long, device=device)
+        valid = torch.zeros(count, capacity, dtype=torch.bool, device=device)
+        biased = [batch.rows.bias for batch, _ in sources if batch.rows.bias is not None]
+        bias = torch.zeros(count, capacity, dtype=biased[0].dtype, device=device) if biased else None
+        parts: list[SharedPart] = []
+        logits = []
+        at = 0
+        for batch, rows in sources:
+            index = torch.tensor(list(rows), dtype=torch.long, device=device)
+            end, taken = batch.length, slice(at, at + len(rows))
+            # [layers, 2, rows, kv_heads, entries, head_dim]: the rows' written entries, then zeros
+            # up to the common length (masked, but 0 x NaN of uninitialised memory is NaN)
+            buffer.storage[:, :, taken, :, :end] = batch.rows.buffer.storage[:, :, :, :, :end].index_select(2, index)
+            buffer.storage[:, :, taken, :, end:length] = 0
+            key_positions[taken, :end] = batch.rows.key_positions[index, :end]
+            valid[taken, :end] = batch.rows.valid[index, :end]
+            if bias is not None and batch.rows.bias is not None:
+                bias[taken, :end] = batch.rows.bias[index, :end]
+            if batch.rows.shared is not None:
+                parts += batch.rows.shared.select(rows, at)
+            logits.append(batch.logits.index_select(0, index))
+            at += len(rows)
+        buffer.grow_to(length)
+        old = first.rows.shared or next((b.rows.shared for b, _ in sources if b.rows.shared is not None), None)
+        shared = SharedKV(parts, heads_per_kv=old.heads_per_kv, dtype=old.dtype, rotator=old.rotator) if parts and old else None
+        holes = any(batch.rows.holes for batch, _ in sources)
+        rows_ = Rows(buffer, key_positions, valid, shared, ordered=False, bias=bias, holes=holes)
+        return cls(forward, rows_, requests, torch.cat(logits), spec)
+
+
 def decode(
     forward: Forward, rows: Rows, requests: Sequence[RequestState], logits: torch.Tensor, spec: ModelSpec
 ) -> Generator[list[str], None, None]:
     """The decode loop: every row's next token from ``logits``, fed back until every request is
-    done. Yields each step's new text, one string per row.
-
-    Tokens are chosen on the device for the whole batch (:func:`choose`) and read back in one
-    transfer per step; what is fed next is those same tokens (a finished row's replaced by a
-    placeholder) unless the host changed one (a grammar closing its document)."""
-    steps = max(request.budget for request in requests)
-    cursor = Cursor(rows, [request.next_position for request in requests], steps, spec, whole=forward.compiled)
-    history = None
-    if any(request.processors is not None for request in requests):
-        history = TokenHistory([request.prompt_ids for request in requests], steps, logits.device)
-    live = torch.ones(len(requests), 1, dtype=torch.bool, device=logits.device)
-    alive = [True] * len(requests)  # every row takes the prefill's logits
-    placeholder = torch.tensor(spec.placeholder_id, device=logits.device)
+    done (:class:`RunningBatch`). Yields each step's new text, one string per row."""
+    batch = RunningBatch(forward, rows, requests, logits, spec)
     while True:
-        tokens = choose(requests, logits, history, alive)
-        chosen = tokens.tolist()  # the one host transfer of the step
-        fed, deltas = _take(requests, logits, chosen, alive)
+        deltas = batch.take()
         yield deltas
-        if all(token is None for token in fed):
+        if batch.finished:
             return
-        if [token is not None for token in fed] != alive:  # a row finished: it feeds placeholders from now on
-            alive = [token is not None for token in fed]
-            live = torch.tensor(alive, device=logits.device)[:, None]
-        if any(token is not None and token != chosen[row] for row, token in enumerate(fed)):
-            ids = torch.tensor([[spec.placeholder_id if token is None else token] for token in fed], device=logits.device)
-        else:
-            ids = torch.where(live, tokens[:, None], placeholder)
-        if history is not None:
-            history.append(ids)
-        logits = decode_one_token(forward, rows, ids, cursor, spec)
-        for request in requests:
-            request.next_position += 1
+        batch.feed()
 
 
 def choose(requests: Sequence[RequestState], logits: torch.Tensor, history: TokenHistory | None, alive: Sequence[bool]) -> torch.Tensor:

@@ -18,7 +18,8 @@ class CacheStats:
 
     ``ttft_s`` runs from receiving the prompt to having the first generated token;
     ``assemble_s`` is the part of it spent before the first forward pass (parsing, planning,
-    gathering module KV).
+    gathering module KV); ``queue_s`` the part spent waiting for the scheduler to admit it
+    (other requests filling its rows or budgets).
     """
 
     cached_tokens: int = 0
@@ -29,6 +30,7 @@ class CacheStats:
     generated_tokens: int = 0
     assemble_s: float = 0.0
     prefill_s: float = 0.0
+    queue_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -40,6 +42,7 @@ class CacheStats:
             "generated_tokens": self.generated_tokens,
             "assemble_s": self.assemble_s,
             "prefill_s": self.prefill_s,
+            "queue_s": self.queue_s,
         }
 
 

@@ -24,6 +24,15 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .errors import PromptCacheError
 
+# a batch's cache capacity is rounded up to a multiple of this many entries: a compiled decode
+# step sees a few shapes, not one per prompt length
+BATCH_GRANULARITY = 256
+
+
+def batch_capacity(entries: int) -> int:
+    """``entries`` rounded up to the batch granularity."""
+    return -(-entries // BATCH_GRANULARITY) * BATCH_GRANULARITY
+
 
 @dataclass
 class ModuleKV:

@@ -45,7 +45,7 @@ from .rows import Prefilled
 from .scored import entries, prefill_recovered
 
 if TYPE_CHECKING:
-    from .assemble import Assembler, Assembly
+    from .assemble import Assembled, Assembler, Assembly
     from .encoder import Forward
     from .kvcache import BufferPool
     from .model import ModelSpec
@@ -268,6 +268,20 @@ def encoded_behind(schema: "Schema", name: str, offset: int, encoding: str) -> l
 # ---------------------------------------------------------------------------------------------
 # The one call: assemble and prefill a request, recovering as configured
 # ---------------------------------------------------------------------------------------------
+def assemble_plain(plans: list[Plan], new_tokens: int, *, use_cache: bool, share: bool, recovery: Recovery, encoding: str,
+                   assembler: "Assembler", assembly: "Assembly", spec: "ModelSpec") -> "tuple[Assembled, float] | None":
+    """The rows and inputs of ``plans`` where their prefill is one plain pass (APE applied, no
+    scored strategy, a model that takes a position mask), with the time assembly ended; None
+    where it is not (:func:`prefill_plans` then runs the other passes). The scheduler prefills a
+    long prompt from here in chunks."""
+    if not spec.one_pass or (use_cache and recovery.scored and any(p.cached_tokens for p in plans)):
+        return None
+    flags = [list(p.moved) if p.moved is not None else moved(p, encoding) for p in plans]
+    ape = Ape(recovery.temperature, recovery.scale, flags) if use_cache and recovery.adjusts_attention else None
+    assembled = assembler.assemble(plans, new_tokens, use_cache=use_cache, assembly=assembly, share=share, ape=ape)
+    return assembled, time.perf_counter()
+
+
 def prefill_plans(plans: list[Plan], new_tokens: int, *, use_cache: bool, share: bool, recovery: Recovery, encoding: str,
                   assembler: "Assembler", assembly: "Assembly", forward: "Forward", spec: "ModelSpec",
                   buffers: "BufferPool") -> Prefilled:
@@ -279,12 +293,12 @@ def prefill_plans(plans: list[Plan], new_tokens: int, *, use_cache: bool, share:
         if not use_cache:
             plan = Plan([replace(s, owner=None) for s in plan.segments], plan.modules)
         return Prefilled(rows, prefill_in_order(forward, rows, plan, assembler.append), [0], time.perf_counter())
-    flags = [list(p.moved) if p.moved is not None else moved(p, encoding) for p in plans]
-    if not (use_cache and recovery.scored and any(p.cached_tokens for p in plans)):
-        ape = Ape(recovery.temperature, recovery.scale, flags) if use_cache and recovery.adjusts_attention else None
-        assembled = assembler.assemble(plans, new_tokens, use_cache=use_cache, assembly=assembly, share=share, ape=ape)
-        assembled_at = time.perf_counter()
+    plain = assemble_plain(plans, new_tokens, use_cache=use_cache, share=share, recovery=recovery, encoding=encoding,
+                           assembler=assembler, assembly=assembly, spec=spec)
+    if plain is not None:
+        assembled, assembled_at = plain
         return Prefilled(assembled.rows, prefill(forward, assembled.rows, assembled.inputs, spec), assembled.order, assembled_at)
+    flags = [list(p.moved) if p.moved is not None else moved(p, encoding) for p in plans]
     # scored recovery: every row holds its own copy of its cached KV, so its entries can be
     # masked out one by one; room for the recomputed tokens, appended after the cache
     room = max(recovery.count(sum(len(s) for s, m in zip(p.segments, f) if m)) for p, f in zip(plans, flags))

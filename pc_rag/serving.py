@@ -1,9 +1,12 @@
 """The serving half of :class:`pc_rag.PromptCache`'s public API, and the request it runs:
 
-    plan (planner.plan, recovery.recover) -> admit -> recovery.prefill_plans -> generate.decode
+    plan (planner.plan, recovery.recover) -> admit -> Scheduler.submit
+        -> [the scheduler's loop] recovery.prefill_plans -> generate.RunningBatch (with other callers' rows)
 
-Each request is planned against an immutable registry snapshot and refused before any work when
-it cannot be served; a request finishes on the KV it was planned with.
+Each request is planned on the caller's thread against an immutable registry snapshot and
+refused there, before any work, when it cannot be served; the scheduler
+(:mod:`pc_rag.scheduler`) runs every forward pass, batching concurrent callers; a request
+finishes on the KV it was planned with.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from .constrained import Vocabulary
 from .costs import CostModel, load_or_compute
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
-from .generate import decode
 from .generation import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
 from .kvcache import BufferPool
 from .layout import Plan
@@ -33,6 +35,7 @@ from .recovery import Recovery
 from .registry import Registry
 from .remote import RemoteTier
 from .rows import Prefilled
+from .scheduler import AsyncStream, Scheduler, Ticket
 from .store import ModuleStore
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class Serving:
     _vocabularies: dict[frozenset[int], Vocabulary]
     _kv_bytes_per_token: int
     costs: CostModel
+    scheduler: Scheduler
 
     # -- serving ------------------------------------------------------------------------------------
     def plan(self, prompt: str, *, collections: str | Sequence[str] | None = None) -> Plan:
@@ -89,10 +93,12 @@ class Serving:
     def next_token_logits(self, prompt: str, *, use_cache: bool = True, collections: str | Sequence[str] | None = None) -> torch.Tensor:
         """Logits of the first generated token: the quantity cached inference must reproduce."""
         plans = self._prepare([prompt], use_cache, planner.scope(collections))
-        with self.background.serving():
-            prefilled = self._prefill(plans, 0, use_cache, share=False)
-        self.buffers.release(prefilled.rows.buffer)
-        return prefilled.logits[0]
+        run = self._run(plans, SamplingParams(max_new_tokens=0), use_cache, time.perf_counter(), share=False, logits_only=True)
+        try:
+            while True:
+                next(run)
+        except StopIteration as done:
+            return done.value
 
     def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
@@ -134,6 +140,32 @@ class Serving:
                                      stop=stop, seed=seed, **generation), self.generation_config)
         plans = self._prepare([prompt], use_cache, planner.scope(collections))
         return StreamingGeneration(self._run(plans, params, use_cache, started, share=False))
+
+    async def agenerate(self, prompt: str, **kwargs: Any) -> Generation:
+        """:meth:`generate` for asyncio (the same keywords): the event loop never waits on a
+        forward pass, and cancelling the awaiting task frees the request's row at the
+        scheduler's next step."""
+        stream = self.astream(prompt, **kwargs)
+        async for _ in stream:
+            pass
+        return stream.result
+
+    def astream(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
+                top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
+                use_cache: bool = True, seed: int | None = None, collections: str | Sequence[str] | None = None,
+                **generation: Any) -> AsyncStream:
+        """:meth:`stream` for asyncio: ``async for piece in engine.astream(prompt)``; ``.result``
+        holds the Generation once exhausted. Bad arguments are refused now; the prompt is planned
+        (and refused, if it cannot be served) on a worker thread at the first ``__anext__``."""
+        started = time.perf_counter()
+        params = sampling_params(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                     stop=stop, seed=seed, **generation), self.generation_config)
+        scope = planner.scope(collections)
+
+        def start() -> Ticket:
+            return self._ticket(self._prepare([prompt], use_cache, scope), params, use_cache, started, share=False)
+
+        return AsyncStream(self.scheduler, start)
 
     def generate_batch(self, prompts: Sequence[str], *, max_new_tokens: int | None = None, temperature: float | None = None,
                        top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
@@ -217,49 +249,29 @@ class Serving:
                                           encoding=self.encoding, assembler=self.assembler, assembly=self.assembly,
                                           forward=self.forward, spec=self.spec, buffers=self.buffers)
 
-    def _run(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool
-             ) -> Generator[str, None, Any]:
-        """Prefill and decode ``plans`` together; yields the text of a single request as it is
-        decoded, and returns its Generation (a list of them for a batch)."""
-        with self.background.serving():  # documents queued for encoding wait until no request is served
-            return (yield from self._serve(plans, params, use_cache, started, share=share))
+    def _run(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool,
+             logits_only: bool = False) -> Generator[str, None, Any]:
+        """Submit ``plans`` to the scheduler on the first ``next()`` and wait for them: yields the
+        text of a single request as it is decoded, and returns its Generation (a list of them for
+        a batch; the first-token logits with ``logits_only``). Closing the generator early
+        cancels the request: its rows stop at the scheduler's next step."""
+        ticket = self._ticket(plans, params, use_cache, started, share=share, logits_only=logits_only)
+        self.scheduler.submit(ticket)
+        result = yield from self.scheduler.wait(ticket)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("store after request: %s", {"encoded": self.forward.encoded, **self.store.stats(scan_disk=False)})
+        return result
 
-    def _serve(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool
-               ) -> Generator[str, None, Any]:
-        spec = self.spec
+    def _ticket(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool,
+                logits_only: bool = False) -> Ticket:
+        """What the scheduler serves: ``plans`` with a request state each (sampling, stops, statistics)."""
         requests = [
-            RequestState(params=params, tokenizer=self.tokenizer, device=spec.device, stop_token_ids=frozenset(self.stop_token_ids),
-                         context_window=spec.context_window, modules=list(p.modules),
+            RequestState(params=params, tokenizer=self.tokenizer, device=self.spec.device, stop_token_ids=frozenset(self.stop_token_ids),
+                         context_window=self.spec.context_window, modules=list(p.modules),
                          cached_tokens=p.cached_tokens if use_cache else 0,
                          computed_tokens=p.computed_tokens if use_cache else len(p.input_ids), next_position=p.end, started=started,
                          prompt_ids=p.input_ids if params.reads_history else (),
                          matcher=self._vocabulary.matcher(params.json_schema) if params.json_schema else None)
             for p in plans
         ]
-        prefilled = self._prefill(plans, max(r.budget for r in requests), use_cache, share=share)
-        rows, logits, order = prefilled.rows, prefilled.logits, prefilled.order
-        requests = [requests[i] for i in order]
-        for request, recomputed in zip(requests, prefilled.recomputed or [0] * len(requests)):
-            request.stats.assemble_s = prefilled.assembled_at - started
-            request.stats.cached_tokens -= recomputed
-            request.stats.computed_tokens += recomputed
-        single = len(requests) == 1
-        try:
-            for deltas in decode(self.forward, rows, requests, logits, spec):
-                if single and deltas[0]:
-                    yield deltas[0]
-        finally:  # also when a stream is closed or collected half-way: the buffer goes back to the pool
-            if rows.batch == 1:
-                self.buffers.release(rows.buffer)
-        # the prefill rate the load-or-compute choice weighs fetches against: computed tokens over
-        # assembly-to-first-token (the first token synchronises with the device)
-        prefill_s = max((r.stats.ttft_s - r.stats.assemble_s for r in requests), default=0.0)
-        self.costs.observe_prefill(sum(r.stats.computed_tokens for r in requests), prefill_s)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("store after request: %s", {"encoded": self.forward.encoded, **self.store.stats(scan_disk=False)})
-        results: list[Generation] = [None] * len(requests)  # type: ignore[list-item]
-        for request, index in zip(requests, order):
-            tail, results[index] = request.close()
-            if single and tail:
-                yield tail
-        return results[0] if single else results
+        return Ticket(plans, requests, use_cache=use_cache, share=share, submitted=time.perf_counter(), logits_only=logits_only)

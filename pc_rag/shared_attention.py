@@ -24,7 +24,7 @@ private keys (computed tokens, generated tokens, KV no other row shares).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -100,10 +100,24 @@ class SharedKV:
     def __init__(self, parts: Sequence[SharedPart], *, heads_per_kv: int, dtype: torch.dtype, rotator: Any = None) -> None:
         self.heads_per_kv = heads_per_kv  # query heads per key/value head (grouped-query attention)
         self.dtype = dtype
+        self.parts = list(parts)
+        self.rotator = rotator
         by_rows: dict[tuple[int, int], list[SharedPart]] = {}
         for part in parts:
             by_rows.setdefault((part.rows.start, part.rows.stop), []).append(part)
         self.groups = [_Group(slice(*rows), members, rotator) for rows, members in by_rows.items()]
+
+    def select(self, rows: Sequence[int], offset: int) -> list[SharedPart]:
+        """The parts that rows ``rows`` (ascending) read, renumbered for a batch where those rows
+        sit at ``offset``, ``offset + 1``, ...: what a running batch that takes rows in or lets
+        rows go keeps (the KV itself is not copied). A part none of them reads is dropped."""
+        renumbered = {old: offset + new for new, old in enumerate(rows)}
+        kept: list[SharedPart] = []
+        for part in self.parts:
+            reading = [renumbered[row] for row in range(part.rows.start, part.rows.stop) if row in renumbered]
+            if reading:  # ascending rows of a contiguous range stay contiguous
+                kept.append(replace(part, rows=slice(reading[0], reading[-1] + 1)))
+        return kept
 
     def for_queries(self, query_positions: torch.Tensor, bounds: tuple[int, int] | None = None) -> "SharedStep":
         """The per-forward view for queries at ``query_positions`` ``[rows, q]``.

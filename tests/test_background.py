@@ -26,8 +26,9 @@ def test_background_documents_wait_for_the_request_and_never_run_during_one(make
     engine.add_documents(["Seed document so the collection exists."], progress=False)
     names = engine.add_documents(["A document queued while a request is served."], background=True)
     assert engine.store_stats()["background_pending"] == 1 and names[0] not in engine.schemas["docs"].documents
-    stream = engine.stream(build_prompt("Which?", []), max_new_tokens=8)
-    next(stream)  # the request is being served now
+    engine.stop_token_ids.clear()  # the request runs to the end of the context window unless closed
+    stream = engine.stream(build_prompt("Which?", []), max_new_tokens=100_000)
+    next(stream)  # the request is being served now (the scheduler decodes on, ahead of this reader)
     assert engine.wait_for_documents(timeout=0.5) is False  # not while a request is in flight, even when asked
     assert names[0] not in engine.schemas["docs"].documents
     stream.close()  # the request ends: the queue may run

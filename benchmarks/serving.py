@@ -1,0 +1,212 @@
+"""Many callers at once: the scheduler against one-at-a-time serving and an explicit batch.
+
+Part ``concurrency`` (the embedded SmolLM2-135M): HotpotQA dev-distractor records (``--skip``
+records in, never used for tuning), each a RAG prompt of ``--passages`` passages registered as
+documents, answered with ``--new-tokens`` tokens (stop tokens off, so every mode decodes the same
+number of tokens). For each N in ``--callers``, the same N prompts are served
+
+- ``sequential``: ``engine.generate`` one after another (each caller waits for those before it);
+- ``generate_batch``: one explicit ``engine.generate_batch`` of the N prompts;
+- ``threads``: N threads calling ``engine.generate`` at once (the scheduler batches them);
+- ``langchain ainvoke``: N ``PromptCacheLLM.ainvoke`` calls under ``asyncio.gather``;
+
+and wall time, tokens/s, mean and p95 TTFT and latency are reported, median of ``--repeats``
+runs (each mode's order rotates between runs). With ``--overlap`` the N prompts import the same
+passages (different questions); without it, each prompt its own.
+
+Part ``overhead`` (a tiny random Llama, whose forward pass costs almost nothing): one request's
+decode steps through the scheduler against the bare decode loop (``generate.decode``) over the
+same prefilled rows: the time the scheduler adds per step.
+
+    python benchmarks/serving.py concurrency --callers 1 4 8 --repeats 3
+    python benchmarks/serving.py overhead
+Writes ``benchmarks/results/serving_<part>.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
+
+from pc_rag import PromptCache, build_prompt
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "benchmarks" / "data"
+
+
+def records(data: Path, skip: int, count: int, passages: int) -> list[tuple[str, list[str]]]:
+    """(question, passages) of HotpotQA dev-distractor records ``skip .. skip + count``."""
+    out = []
+    for line in (data / "hotpotqa_dev_distractor_more.jsonl").read_text().splitlines()[skip : skip + count]:
+        record = json.loads(line)
+        out.append((record["question"], [f"{p['title']}: {p['text']}" for p in record["passages"][:passages]]))
+    return out
+
+
+def summary(calls: list[dict[str, float]], wall: float) -> dict[str, float]:
+    ttft = sorted(c["ttft_s"] for c in calls)
+    latency = sorted(c["latency_s"] for c in calls)
+    p95 = lambda xs: xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]  # noqa: E731
+    return {"wall_s": wall, "tokens_per_s": sum(c["tokens"] for c in calls) / wall,
+            "ttft_mean_s": statistics.mean(ttft), "ttft_p95_s": p95(ttft),
+            "latency_mean_s": statistics.mean(latency), "latency_p95_s": p95(latency)}
+
+
+def serve(engine: PromptCache, mode: str, prompts: list[str], new_tokens: int) -> dict[str, float]:
+    """Serve ``prompts`` in ``mode``; per-call TTFT and latency counted from when all were handed in."""
+    calls: list[dict[str, float]] = []
+    start = time.perf_counter()
+    if mode == "sequential":
+        for prompt in prompts:
+            result = engine.generate(prompt, max_new_tokens=new_tokens)
+            calls.append({"ttft_s": result.stats.ttft_s + (time.perf_counter() - start - result.stats.total_s),
+                          "latency_s": time.perf_counter() - start, "tokens": len(result.token_ids)})
+    elif mode == "generate_batch":
+        results = engine.generate_batch(prompts, max_new_tokens=new_tokens)
+        done = time.perf_counter() - start
+        calls = [{"ttft_s": r.stats.ttft_s, "latency_s": done, "tokens": len(r.token_ids)} for r in results]
+    elif mode == "threads":
+        gate = threading.Barrier(len(prompts) + 1)
+
+        def call(prompt: str) -> dict[str, float]:
+            gate.wait()
+            result = engine.generate(prompt, max_new_tokens=new_tokens)
+            return {"ttft_s": result.stats.ttft_s, "latency_s": time.perf_counter() - start, "tokens": len(result.token_ids)}
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(call, p) for p in prompts]
+            start = time.perf_counter()
+            gate.wait()
+            calls = [f.result() for f in futures]
+    elif mode == "langchain ainvoke":
+        from pc_rag.integrations.langchain import PromptCacheLLM
+
+        llm = PromptCacheLLM(engine=engine, max_new_tokens=new_tokens)
+
+        async def call(prompt: str) -> dict[str, float]:
+            result = await llm.agenerate([prompt])
+            info = result.generations[0][0].generation_info or {}
+            return {"ttft_s": info.get("ttft_s", 0.0), "latency_s": time.perf_counter() - start,
+                    "tokens": info.get("generated_tokens", new_tokens)}
+
+        async def gather() -> list[dict[str, float]]:
+            return list(await asyncio.gather(*(call(p) for p in prompts)))
+
+        start = time.perf_counter()
+        calls = asyncio.run(gather())
+    else:
+        raise ValueError(mode)
+    return summary(calls, time.perf_counter() - start)
+
+
+def concurrency(args: argparse.Namespace) -> dict[str, Any]:
+    engine = PromptCache.from_pretrained()
+    engine.stop_token_ids.clear()  # every mode decodes exactly --new-tokens tokens
+    pool = records(args.data, args.skip, max(args.callers), args.passages)
+    prompts_all = []
+    for question, passages in pool:
+        names = engine.add_documents(passages, progress=False)
+        prompts_all.append((question, names))
+    if args.overlap:
+        shared = prompts_all[0][1]
+        prompts_all = [(q, shared) for q, _ in prompts_all]
+    report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": vars(args) | {"data": str(args.data)},
+                              "rows": []}
+    serve(engine, "sequential", [build_prompt(q, n) for q, n in prompts_all[:2]], 4)  # warm-up
+    for n in args.callers:
+        prompts = [build_prompt(q, names) for q, names in prompts_all[:n]]
+        tokens = statistics.mean(len(engine.plan(p).input_ids) for p in prompts)
+        runs: dict[str, list[dict[str, float]]] = {m: [] for m in args.modes}
+        for repeat in range(args.repeats):
+            order = args.modes[repeat % len(args.modes):] + args.modes[: repeat % len(args.modes)]
+            for mode in order:
+                runs[mode].append(serve(engine, mode, prompts, args.new_tokens))
+        row = {"callers": n, "prompt_tokens": tokens,
+               "modes": {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}}
+        report["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    report["scheduler"] = engine.scheduler.stats()
+    return report
+
+
+def overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """Per decode step: the scheduler's loop against the bare loop, on a tiny model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from pc_rag.generate import decode
+    from pc_rag.generation import SamplingParams
+    from pc_rag.model import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    engine = PromptCache(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), tokenizer)
+    engine.stop_token_ids.clear()
+    prompt, steps = "A prompt of a few words to decode after.", args.steps
+    bare, scheduled = [], []
+    for _ in range(args.repeats):
+        # bare: the decode loop over rows prefilled the same way, no scheduler, no thread
+        plans = engine._prepare([prompt], True)
+        ticket = engine._ticket(plans, SamplingParams(max_new_tokens=steps), True, time.perf_counter(), share=False)
+        prefilled = engine._prefill(plans, steps, True, share=False)
+        started = time.perf_counter()
+        for _ in decode(engine.forward, prefilled.rows, ticket.requests, prefilled.logits, engine.spec):
+            pass
+        bare.append((time.perf_counter() - started) / steps)
+        engine.buffers.release(prefilled.rows.buffer)
+        result = engine.generate(prompt, max_new_tokens=steps)
+        scheduled.append((result.stats.total_s - result.stats.ttft_s) / (steps - 1))
+    report = {"steps": steps, "bare_ms_per_step": 1e3 * statistics.median(bare),
+              "scheduler_ms_per_step": 1e3 * statistics.median(scheduled)}
+    report["added_ms_per_step"] = report["scheduler_ms_per_step"] - report["bare_ms_per_step"]
+    print(json.dumps(report))
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    modes = list(report["rows"][0]["modes"])
+    lines = ["| callers | prompt tokens | " + " | ".join(f"{m}: wall s / tok/s / mean TTFT s / mean latency s / p95 latency s" for m in modes) + " |",
+             "|---:|---:|" + "---|" * len(modes)]
+    for row in report["rows"]:
+        cells = [f"{m['wall_s']:.2f} / {m['tokens_per_s']:.1f} / {m['ttft_mean_s']:.2f} / {m['latency_mean_s']:.2f} / {m['latency_p95_s']:.2f}"
+                 for m in row["modes"].values()]
+        lines.append(f"| {row['callers']} | {row['prompt_tokens']:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=("concurrency", "overhead"))
+    parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
+    parser.add_argument("--skip", type=int, default=100, help="HotpotQA-more records skipped (held out from development)")
+    parser.add_argument("--passages", type=int, default=6)
+    parser.add_argument("--callers", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--modes", nargs="+", default=["sequential", "generate_batch", "threads", "langchain ainvoke"])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--overlap", action="store_true", help="every prompt imports the same passages")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200, help="overhead: decode steps per request")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    report = concurrency(args) if args.part == "concurrency" else overhead(args)
+    out = args.out or ROOT / f"benchmarks/results/serving_{args.part}{'_overlap' if args.overlap else ''}.json"
+    out.write_text(json.dumps(report, indent=1))
+    if args.part == "concurrency":
+        print(table(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,666 @@
+"""The scheduler: one thread owns the model and serves every caller at once (continuous batching).
+
+Callers (``generate``, ``stream``, ``generate_batch``, ``next_token_logits``, the LangChain and
+LlamaIndex adapters, the server) plan their prompts on their own thread, where a prompt that
+cannot be served is refused before it touches anything shared, and submit a :class:`Ticket`.
+They wait on its events: text as it is decoded, then the result. The loop, every iteration:
+
+1. lets go of rows whose caller went away (a closed stream, a cancelled task);
+2. admits waiting tickets, first come first served, while the running rows (``max_running``),
+   the step's prefill budget (``max_step_tokens``) and the KV buffers' memory budget allow, and
+   prefills them: together in one pass, sharing the module KV they import alike, or, for a
+   prompt longer than the budget while others decode, one chunk per iteration, so a long prompt
+   never stalls the running rows for more than one budget;
+3. merges the newly prefilled rows into the running batch (:meth:`RunningBatch.combine`: one
+   buffer, one forward pass per step for every row), dropping finished rows on the way;
+4. takes every row's next token and hands each caller its text; a finished row's caller gets
+   its result at once, and its slot is free for the next admission;
+5. runs one decode step for every row still going.
+
+Models whose attention cannot take per-row masks (ALiBi, learned positions, flash/flex
+attention) are served one request at a time by the same loop. An exception in a step fails the
+requests of that step and nothing else; the loop lives on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import PromptCacheError, QueueFull
+from .generate import RunningBatch, prefill_chunks
+from .generation import Generation, RequestState
+from .kvcache import BufferPool, batch_capacity
+from .layout import Plan
+from .model import ModelSpec
+from .rows import Prefilled
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING = 16
+DEFAULT_MAX_STEP_TOKENS = 512
+DEFAULT_MAX_QUEUED = 256
+IDLE_EXIT_S = 2.0  # the loop thread ends after this long with nothing to do
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the scheduler holds at once.
+
+    ``max_running``: rows decoding together (a ``generate_batch`` larger than this runs alone).
+    ``max_step_tokens``: tokens prefilled per iteration while other rows decode.
+    ``max_queued``: requests waiting for admission; past it a submission raises :class:`QueueFull`
+    at once, or after waiting ``queue_timeout_s`` for room when that is set.
+    ``buffer_budget``: bytes of KV buffers (running rows, rows being admitted, a merge's new
+    buffer) held at once; admission waits while a request would exceed it, and a request that
+    alone exceeds it is refused at submission. None: no bound.
+    """
+
+    max_running: int = DEFAULT_MAX_RUNNING
+    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
+    max_queued: int = DEFAULT_MAX_QUEUED
+    queue_timeout_s: float | None = None
+    buffer_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_step_tokens", "max_queued"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PromptCacheError(f"{name} must be an int >= 1, got {value!r}")
+        if self.queue_timeout_s is not None and not (isinstance(self.queue_timeout_s, (int, float)) and self.queue_timeout_s >= 0):
+            raise PromptCacheError(f"queue_timeout_s must be a number of seconds >= 0 or None, got {self.queue_timeout_s!r}")
+        if self.buffer_budget is not None and (isinstance(self.buffer_budget, bool) or not isinstance(self.buffer_budget, int)
+                                               or self.buffer_budget < 1):
+            raise PromptCacheError(f"buffer_budget must be a number of bytes >= 1 or None, got {self.buffer_budget!r}")
+
+
+class Ticket:
+    """One submission: its plans (a row each), their request states, and the events its caller reads.
+
+    Events are ``("text", str)`` (a single request's text as it is decoded), then ``("done",
+    result)`` or ``("error", exception)``.
+    """
+
+    def __init__(self, plans: Sequence[Plan], requests: Sequence[RequestState], *, use_cache: bool, share: bool,
+                 submitted: float, logits_only: bool = False) -> None:
+        self.plans, self.requests = list(plans), list(requests)
+        self.use_cache, self.share, self.logits_only = use_cache, share, logits_only
+        self.submitted = submitted
+        self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.cancelled = False  # set by the caller's side
+        self.closed = False  # set by the loop once the last event is out
+        self.results: list[Generation | None] = [None] * len(self.plans)
+        self.unfinished = len(self.plans)
+        self.listeners: list[Callable[[], None]] = []  # called after every event (an asyncio waiter's wake-up)
+        self.alone = logits_only  # admitted by itself (a prefill that failed in company is tried again alone)
+
+    @property
+    def rows(self) -> int:
+        return len(self.plans)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens its prefill computes."""
+        return sum(p.computed_tokens if self.use_cache else len(p.input_ids) for p in self.plans)
+
+    @property
+    def single(self) -> bool:
+        return len(self.plans) == 1
+
+    def emit(self, kind: str, payload: Any) -> None:
+        self.events.put((kind, payload))
+        for listener in self.listeners:
+            listener()
+
+    def finish(self, kind: str, payload: Any) -> None:
+        if not self.closed:
+            self.closed = True
+            self.emit(kind, payload)
+
+
+class AsyncStream:
+    """Async iterator over one submission's text; ``result`` (its Generation) once exhausted.
+
+    ``start`` plans and builds the ticket; it runs, with the submission, on a worker thread at
+    the first ``__anext__`` (planning may read a remote registry, and a full queue may make a
+    submission wait), so the event loop never blocks. Cancelling the task that awaits the stream,
+    or ``aclose()``, cancels the request: its row stops at the scheduler's next step.
+    """
+
+    def __init__(self, scheduler: "Scheduler", start: Callable[[], Ticket]) -> None:
+        self._scheduler, self._start = scheduler, start
+        self._ticket: Ticket | None = None
+        self._wake: asyncio.Event | None = None
+        self._over = False
+        self.result: Any = None
+
+    def __aiter__(self) -> "AsyncStream":
+        return self
+
+    def _submit(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> Ticket:
+        ticket = self._start()
+        ticket.listeners.append(lambda: loop.call_soon_threadsafe(wake.set))
+        return self._scheduler.submit(ticket)
+
+    async def __anext__(self) -> str:
+        if self._over:
+            raise StopAsyncIteration
+        try:
+            if self._ticket is None:
+                self._wake = asyncio.Event()
+                self._ticket = await asyncio.to_thread(self._submit, asyncio.get_running_loop(), self._wake)
+            assert self._wake is not None
+            while True:
+                try:
+                    kind, payload = self._ticket.events.get_nowait()
+                except queue.Empty:
+                    self._wake.clear()
+                    if self._ticket.events.empty():  # nothing slipped in between: sleep until the loop emits
+                        await self._wake.wait()
+                    continue
+                if kind == "text":
+                    return payload
+                self._over = True
+                if kind == "done":
+                    self.result = payload
+                    raise StopAsyncIteration
+                raise payload
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop now: the request's row is let go at the scheduler's next step."""
+        if not self._over:
+            self._over = True
+            if self._ticket is not None:
+                self._scheduler.cancel(self._ticket)
+
+
+@dataclass
+class _Chunked:
+    """A long prompt being prefilled one chunk per iteration."""
+
+    ticket: Ticket
+    assembled: Any  # pc_rag.assemble.Assembled: its rows and inputs
+    assembled_at: float
+    chunks: Generator[torch.Tensor | None, None, None]
+
+
+@dataclass
+class SchedulerStats:
+    """What the loop has done (read them through :meth:`Scheduler.stats`)."""
+
+    steps: int = 0  # decode steps
+    admitted: int = 0  # requests (rows) admitted
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    refused: int = 0  # submissions refused for a full queue or a budget they alone exceed
+    chunks: int = 0  # prefill chunks of long prompts
+    merges: int = 0  # running batches rebuilt to take rows in or let rows go
+    buffer_bytes_peak: int = 0
+    step_rows: list[int] = field(default_factory=list)  # rows of the last decode steps (a short window)
+
+
+_OPEN: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, every loop thread ends before the interpreter tears down (a daemon thread caught
+    inside torch at finalisation aborts the process: "terminate called without an active exception")."""
+    for scheduler in list(_OPEN):
+        scheduler.close(timeout=5.0)
+
+
+class Scheduler:
+    """Owns the model: every forward pass of a request runs on its loop thread (started on first use)."""
+
+    def __init__(self, *, spec: ModelSpec, buffers: BufferPool, kv_bytes_per_token: int, limits: Limits,
+                 prefill: Callable[[list[Plan], int, bool, bool], Prefilled],
+                 assemble: Callable[[list[Plan], int, bool, bool], tuple[Any, float] | None],
+                 serving: Callable[[], Any], observe_prefill: Callable[[int, float], None], forward: Any) -> None:
+        self.spec, self.buffers, self.limits = spec, buffers, limits
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self._prefill, self._assemble, self._serving, self._observe = prefill, assemble, serving, observe_prefill
+        self.forward = forward
+        self._cond = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._batch: RunningBatch | None = None
+        self._owners: list[tuple[Ticket, int]] = []  # row of the running batch -> (ticket, index in the ticket)
+        self._pooled: set[int] = set()  # ids of buffers that came from the pool (single-row prefills)
+        self._chunked: _Chunked | None = None
+        self._admitting: list[Ticket] = []  # taken from the queue, not yet running (failed with the step if it fails)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._stats = SchedulerStats()
+        _OPEN.add(self)
+
+    # -- the callers' side ------------------------------------------------------------------------
+    def submit(self, ticket: Ticket) -> Ticket:
+        """Queue ``ticket`` for admission; raises :class:`QueueFull` when ``max_queued`` tickets
+        wait (after ``queue_timeout_s`` for room, when set), and refuses a ticket that alone
+        would exceed the buffer budget."""
+        needed = self._bytes(ticket.rows, max(len(p.input_ids) + r.budget for p, r in zip(ticket.plans, ticket.requests)))
+        budget = self.limits.buffer_budget
+        if budget is not None and needed > budget:
+            with self._cond:
+                self._stats.refused += 1
+            raise PromptCacheError(f"this request needs {needed:,} bytes of KV buffers, more than the scheduler's "
+                                   f"buffer_budget of {budget:,}: shorten the prompt or max_new_tokens, or raise the budget")
+        with self._cond:
+            if self._closed:
+                raise PromptCacheError("this engine's scheduler is closed")
+            deadline = None if self.limits.queue_timeout_s is None else time.monotonic() + self.limits.queue_timeout_s
+            while len(self._waiting) >= self.limits.max_queued:
+                left = 0.0 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    self._stats.refused += 1
+                    raise QueueFull(f"the request queue is full ({self.limits.max_queued} requests waiting: max_queued); "
+                                    "retry later" + ("" if deadline is None else f" (waited {self.limits.queue_timeout_s} s)"))
+                self._cond.wait(left)
+            self._waiting.append(ticket)
+            self._start()
+            self._cond.notify_all()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The caller went away: its rows stop at the next step, or it leaves the queue."""
+        with self._cond:
+            ticket.cancelled = True
+            self._cond.notify_all()
+
+    def wait(self, ticket: Ticket) -> Generator[str, None, Any]:
+        """The caller's side: yields a single request's text as it comes, returns the result
+        (a list for several rows); leaving early (closing the generator) cancels the ticket."""
+        over = False
+        try:
+            while True:
+                kind, payload = ticket.events.get()
+                if kind == "text":
+                    yield payload
+                elif kind == "done":
+                    over = True
+                    return payload
+                else:
+                    over = True
+                    raise payload
+        finally:
+            if not over:
+                self.cancel(ticket)
+
+    def stats(self) -> dict[str, Any]:
+        """Queue depth, running rows and counters (a snapshot)."""
+        with self._cond:
+            s = self._stats
+            return {"queued": len(self._waiting), "running": self.running, "steps": s.steps, "admitted": s.admitted,
+                    "finished": s.finished, "cancelled": s.cancelled, "failed": s.failed, "refused": s.refused,
+                    "chunks": s.chunks, "merges": s.merges, "buffer_bytes_peak": s.buffer_bytes_peak,
+                    "buffer_bytes": self._held_bytes()}
+
+    @property
+    def running(self) -> int:
+        """Rows decoding now (not finished, not cancelled), and a long prompt being prefilled."""
+        batch = self._batch
+        live = 0 if batch is None else sum(1 for request in batch.requests if not request.done)
+        return live + (self._chunked.ticket.rows if self._chunked is not None else 0)
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop the loop once what it holds is served; later submissions are refused."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _start(self) -> None:
+        """(Under the lock.) A loop thread, unless one is running."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="pc-rag-scheduler", daemon=True)
+            self._thread.start()
+
+    def _busy(self) -> bool:
+        return bool(self._waiting) or self._batch is not None or self._chunked is not None
+
+    def _loop(self) -> None:
+        with ExitStack() as serving:
+            held = False  # inside the background encoder's serving(): documents wait while requests are served
+            while True:
+                with self._cond:
+                    if not self._busy():
+                        serving.close()  # background encoding may run while nothing is served
+                        held = False
+                        if not self._closed:
+                            self._cond.wait(IDLE_EXIT_S)
+                        if not self._busy():
+                            # idle: the thread ends (the next submission starts one), so an engine
+                            # nobody uses any more is not kept alive by its loop
+                            self._thread = None
+                            return
+                    if not held:
+                        serving.enter_context(self._serving())
+                        held = True
+                try:
+                    self._iteration()
+                except Exception as err:  # noqa: BLE001 - the loop outlives any request's failure
+                    logger.exception("scheduler step failed; failing the requests it was serving")
+                    self._fail_running(err)
+
+    def _iteration(self) -> None:
+        self._let_go_of_cancelled()
+        fresh = self._admit()
+        batch = self._batch
+        dead = 0 if batch is None else sum(1 for request in batch.requests if request.done)
+        if fresh is not None:
+            self._merge(*fresh)
+        elif batch is not None and dead and 2 * dead >= batch.batch and self._compaction_fits(batch):
+            self._merge(None, [])  # half the rows feed placeholders: rebuild without them
+        self._admitting = []
+        batch = self._batch
+        if batch is None:
+            return
+        deltas, owners = batch.take(), self._owners
+        if batch.finished:  # the buffer goes back before the callers hear they are done
+            self._drop_batch()
+        self._hand_out(batch, deltas, owners)
+        if batch.finished:
+            return
+        batch.feed()
+        with self._cond:
+            self._stats.steps += 1
+            self._stats.step_rows = (self._stats.step_rows + [batch.batch])[-64:]
+
+    # -- admission ---------------------------------------------------------------------------
+    def _admit(self) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:
+        """Prefill what may start now: a chunk of a long prompt in progress, or the next tickets."""
+        if self._chunked is not None:
+            return self._next_chunk()
+        cohort = self._choose()
+        if not cohort:
+            return None
+        self._admitting = cohort
+        with self._cond:
+            self._stats.admitted += sum(t.rows for t in cohort)
+        now = time.perf_counter()
+        for ticket in cohort:
+            for request in ticket.requests:
+                request.stats.queue_s = now - ticket.submitted
+                request.prefill_started = now
+        plans = [plan for ticket in cohort for plan in ticket.plans]
+        requests = [request for ticket in cohort for request in ticket.requests]
+        owners = [(ticket, index) for ticket in cohort for index in range(ticket.rows)]
+        first = cohort[0]
+        new_tokens = max(request.budget for request in requests)
+        long = first.tokens > self.limits.max_step_tokens and len(cohort) == 1 and first.rows == 1
+        if long and self._batch is not None and not first.logits_only:
+            try:
+                plain = self._assemble(plans, new_tokens, first.use_cache, first.share)
+            except Exception as err:  # noqa: BLE001
+                self._fail_cohort(cohort, err)
+                return None
+            if plain is not None:  # the plain path (no scored recovery): chunks of the budget
+                assembled, assembled_at = plain
+                self._pooled.add(id(assembled.rows.buffer))  # one row: the pool's
+                self._chunked = _Chunked(first, assembled, assembled_at, prefill_chunks(
+                    self.forward, assembled.rows, assembled.inputs, self.spec, self.limits.max_step_tokens))
+                self._track()
+                return self._next_chunk()
+        try:
+            prefilled = self._prefill(plans, new_tokens, first.use_cache, first.share and len(plans) > 1)
+        except Exception as err:  # noqa: BLE001
+            self._fail_cohort(cohort, err)
+            return None
+        return self._prefilled(prefilled, requests, owners)
+
+    def _next_chunk(self) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:
+        chunked = self._chunked
+        assert chunked is not None
+        ticket = chunked.ticket
+        if ticket.cancelled:
+            self._chunked = None
+            self._release(chunked.assembled.rows.buffer)
+            self._cancelled(ticket)
+            return None
+        try:
+            logits = next(chunked.chunks)
+        except Exception as err:  # noqa: BLE001
+            self._chunked = None
+            self._release(chunked.assembled.rows.buffer)
+            self._fail_cohort([ticket], err)
+            return None
+        with self._cond:
+            self._stats.chunks += 1
+        if logits is None:
+            return None
+        self._chunked = None
+        prefilled = Prefilled(chunked.assembled.rows, logits, chunked.assembled.order, chunked.assembled_at)
+        return self._prefilled(prefilled, ticket.requests, [(ticket, 0)])
+
+    def _prefilled(self, prefilled: Prefilled, requests: list[RequestState], owners: list[tuple[Ticket, int]]
+                   ) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:
+        rows, order = prefilled.rows, prefilled.order
+        if rows.batch == 1:
+            self._pooled.add(id(rows.buffer))
+        # the prefill rate the load-or-compute choice weighs fetches against (pc_rag.costs)
+        self._observe(sum(requests[i].stats.computed_tokens for i in order), time.perf_counter() - prefilled.assembled_at)
+        requests = [requests[i] for i in order]
+        owners = [owners[i] for i in order]
+        for request, recomputed in zip(requests, prefilled.recomputed or [0] * len(requests)):
+            request.stats.assemble_s = prefilled.assembled_at - request.started
+            request.stats.cached_tokens -= recomputed
+            request.stats.computed_tokens += recomputed
+        if owners[0][0].logits_only:
+            (ticket, _), = owners
+            self._release(rows.buffer)
+            ticket.finish("done", prefilled.logits[0])
+            self._count_finished(1)
+            return None
+        self._track(rows.buffer.storage.nbytes)
+        return RunningBatch(self.forward, rows, requests, prefilled.logits, self.spec), owners
+
+    def _choose(self) -> list[Ticket]:
+        """The next tickets to admit, first come first served (a ticket that does not fit stops
+        the choice: a long prompt is never passed over by a stream of short ones)."""
+        limits = self.limits
+        with self._cond:
+            while self._waiting and self._waiting[0].cancelled:
+                self._cancelled(self._waiting.popleft())
+            running = self.running
+            cohort: list[Ticket] = []
+            rows = tokens = 0
+            for ticket in self._waiting:
+                if ticket.cancelled:
+                    break
+                if cohort and (ticket.use_cache, ticket.share) != (cohort[0].use_cache, cohort[0].share):
+                    break
+                if cohort and (ticket.alone or cohort[0].alone):
+                    break
+                alone = not cohort and running == 0
+                if not self.spec.one_pass and (running or cohort or ticket.rows > 1):
+                    break  # attention that reads cache order: one request at a time
+                if not alone and running + rows + ticket.rows > limits.max_running:
+                    break
+                if cohort and tokens + ticket.tokens > limits.max_step_tokens:
+                    break
+                if not alone and not self._fits(cohort + [ticket]):
+                    break
+                cohort.append(ticket)
+                rows += ticket.rows
+                tokens += ticket.tokens
+            for _ in cohort:
+                self._waiting.popleft()
+            if cohort:
+                self._cond.notify_all()  # room in the queue
+            return cohort
+
+    # -- memory ------------------------------------------------------------------------------
+    def _bytes(self, rows: int, entries: int) -> int:
+        """A buffer's bytes: a batch's is rounded to the batch granularity, one row's comes from
+        the pool, rounded to its granularity."""
+        if rows == 1:
+            granularity = self.buffers.granularity
+            return -(-entries // granularity) * granularity * self.kv_bytes_per_token
+        return rows * batch_capacity(entries) * self.kv_bytes_per_token
+
+    def _held_bytes(self) -> int:
+        held = 0 if self._batch is None else self._batch.rows.buffer.storage.nbytes
+        if self._chunked is not None:
+            held += self._chunked.assembled.rows.buffer.storage.nbytes
+        return held
+
+    def _fits(self, cohort: list[Ticket]) -> bool:
+        """Whether admitting ``cohort`` keeps the buffers within the budget: the running batch's,
+        the cohort's own and (both held while it is built) the merged batch's."""
+        budget = self.limits.buffer_budget
+        if budget is None:
+            return True
+        plans = [(p, r) for t in cohort for p, r in zip(t.plans, t.requests)]
+        own = self._bytes(len(plans), max(len(p.input_ids) + r.budget for p, r in plans))
+        batch = self._batch
+        if batch is None:
+            return own <= budget
+        live = [r for r in batch.requests if not r.done]
+        length = max(batch.length, max(len(p.input_ids) for p, _ in plans))
+        steps = max([r.budget - r.steps for r in live] + [r.budget for _, r in plans])
+        merged = self._bytes(len(live) + len(plans), length + steps)
+        return self._held_bytes() + own + merged <= budget
+
+    def _compaction_fits(self, batch: RunningBatch) -> bool:
+        """Whether the running batch rebuilt without its finished rows fits beside it in the budget."""
+        if self.limits.buffer_budget is None:
+            return True
+        live = [r for r in batch.requests if not r.done]
+        steps = max((r.budget - r.steps for r in live), default=0)
+        return self._held_bytes() + self._bytes(len(live), batch.length + steps) <= self.limits.buffer_budget
+
+    def _track(self, extra: int = 0) -> None:
+        with self._cond:
+            self._stats.buffer_bytes_peak = max(self._stats.buffer_bytes_peak, self._held_bytes() + extra)
+
+    def _release(self, buffer: Any) -> None:
+        if id(buffer) in self._pooled:
+            self._pooled.discard(id(buffer))
+            self.buffers.release(buffer)
+
+    # -- the running batch -------------------------------------------------------------------
+    def _merge(self, fresh: RunningBatch | None, owners: list[tuple[Ticket, int]]) -> None:
+        """The running batch's live rows and ``fresh``'s rows as one batch."""
+        batch = self._batch
+        if batch is None:
+            assert fresh is not None
+            self._batch, self._owners = fresh, owners
+            return
+        keep = [row for row, request in enumerate(batch.requests) if not request.done]
+        sources: list[tuple[RunningBatch, Sequence[int]]] = [(batch, keep)] if keep else []
+        if fresh is not None:
+            sources.append((fresh, range(fresh.batch)))
+        if not sources:
+            self._drop_batch()
+            return
+        if len(sources) == 1 and fresh is not None:
+            merged = fresh
+        else:
+            merged = RunningBatch.combine(sources)
+            self._track(merged.rows.buffer.storage.nbytes + (fresh.rows.buffer.storage.nbytes if fresh else 0))
+            with self._cond:
+                self._stats.merges += 1
+        self._release(batch.rows.buffer)
+        if fresh is not None and merged is not fresh:
+            self._release(fresh.rows.buffer)
+        self._owners = [self._owners[row] for row in keep] + owners
+        self._batch = merged
+
+    def _drop_batch(self) -> None:
+        if self._batch is not None:
+            self._release(self._batch.rows.buffer)
+        self._batch, self._owners = None, []
+
+    def _hand_out(self, batch: RunningBatch, deltas: list[str], owners: list[tuple[Ticket, int]]) -> None:
+        """Each row's new text to its caller; a finished row's result at once."""
+        finished = 0
+        for row, (request, delta) in enumerate(zip(batch.requests, deltas)):
+            ticket, index = owners[row]
+            if ticket.closed:
+                continue
+            if delta and ticket.single:
+                ticket.emit("text", delta)
+            if batch.alive[row] and batch.fed[row] is None:  # finished at this step (alive: before it)
+                tail, result = request.close()
+                if ticket.cancelled:
+                    result.finish_reason = "cancelled"
+                if tail and ticket.single:
+                    ticket.emit("text", tail)
+                ticket.results[index] = result
+                ticket.unfinished -= 1
+                finished += 1
+                if ticket.unfinished == 0:
+                    ticket.finish("done", result if ticket.single else list(ticket.results))
+        self._count_finished(finished)
+
+    def _let_go_of_cancelled(self) -> None:
+        """Rows whose caller went away stop now (they feed placeholders until the next rebuild)."""
+        batch = self._batch
+        if batch is None:
+            return
+        for row, request in enumerate(batch.requests):
+            ticket, _ = self._owners[row]
+            if ticket.cancelled and not request.done:
+                request.done = True
+                if not ticket.closed:
+                    self._cancelled(ticket)
+
+    # -- endings -----------------------------------------------------------------------------
+    def _count_finished(self, count: int) -> None:
+        if count:
+            with self._cond:
+                self._stats.finished += count
+
+    def _cancelled(self, ticket: Ticket) -> None:
+        with self._cond:
+            self._stats.cancelled += 1
+        ticket.finish("error", PromptCacheError("the request was cancelled"))
+
+    def _fail_cohort(self, cohort: Sequence[Ticket], err: Exception) -> None:
+        """A prefill failed: with several tickets, each is tried again alone, so only the one that
+        fails is failed; a lone ticket gets the error."""
+        if len(cohort) > 1:
+            logger.warning("a batched prefill failed (%s); admitting its %d requests one by one", err, len(cohort))
+            with self._cond:
+                self._waiting.extendleft(reversed(cohort))
+                for ticket in cohort:
+                    ticket.alone = True
+            return
+        with self._cond:
+            self._stats.failed += cohort[0].rows
+        cohort[0].finish("error", err)
+
+    def _fail_running(self, err: Exception) -> None:
+        tickets = {id(t): t for t, _ in self._owners}
+        tickets.update((id(t), t) for t in self._admitting)
+        self._admitting = []
+        if self._chunked is not None:
+            tickets[id(self._chunked.ticket)] = self._chunked.ticket
+            self._release(self._chunked.assembled.rows.buffer)
+            self._chunked = None
+        self._drop_batch()
+        with self._cond:
+            self._stats.failed += sum(t.rows for t in tickets.values() if not t.closed)
+        for ticket in tickets.values():
+            ticket.finish("error", PromptCacheError(f"the step serving this request failed: {err}"))
+
+

@@ -1,0 +1,275 @@
+"""The scheduler (pc_rag.scheduler): many callers at once, each seeing a lone call.
+
+One loop owns the model; threads and asyncio tasks submit and wait. These tests hold it to the
+promise: outputs equal lone calls whatever else runs, rows are really batched, a late arrival is
+served before the long runners finish, callers that leave free their rows, one request's failure
+touches no other, and the queue and memory bounds answer as documented.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pc_rag import PromptCacheError, QueueFull, build_prompt
+from pc_rag.tools import call_schema
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+          "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                                                          "required": ["city"], "additionalProperties": False}}}]
+
+
+@pytest.fixture
+def engine(make_engine):
+    engine = make_engine("llama")
+    docs = [f"Harbour {i} handles {i * 11} ships a day and lies {i * 3} km from the old town." for i in range(12)]
+    engine.names = engine.add_documents(docs, progress=False)  # type: ignore[attr-defined]
+    return engine
+
+
+def mixed_requests(engine) -> list[tuple[str, dict]]:
+    """Greedy, sampled (seeded), JSON-constrained, forced tool call and stop-string requests over shared documents."""
+    names = engine.names
+    out: list[tuple[str, dict]] = []
+    for i in range(16):
+        prompt = build_prompt(f"How many ships at harbour {i % 12}?", names[i % 6 : i % 6 + 3])
+        kind = i % 5
+        if kind == 0:
+            out.append((prompt, {"max_new_tokens": 10 + i}))
+        elif kind == 1:
+            out.append((prompt, {"max_new_tokens": 8, "temperature": 0.9, "top_p": 0.95, "seed": i}))
+        elif kind == 2:
+            out.append((prompt, {"max_new_tokens": 60, "json_schema": SCHEMA}))
+        elif kind == 3:
+            out.append((prompt, {"max_new_tokens": 60, "json_schema": call_schema(TOOLS, "get_weather")}))
+        else:
+            out.append((prompt, {"max_new_tokens": 12, "stop": ["e"]}))
+    return out
+
+
+def check_same(got, want, kwargs):
+    assert got.token_ids == want.token_ids and got.text == want.text and got.finish_reason == want.finish_reason
+    assert (got.stats.cached_tokens, got.stats.computed_tokens, got.stats.modules) == \
+        (want.stats.cached_tokens, want.stats.computed_tokens, want.stats.modules)
+    if "json_schema" in kwargs:
+        json.loads(got.text)  # constrained output parses
+    assert got.stats.queue_s >= 0 and got.stats.ttft_s >= got.stats.queue_s
+
+
+def test_16_threads_of_mixed_requests_each_see_a_lone_call(engine):
+    requests = mixed_requests(engine)
+    alone = [engine.generate(p, **kw) for p, kw in requests]
+    steps_before = engine.scheduler.stats()["steps"]
+    start = threading.Barrier(len(requests))
+
+    def call(item):
+        prompt, kwargs = item
+        start.wait()  # all at once
+        return engine.generate(prompt, **kwargs)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(call, requests))
+    for got, want, (_, kwargs) in zip(together, alone, requests):
+        check_same(got, want, kwargs)
+    stats = engine.scheduler.stats()
+    # batched: far fewer decode steps than the lone calls' tokens, and steps with many rows
+    assert stats["steps"] - steps_before < sum(len(r.token_ids) for r in alone) / 2
+    assert max(engine.scheduler._stats.step_rows) >= 4
+    assert stats["running"] == 0 and stats["buffer_bytes"] == 0
+
+
+async def test_16_asyncio_tasks_of_mixed_requests_each_see_a_lone_call(engine):
+    requests = mixed_requests(engine)
+    alone = [engine.generate(p, **kw) for p, kw in requests]
+    together = await asyncio.wait_for(asyncio.gather(*(engine.agenerate(p, **kw) for p, kw in requests)), timeout=300)
+    for got, want, (_, kwargs) in zip(together, alone, requests):
+        check_same(got, want, kwargs)
+    pieces = [piece async for piece in engine.astream(requests[0][0], **requests[0][1])]
+    assert "".join(pieces) == alone[0].text
+
+
+def test_generate_batch_and_next_token_logits_go_through_the_same_loop(engine):
+    prompts = [p for p, _ in mixed_requests(engine)[:6]]
+    lone = [engine.generate(p, max_new_tokens=8) for p in prompts]
+    with ThreadPoolExecutor(3) as pool:
+        batch = pool.submit(engine.generate_batch, prompts, max_new_tokens=8)
+        logits = pool.submit(engine.next_token_logits, prompts[0])
+        single = pool.submit(engine.generate, prompts[1], max_new_tokens=8)
+        assert [r.token_ids for r in batch.result()] == [r.token_ids for r in lone]
+        assert int(logits.result().argmax()) == lone[0].token_ids[0]
+        assert single.result().token_ids == lone[1].token_ids
+
+
+def test_a_late_arrival_gets_its_answer_before_the_long_runners_finish(engine):
+    engine.stop_token_ids.clear()  # the long runners run their whole budget
+    names = engine.names
+    finished: list[str] = []
+    started = threading.Barrier(5)
+
+    def long(i):
+        stream = engine.stream(build_prompt(f"Tell me about harbour {i}.", names[i : i + 2]), max_new_tokens=300)
+        next(stream)
+        started.wait()
+        for _ in stream:
+            pass
+        finished.append(f"long-{i}")
+        return stream.result
+
+    with ThreadPoolExecutor(4) as pool:
+        runners = [pool.submit(long, i) for i in range(4)]
+        started.wait()  # every long runner is decoding
+        late = engine.generate(build_prompt("Which harbour is closest?", names[5:7]), max_new_tokens=4)
+        finished.append("late")
+        results = [r.result() for r in runners]
+    assert finished[0] == "late", finished
+    assert late.stats.generated_tokens == 4 and all(r.stats.generated_tokens == 300 for r in results)
+    alone = engine.generate(build_prompt("Which harbour is closest?", names[5:7]), max_new_tokens=4)
+    assert late.token_ids == alone.token_ids
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(make_engine):
+    engine = make_engine("llama", max_step_tokens=64)
+    engine.stop_token_ids.clear()
+    long_prompt = "A long question. " + " ".join(f"word{i}" for i in range(120)) + " What is it?"
+    alone = engine.generate(long_prompt, max_new_tokens=5)
+    ready = threading.Event()
+
+    def runner():
+        stream = engine.stream("A short prompt that keeps decoding.", max_new_tokens=400)
+        next(stream)
+        ready.set()
+        return "".join(stream)
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(runner)
+        ready.wait()
+        chunks_before = engine.scheduler.stats()["chunks"]
+        chunked = engine.generate(long_prompt, max_new_tokens=5)
+        running.result()
+    assert engine.scheduler.stats()["chunks"] - chunks_before >= alone.stats.computed_tokens // 64
+    assert chunked.token_ids == alone.token_ids
+
+
+def test_an_abandoned_stream_frees_its_row_at_the_next_step(engine):
+    engine.stop_token_ids.clear()
+    names = engine.names
+    keeper = engine.stream(build_prompt("Keep going.", names[:2]), max_new_tokens=400)
+    leaver = engine.stream(build_prompt("Stop soon.", names[2:4]), max_new_tokens=400)
+    next(keeper), next(leaver)
+    assert engine.scheduler.running == 2
+    leaver.close()
+    for _ in range(3):  # the keeper's next pieces come from steps after the close
+        next(keeper)
+    assert engine.scheduler.running == 1
+    assert engine.scheduler.stats()["cancelled"] >= 1
+    keeper.close()
+
+
+async def test_a_cancelled_task_frees_its_row(engine):
+    engine.stop_token_ids.clear()
+    names = engine.names
+    first_piece = asyncio.Event()
+
+    async def leaver():
+        async for _ in engine.astream(build_prompt("Stop soon.", names[2:4]), max_new_tokens=400):
+            first_piece.set()
+
+    task = asyncio.create_task(leaver())
+    keeper = engine.astream(build_prompt("Keep going.", names[:2]), max_new_tokens=400)
+    await keeper.__anext__()
+    await asyncio.wait_for(first_piece.wait(), timeout=60)
+    assert engine.scheduler.running == 2
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(3):
+        await keeper.__anext__()
+    assert engine.scheduler.running == 1
+    await keeper.aclose()
+
+
+def test_a_failing_request_leaves_the_others_unchanged(engine):
+    """A module whose stored KV is gone and cannot be encoded again fails at prefill, inside the
+    loop; the requests batched with it are prefilled again without it and answer as alone.
+
+    The fault is injected (the encoder refuses that one entry): every real tier degrades to
+    computing instead of failing, by design, so a real part offers no failure to provoke."""
+    names = engine.names
+    good = [build_prompt(f"How far is harbour {i}?", names[i : i + 2]) for i in range(4)]
+    alone = [engine.generate(p, max_new_tokens=6) for p in good]
+    bad = build_prompt("And this one?", [names[10]])
+    plan = engine.plan(bad)
+    # the store loses the document's KV and its encoder cannot run it: the next fetch fails
+    key = next(s.key for s in plan.segments if s.owner == names[10])
+    engine.store._memory.pop(key, None)
+    original = engine.encoder.fetch
+
+    def broken(schema, name, wanted):
+        if wanted == key:
+            raise RuntimeError("the document's KV cannot be rebuilt")
+        return original(schema, name, wanted)
+
+    engine.encoder.fetch = broken
+    start = threading.Barrier(5)
+
+    def call(prompt):
+        start.wait()
+        return engine.generate(prompt, max_new_tokens=6)
+
+    with ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(call, p) for p in [*good[:2], bad, *good[2:]]]
+        outcomes = []
+        for future in futures:
+            try:
+                outcomes.append(future.result())
+            except Exception as err:  # noqa: BLE001
+                outcomes.append(err)
+    assert isinstance(outcomes[2], Exception) and "cannot be rebuilt" in str(outcomes[2]), outcomes
+    assert [getattr(o, "token_ids", o) for o in outcomes[:2] + outcomes[3:]] == [r.token_ids for r in alone]
+    engine.encoder.fetch = original
+    assert engine.generate(good[0], max_new_tokens=6).token_ids == alone[0].token_ids  # the loop lives on
+
+
+def test_the_queue_bound_answers_with_the_typed_error(make_engine):
+    engine = make_engine("llama", max_running=1, max_queued=2)
+    engine.stop_token_ids.clear()
+    blocker = engine.stream("Keep the only row busy.", max_new_tokens=400)
+    next(blocker)
+    waiting = [engine.stream(f"Queued {i}.", max_new_tokens=2) for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        queued = [pool.submit(lambda s: "".join(s), s) for s in waiting]
+        while engine.scheduler.stats()["queued"] < 2:  # both submitted (a wait for an event, not a timing)
+            threading.Event().wait(0.005)
+        with pytest.raises(QueueFull, match="max_queued"):
+            engine.generate("One too many.", max_new_tokens=2)
+        assert isinstance(QueueFull("x"), PromptCacheError)
+        blocker.close()
+        assert all(isinstance(q.result(), str) for q in queued)  # the queued ones are served, none lost
+    assert engine.scheduler.stats()["refused"] == 1
+
+
+def test_200_requests_under_a_buffer_budget_stay_within_it(make_engine):
+    budget = 2 * 1024 * 1024  # the tiny model's KV is 512 bytes a token: a few rows of 256 entries at once
+    engine = make_engine("llama", buffer_budget=budget, max_queued=256)
+    names = engine.add_documents([f"Fact {i}: the value of item {i} is {i * i}." for i in range(20)], progress=False)
+    prompts = [build_prompt(f"Value of item {i % 20}?", names[i % 20 : i % 20 + 2]) for i in range(200)]
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda p: engine.generate(p, max_new_tokens=8), prompts))
+    assert len(results) == 200 and all(r.stats.generated_tokens > 0 for r in results)
+    stats = engine.scheduler.stats()
+    assert 0 < stats["buffer_bytes_peak"] <= budget
+    assert stats["finished"] >= 200
+    with pytest.raises(PromptCacheError, match="buffer_budget"):
+        engine.generate_batch(prompts[:20], max_new_tokens=8)  # alone more than the budget: refused at submission
+
+
+def test_limits_are_checked(make_engine):
+    for bad in ({"max_running": 0}, {"max_step_tokens": -1}, {"max_queued": 1.5}, {"queue_timeout_s": -1}, {"buffer_budget": 0}):
+        with pytest.raises(PromptCacheError, match=next(iter(bad))):
+            make_engine("llama", **bad)
