@@ -139,7 +139,8 @@ class Serving:
         params = sampling_params(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                      stop=stop, seed=seed, **generation), self.generation_config)
         plans = self._prepare([prompt], use_cache, planner.scope(collections))
-        return StreamingGeneration(self._run(plans, params, use_cache, started, share=False))
+        # share: admitted with other callers' rows, it shares the module KV they import alike
+        return StreamingGeneration(self._run(plans, params, use_cache, started, share=self.spec.split))
 
     async def agenerate(self, prompt: str, **kwargs: Any) -> Generation:
         """:meth:`generate` for asyncio (the same keywords): the event loop never waits on a
@@ -163,7 +164,7 @@ class Serving:
         scope = planner.scope(collections)
 
         def start() -> Ticket:
-            return self._ticket(self._prepare([prompt], use_cache, scope), params, use_cache, started, share=False)
+            return self._ticket(self._prepare([prompt], use_cache, scope), params, use_cache, started, share=self.spec.split)
 
         return AsyncStream(self.scheduler, start)
 

@@ -226,11 +226,15 @@ class PromptCacheLLM(_EngineParams, BaseLLM):
                 chunks = list(self._stream(prompt, stop, run_manager, **kwargs))
                 text = "".join(c.text for c in chunks)
                 generations.append([Generation(text=text, generation_info=chunks[-1].generation_info)])
-        else:
-            # several prompts (LLM.batch / generate) decode together: one forward pass per step for all
-            texts = [as_prompt(p, self.pml) for p in prompts]
-            results = self.engine.generate_batch(texts, **self._engine_kwargs(stop, kwargs))
-            generations = [[Generation(text=r.text, generation_info=generation_info(r, self.engine))] for r in results]
+            return self._result(generations)
+        # several prompts (LLM.batch / generate) decode together: one forward pass per step for all
+        texts = [as_prompt(p, self.pml) for p in prompts]
+        return self._results(self.engine.generate_batch(texts, **self._engine_kwargs(stop, kwargs)))
+
+    def _results(self, results: list[EngineGeneration]) -> LLMResult:
+        return self._result([[Generation(text=r.text, generation_info=generation_info(r, self.engine))] for r in results])
+
+    def _result(self, generations: list[list[Generation]]) -> LLMResult:
         usage = _token_usage([g[0].generation_info or {} for g in generations])
         return LLMResult(generations=generations, llm_output={"model_name": self.model_name, "token_usage": usage})
 
@@ -257,15 +261,17 @@ class PromptCacheLLM(_EngineParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        """:meth:`_generate` on a worker thread: the event loop never waits on a forward pass."""
+        """:meth:`_generate` for asyncio: each prompt waits on the engine's scheduler
+        (``engine.agenerate``), so the event loop never waits on a forward pass, concurrent calls
+        are batched, and a cancelled call frees its rows."""
         if self.streaming:
             generations: list[list[Generation]] = []
             for prompt in prompts:
                 chunks = [chunk async for chunk in self._astream(prompt, stop, run_manager, **kwargs)]
                 generations.append([Generation(text="".join(c.text for c in chunks), generation_info=chunks[-1].generation_info)])
-            usage = _token_usage([g[0].generation_info or {} for g in generations])
-            return LLMResult(generations=generations, llm_output={"model_name": self.model_name, "token_usage": usage})
-        return await asyncio.to_thread(self._generate, prompts, stop, None, **kwargs)
+            return self._result(generations)
+        params = self._engine_kwargs(stop, kwargs)
+        return self._results(list(await asyncio.gather(*(self.engine.agenerate(as_prompt(p, self.pml), **params) for p in prompts))))
 
     async def _astream(
         self,
@@ -521,11 +527,17 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        """:meth:`_generate` on a worker thread: the event loop never waits on a forward pass."""
+        """:meth:`_generate` for asyncio: the request waits on the engine's scheduler
+        (``engine.agenerate``), so the event loop never waits on a forward pass, concurrent
+        calls are batched, and a cancelled call frees its row."""
         if self.streaming:
             chunks = [chunk async for chunk in self._astream(messages, stop, run_manager, **kwargs)]
             return _chat_result(chunks)
-        return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
+        prompt, params, tools = self._request(messages, stop, kwargs)
+        result = await self.engine.agenerate(prompt, **params)
+        check_document(result, self.engine, params)
+        message = _ai_message(result, self.engine, tools)
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=dict(message.response_metadata))])
 
     async def _astream(
         self,
