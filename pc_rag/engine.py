@@ -1,8 +1,9 @@
 """``PromptCache``: the one object users hold. It wires the parts and holds no algorithm.
 
     prompt -> planner.plan(snapshot) -> Plan -> recovery.recover (head, tail) -> planner.admit
-           -> recovery.prefill_plans: Assembler.assemble(store) [+ APE] -> generate.prefill
-              [or the scored passes, pc_rag.scored] -> generate.decode -> Generation
+           -> Scheduler.submit ... [its loop] recovery.prefill_plans: Assembler.assemble(store) [+ APE]
+              -> generate.prefill [or the scored passes, pc_rag.scored]
+              -> generate.RunningBatch (with other callers' rows) -> Generation
 
 The public API's halves live in :mod:`pc_rag.registration` (schemas, documents, the shared
 registry) and :mod:`pc_rag.serving` (the request above); this module builds the parts.
