@@ -18,7 +18,11 @@ Part ``overhead`` (a tiny random Llama, whose forward pass costs almost nothing)
 decode steps through the scheduler against the bare decode loop (``generate.decode``) over the
 same prefilled rows: the time the scheduler adds per step.
 
+Part ``arrivals``: requests arriving as a Poisson process at ``--rates``; the sustainable rate
+(p95 latency within ``--p95-bound``) of the scheduler and of one-at-a-time serving.
+
     python benchmarks/serving.py concurrency --callers 1 4 8 --repeats 3
+    python benchmarks/serving.py arrivals
     python benchmarks/serving.py overhead
 Writes ``benchmarks/results/serving_<part>.json`` and prints a markdown table.
 """
@@ -140,6 +144,52 @@ def concurrency(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def arrivals(args: argparse.Namespace) -> dict[str, Any]:
+    """Requests arriving as a Poisson process at increasing rates: p95 latency (arrival to last
+    token) per rate, for the scheduler and for one-at-a-time serving (a lock around ``generate``:
+    each request waits for the one before it, as a server without batching serves them); the
+    sustainable rate is the highest whose p95 latency stays within ``--p95-bound``."""
+    import random
+
+    engine = PromptCache.from_pretrained()
+    engine.stop_token_ids.clear()
+    pool = records(args.data, args.skip, args.requests, args.passages)
+    prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
+    serve(engine, "sequential", prompts[:2], 4)  # warm-up
+    one_at_a_time = threading.Lock()
+    report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"),
+                              "settings": vars(args) | {"data": str(args.data)}, "modes": {}}
+    for mode in ("scheduler", "one at a time"):
+        rows = []
+        for rate in args.rates:
+            clock = random.Random(args.seed)
+            at, offsets = 0.0, []
+            for _ in prompts:
+                at += clock.expovariate(rate)
+                offsets.append(at)
+            start = time.perf_counter()
+
+            def call(item: tuple[float, str]) -> float:
+                offset, prompt = item
+                time.sleep(max(0.0, start + offset - time.perf_counter()))  # arrive on schedule
+                arrived = time.perf_counter()
+                if mode == "scheduler":
+                    engine.generate(prompt, max_new_tokens=args.new_tokens)
+                else:
+                    with one_at_a_time:
+                        engine.generate(prompt, max_new_tokens=args.new_tokens)
+                return time.perf_counter() - arrived
+
+            with ThreadPoolExecutor(len(prompts)) as workers:
+                latencies = sorted(workers.map(call, zip(offsets, prompts)))
+            p95 = latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))]
+            rows.append({"rate": rate, "p95_latency_s": p95, "mean_latency_s": statistics.mean(latencies)})
+            print(json.dumps({"mode": mode, **rows[-1]}), flush=True)
+        within = [r["rate"] for r in rows if r["p95_latency_s"] <= args.p95_bound]
+        report["modes"][mode] = {"rows": rows, "sustainable_rate": max(within, default=0.0)}
+    return report
+
+
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Per decode step: the scheduler's loop against the bare loop, on a tiny model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -188,7 +238,7 @@ def table(report: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("concurrency", "overhead"))
+    parser.add_argument("part", choices=("concurrency", "arrivals", "overhead"))
     parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
     parser.add_argument("--skip", type=int, default=100, help="HotpotQA-more records skipped (held out from development)")
     parser.add_argument("--passages", type=int, default=6)
@@ -198,10 +248,14 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="every prompt imports the same passages")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200, help="overhead: decode steps per request")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0], help="arrivals: requests/s")
+    parser.add_argument("--requests", type=int, default=16, help="arrivals: requests per rate")
+    parser.add_argument("--p95-bound", type=float, default=6.0, help="arrivals: the p95 latency a sustainable rate keeps (s)")
+    parser.add_argument("--seed", type=int, default=0, help="arrivals: the Poisson process's seed")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    report = concurrency(args) if args.part == "concurrency" else overhead(args)
+    report = {"concurrency": concurrency, "arrivals": arrivals, "overhead": overhead}[args.part](args)
     out = args.out or ROOT / f"benchmarks/results/serving_{args.part}{'_overlap' if args.overlap else ''}.json"
     out.write_text(json.dumps(report, indent=1))
     if args.part == "concurrency":
