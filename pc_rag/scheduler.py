@@ -116,6 +116,11 @@ class Ticket:
         return sum(p.computed_tokens if self.use_cache else len(p.input_ids) for p in self.plans)
 
     @property
+    def entries(self) -> int:
+        """Cache entries its longest row may need: the prompt and the answer's budget."""
+        return max(len(p.input_ids) + r.budget for p, r in zip(self.plans, self.requests))
+
+    @property
     def single(self) -> bool:
         return len(self.plans) == 1
 
@@ -212,7 +217,7 @@ class SchedulerStats:
     chunks: int = 0  # prefill chunks of long prompts
     merges: int = 0  # running batches rebuilt to take rows in or let rows go
     buffer_bytes_peak: int = 0
-    step_rows: list[int] = field(default_factory=list)  # rows of the last decode steps (a short window)
+    step_rows: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # rows of the last decode steps
 
 
 _OPEN: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
@@ -254,7 +259,7 @@ class Scheduler:
         """Queue ``ticket`` for admission; raises :class:`QueueFull` when ``max_queued`` tickets
         wait (after ``queue_timeout_s`` for room, when set), and refuses a ticket that alone
         would exceed the buffer budget."""
-        needed = self._bytes(ticket.rows, max(len(p.input_ids) + r.budget for p, r in zip(ticket.plans, ticket.requests)))
+        needed = self._bytes(ticket.rows, ticket.entries)
         budget = self.limits.buffer_budget
         if budget is not None and needed > budget:
             with self._cond:
@@ -383,7 +388,7 @@ class Scheduler:
         batch.feed()
         with self._cond:
             self._stats.steps += 1
-            self._stats.step_rows = (self._stats.step_rows + [batch.batch])[-64:]
+            self._stats.step_rows.append(batch.batch)
 
     # -- admission ---------------------------------------------------------------------------
     def _admit(self) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:
@@ -530,7 +535,7 @@ class Scheduler:
         if budget is None:
             return True
         plans = [(p, r) for t in cohort for p, r in zip(t.plans, t.requests)]
-        own = self._bytes(len(plans), max(len(p.input_ids) + r.budget for p, r in plans))
+        own = self._bytes(len(plans), max(t.entries for t in cohort))
         batch = self._batch
         if batch is None:
             return own <= budget
