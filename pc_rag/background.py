@@ -124,6 +124,11 @@ class BackgroundEncoder:
         with self._cond:
             return len(self._queue) + self._running
 
+    def queued(self, schema: str) -> list[str]:
+        """Names of collection ``schema``'s documents queued or being encoded, sorted."""
+        with self._cond:
+            return sorted({name for queued_schema, name, _ in self._queued if queued_schema == schema})
+
     def join(self, timeout: float | None = None) -> bool:
         """Encode everything queued now (still never while a request is being served) and wait for
         it; True when the queue is empty, False if ``timeout`` seconds passed first."""

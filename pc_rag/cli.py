@@ -1,4 +1,4 @@
-"""``pc-rag``: command-line entry points (``generate``, ``demo``, ``ask``, ``encode``)."""
+"""``pc-rag``: command-line entry points (``generate``, ``demo``, ``ask``, ``encode``, ``serve``)."""
 
 from __future__ import annotations
 
@@ -61,12 +61,12 @@ def _read_text(value: str, what: str, *, text_allowed: bool = True) -> str:
     return value
 
 
-def _engine(args: argparse.Namespace) -> PromptCache:
+def _engine(args: argparse.Namespace, **options: Any) -> PromptCache:
     from .engine import PromptCache
 
     return PromptCache.from_pretrained(
         args.model, device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store,
-        kv_quantization=args.kv_quantization,
+        kv_quantization=args.kv_quantization, **options,
     )
 
 
@@ -251,6 +251,16 @@ def cmd_encode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import Tenants, serve
+
+    tenants = Tenants.from_file(expand(args.api_keys)) if args.api_keys else None  # a bad key file fails before the model loads
+    engine = _engine(args, max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued)
+    name = args.served_model_name or (Path(args.model.rstrip("/")).name if args.model else "SmolLM2-135M-Instruct")
+    serve(engine, host=args.host, port=args.port, tenants=tenants, model_name=name)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pc-rag", description="Prompt Cache: reuse attention states of prompt modules.")
     common = argparse.ArgumentParser(add_help=False)  # every command loads a model
@@ -292,6 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("files", nargs="+", help="text files, JSONL files (a 'text' field per line) or folders")
     encode.add_argument("--workers", type=int, default=0, help="Ray workers (RAY_ADDRESS joins a cluster; 0: this process)")
     encode.set_defaults(func=cmd_encode)
+    serve = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (chat and text completions, documents)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: localhost only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-keys", default=None, metavar="FILE",
+                       help='JSON object {"KEY": ["collection", ...]}: clients send Authorization: Bearer KEY and see only those collections')
+    serve.add_argument("--served-model-name", default=None, help="the model id clients ask for (default: the model's name)")
+    serve.add_argument("--max-running", type=int, default=16, help="rows decoding at once")
+    serve.add_argument("--max-step-tokens", type=int, default=512, help="prompt tokens prefilled per scheduler step")
+    serve.add_argument("--max-queued", type=int, default=256, help="requests waiting for admission; past it a request gets 429")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -262,3 +262,14 @@ def _tiers_always_load(monkeypatch):
     import pc_rag.costs
 
     monkeypatch.setattr(pc_rag.costs, "MIN_SAVING_S", 3600.0)
+
+
+@pytest.fixture(scope="session")
+def pcrag_server(tmp_path_factory):
+    """A single-user ``pc-rag serve`` of the embedded model (the server tests and LangChain's
+    standard suite against it share it)."""
+    from .servers import ServerProcess
+
+    server = ServerProcess(tmp_path_factory.mktemp("server"))
+    yield server
+    server.close()

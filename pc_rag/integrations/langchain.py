@@ -45,7 +45,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.vectorstores import VectorStore
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
 
-from ..constrained import closed
+from ..constrained import closed, response_format_schema
 from ..documents import document_id, is_reference, module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
@@ -306,18 +306,6 @@ def _turn(message: BaseMessage) -> dict[str, Any]:
     return turn
 
 
-def _response_schema(response_format: Any) -> dict[str, Any] | bool:
-    """OpenAI's ``response_format`` (``{"type": "json_object"}`` or ``{"type": "json_schema",
-    "json_schema": {"schema": ...}}``) as the engine's ``json_schema``."""
-    if isinstance(response_format, dict):
-        if response_format.get("type") == "json_object":
-            return True
-        if response_format.get("type") == "json_schema" and isinstance((response_format.get("json_schema") or {}).get("schema"), dict):
-            return response_format["json_schema"]["schema"]
-    raise PromptCacheError("response_format must be {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
-                           f"{{'schema': {{...}}}}}}, got {response_format!r:.120}")
-
-
 def _ai_message(result: EngineGeneration, engine: PromptCache, tools: list[dict[str, Any]]) -> AIMessage:
     """The reply as an AIMessage: tool calls in ``tool_calls`` when it is one, text otherwise."""
     info = generation_info(result, engine)
@@ -451,7 +439,7 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
         if response_format is not None:
             if "json_schema" in params:
                 raise PromptCacheError("give a forced tool_choice or a response_format, not both")
-            params["json_schema"] = _response_schema(response_format)
+            params["json_schema"] = response_format_schema(response_format)
         prompt = self.engine.render_chat([_turn(m) for m in messages], tools=tools or None)
         return prompt, params, tools
 

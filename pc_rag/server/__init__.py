@@ -1,0 +1,45 @@
+"""``pc-rag serve``: the engine behind an OpenAI-compatible HTTP API, for many callers and tenants.
+
+    app.py      routes: chat and text completions, models, documents, health, metrics
+    wire.py     OpenAI's request and reply formats, read into engine calls and written back
+    tenants.py  API keys and the collections each may read and write
+    metrics.py  Prometheus metrics
+
+The server adds no serving logic of its own: every request becomes an ``engine.agenerate`` /
+``astream`` call, scoped to its key's collections, and the engine's scheduler batches them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from typing import Any
+
+from .app import create_app
+from .tenants import Tenants
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Tenants", "create_app", "serve"]
+
+
+def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, tenants: Tenants | None = None,
+          model_name: str | None = None, timeout_keep_alive: int = 5) -> None:
+    """Serve ``engine`` with uvicorn until interrupted. Without ``tenants`` the server is
+    single-user: meant for localhost, and a warning says so when bound to another interface."""
+    import uvicorn
+
+    if tenants is None and not _loopback(host):
+        logger.warning("serving on %s without --api-keys: anyone who can reach this port reads and writes every collection", host)
+    app = create_app(engine, tenants=tenants, model_name=model_name)
+    # h11: its ASGI spec version makes Starlette watch for disconnects while a stream waits on the model
+    uvicorn.run(app, host=host, port=port, http="h11", timeout_keep_alive=timeout_keep_alive, log_level="info")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,371 @@
+"""The HTTP application: OpenAI's endpoints and the document endpoints over one engine.
+
+Built on Starlette (the ASGI toolkit FastAPI is made of) and served by uvicorn. Starlette
+rather than FastAPI because every body is read by hand here: size-limited and time-limited
+before it is parsed, then validated by :mod:`pc_rag.server.wire`'s models so that errors come
+back in OpenAI's shape (FastAPI's automatic validation answers 422 in its own).
+
+Every generation goes through the engine's scheduler (``engine.agenerate``/``astream``), so
+concurrent HTTP requests are its concurrent callers, batched together; the event loop never waits
+on a forward pass. A client that disconnects cancels its request: its row is let go at the
+scheduler's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import suppress
+from typing import Any
+
+from pydantic import Field
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..documents import DEFAULT_SCHEMA, check_name, module_reference
+from ..errors import PromptCacheError, QueueFull
+from ..generation import Generation
+from ..integrations._shared import model_name as engine_model_name
+from .metrics import CONTENT_TYPE, Metrics
+from .tenants import SINGLE_USER, Tenant, Tenants
+from .wire import (
+    ApiError,
+    Call,
+    ChatRequest,
+    CompletionRequest,
+    _Body,
+    chat_call,
+    chat_chunk,
+    chat_response,
+    completion_calls,
+    completion_chunk,
+    completion_response,
+    new_id,
+    not_found,
+    read_body,
+    reply_message,
+    usage_chunk,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+BODY_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 1
+DOCUMENTS_WAIT_S = 120.0  # a request naming documents still being encoded waits this long for them
+
+
+class _Document(_Body):
+    id: str | None = None
+    text: str
+    metadata: dict[str, Any] | None = None
+
+
+class _Documents(_Body):
+    documents: list[_Document] = Field(min_length=1)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class Server:
+    """One engine behind OpenAI's endpoints (see :func:`create_app`)."""
+
+    def __init__(self, engine: Any, *, tenants: Tenants | None = None, model_name: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+        self.engine = engine
+        self.tenants = tenants
+        self.model = model_name or engine_model_name(engine)
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.metrics = Metrics(engine)
+        self.started = int(time.time())
+
+    # -- the endpoints ----------------------------------------------------------------------------
+    async def chat_completions(self, request: Request, tenant: Tenant) -> Response:
+        body: ChatRequest = read_body(ChatRequest, await self._body(request))
+        self._check_model(body.model)
+        references = await self._references(body.documents, body.collection, tenant)
+        call = chat_call(body, self.engine.render_chat, references)
+        request_id = new_id("chatcmpl")
+        if call.stream:
+            return await self._stream(request_id, call, tenant, chat=True)
+        result = await _unless_disconnected(request, self._generate(call, tenant))
+        return JSONResponse(chat_response(request_id, self.model, result, call.tools))
+
+    async def completions(self, request: Request, tenant: Tenant) -> Response:
+        body: CompletionRequest = read_body(CompletionRequest, await self._body(request))
+        self._check_model(body.model)
+        calls = completion_calls(body)
+        request_id = new_id("cmpl")
+        if calls[0].stream:
+            return await self._stream(request_id, calls[0], tenant, chat=False)
+        results = await _unless_disconnected(request, asyncio.gather(*(self._generate(call, tenant) for call in calls)))
+        return JSONResponse(completion_response(request_id, self.model, results))
+
+    async def models(self, request: Request, tenant: Tenant) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": self.started, "owned_by": "pc-rag"}]})
+
+    async def add_documents(self, request: Request, tenant: Tenant) -> Response:
+        collection = self._collection(request.path_params["collection"], tenant)
+        body: _Documents = read_body(_Documents, await self._body(request))
+        names = self.engine.add_documents([d.text for d in body.documents], ids=[d.id for d in body.documents],
+                                          metadatas=[d.metadata for d in body.documents], schema=collection,
+                                          background=True, replace_changed=True, progress=False)
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "document", "status": "queued"} for name in names]},
+                            status_code=202)
+
+    async def list_documents(self, request: Request, tenant: Tenant) -> Response:
+        collection = self._collection(request.path_params["collection"], tenant)
+        encoded, queued = self._held(collection)
+        if not encoded and not queued:
+            raise not_found(f"collection {collection!r}")
+        limit = _int_query(request, "limit", 100, 1, 1000)
+        after = request.query_params.get("after")
+        statuses = {**{name: "queued" for name in queued}, **{name: "encoded" for name in encoded}}
+        names = sorted(n for n in statuses if after is None or n > after)
+        page = names[:limit]
+        return JSONResponse({"object": "list", "data": [{"id": n, "object": "document", "status": statuses[n]} for n in page],
+                             "has_more": len(names) > limit, "last_id": page[-1] if page else None})
+
+    async def delete_document(self, request: Request, tenant: Tenant) -> Response:
+        collection = self._collection(request.path_params["collection"], tenant)
+        name = request.path_params["document"]
+        encoded, queued = self._held(collection)
+        if name in queued:  # finish encoding it first, or it would be added back after the delete
+            await asyncio.to_thread(self.engine.wait_for_documents, DOCUMENTS_WAIT_S)
+            encoded, _ = self._held(collection)
+        if name not in encoded:
+            raise not_found(f"document {name!r} in collection {collection!r}")
+        await asyncio.to_thread(self.engine.delete_documents, [name], schema=collection)
+        return JSONResponse({"id": name, "object": "document", "deleted": True})
+
+    async def health(self, request: Request) -> Response:
+        stats = self.engine.scheduler.stats()
+        return JSONResponse({"status": "ok", "model": self.model, "running": stats["running"], "queued": stats["queued"]})
+
+    async def scrape(self, request: Request) -> Response:
+        return Response(self.metrics.scrape(), media_type=CONTENT_TYPE)
+
+    # -- generation -------------------------------------------------------------------------------
+    async def _generate(self, call: Call, tenant: Tenant) -> Generation:
+        result = await self.engine.agenerate(call.prompt, collections=tenant.scope, **call.params)
+        self.metrics.generation(result)
+        return result
+
+    async def _stream(self, request_id: str, call: Call, tenant: Tenant, *, chat: bool) -> Response:
+        """Server-sent events. The first piece is awaited before the response starts, so a request
+        refused at submission (queue full, too long, bad) still gets its status code."""
+        stream = self.engine.astream(call.prompt, collections=tenant.scope, **call.params)
+        try:
+            first: str | None = await stream.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await stream.aclose()
+            raise
+        return StreamingResponse(self._events(request_id, call, stream, first, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, request_id: str, call: Call, stream: Any, first: str | None, chat: bool) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        try:
+            if chat:
+                yield _sse(chat_chunk(request_id, self.model, {"role": "assistant", "content": ""}))
+            pieces = _prepend(first, stream)
+            if call.tools:  # the reply may be a tool call: read it whole before anything is sent
+                async for _ in pieces:
+                    pass
+            else:
+                async for piece in pieces:
+                    yield _sse(chat_chunk(request_id, self.model, {"content": piece}) if chat
+                               else completion_chunk(request_id, self.model, piece))
+            result: Generation = stream.result
+            self.metrics.generation(result)
+            if chat:
+                message, finish = reply_message(result, call.tools)
+                if call.tools:
+                    delta = ({"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]} if "tool_calls" in message
+                             else {"content": message["content"]})
+                    yield _sse(chat_chunk(request_id, self.model, delta))
+                yield _sse(chat_chunk(request_id, self.model, {}, finish))
+            else:
+                yield _sse(completion_chunk(request_id, self.model, "", result.finish_reason))
+            if call.include_usage:
+                yield _sse(usage_chunk(request_id, self.model, kind, result))
+        except Exception as exc:  # headers are sent: the error is the stream's last event
+            yield _sse(_error(exc).body())  # _error logs what is not the client's fault
+        finally:
+            await stream.aclose()  # a disconnect cancels this generator: the row is let go
+        yield "data: [DONE]\n\n"
+
+    # -- request parts ----------------------------------------------------------------------------
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused past ``max_body_bytes`` (413) or ``body_timeout_s`` (408)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"the body has {declared} bytes, more than this server takes ({self.max_body_bytes})")
+
+        async def collect() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise ApiError(413, f"the body is larger than this server takes ({self.max_body_bytes} bytes)")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(collect(), self.body_timeout_s)
+        except TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {self.body_timeout_s:g} s") from None
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model!r}", param="model",
+                           code="model_not_found")
+
+    def _collection(self, name: str, tenant: Tenant) -> str:
+        try:
+            check_name(name, "collection name")
+        except PromptCacheError:
+            raise not_found(f"collection {name!r}") from None
+        if not tenant.may_use(name):
+            raise not_found(f"collection {name!r}")
+        return name
+
+    def _held(self, collection: str) -> tuple[set[str], set[str]]:
+        """Names of ``collection``'s documents encoded, and queued for encoding."""
+        held = self.engine.registry.snapshot().schemas.get(collection)
+        encoded = set(held.documents) if held is not None and held.layout.documents else set()
+        return encoded, set(self.engine.background.queued(collection))
+
+    async def _references(self, ids: list[str] | None, collection: str | None, tenant: Tenant) -> list[str]:
+        """Module references of the documents a request names (``documents``, in ``collection``:
+        by default the key's only collection, or ``docs``); 404 for any it cannot see."""
+        if not ids:
+            return []
+        if collection is None:
+            only = tenant.scope
+            collection = only[0] if only is not None and len(only) == 1 else DEFAULT_SCHEMA
+        collection = self._collection(collection, tenant)
+        encoded, queued = self._held(collection)
+        if any(name in queued and name not in encoded for name in ids):
+            await asyncio.to_thread(self.engine.wait_for_documents, DOCUMENTS_WAIT_S)
+            encoded, _ = self._held(collection)
+        for name in ids:
+            if name not in encoded:
+                raise not_found(f"document {name!r} in collection {collection!r}")
+        return [module_reference(name, collection) for name in ids]
+
+
+# -- plumbing -------------------------------------------------------------------------------------
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _prepend(first: str | None, stream: Any) -> AsyncIterator[str]:
+    if first is not None:
+        yield first
+        async for piece in stream:
+            yield piece
+
+
+def _int_query(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise ApiError(400, f"{name} must be an integer from {low} to {high}, got {raw!r}", param=name)
+    return int(raw)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """``work``'s result, or cancel it when the client goes away first (its rows are let go)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError, Exception):
+        await task
+    raise _ClientGone
+
+
+def _error(exc: BaseException) -> ApiError:
+    """Any failure as the error a client gets; anything unexpected is a 500 and logged."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, QueueFull):
+        return ApiError(429, str(exc), kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, PromptCacheError):
+        return ApiError(400, str(exc))
+    logger.error("request failed", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error")
+
+
+async def _no_route(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 404)
+    message = f"no route {request.method} {request.url.path}" if status == 404 else f"{request.method} is not allowed on {request.url.path}"
+    return JSONResponse(ApiError(status, message, code="not_found" if status == 404 else "method_not_allowed").body(), status_code=status)
+
+
+Handler = Callable[[Request, Tenant], Coroutine[Any, Any, Response]]
+
+
+def _endpoint(server: Server, name: str, handler: Handler) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+    """``handler`` with authentication, errors in OpenAI's shape, and the request counted."""
+
+    async def run(request: Request) -> Response:
+        try:
+            tenant = SINGLE_USER if server.tenants is None else server.tenants.authenticate(request.headers.get("authorization"))
+            response = await handler(request, tenant)
+        except _ClientGone:
+            server.metrics.answered(name, 499)  # nginx's code for it: nobody reads this response
+            return Response(status_code=499)
+        except Exception as exc:
+            error = _error(exc)
+            response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        server.metrics.answered(name, response.status_code)
+        return response
+
+    return run
+
+
+def create_app(engine: Any, *, tenants: Tenants | None = None, model_name: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
+    """An ASGI application serving ``engine`` in OpenAI's wire format (run it with uvicorn:
+    ``pc-rag serve`` does). ``tenants``: API keys and their collections (None: single-user);
+    ``model_name``: the id clients ask for (default: the model's name)."""
+    server = Server(engine, tenants=tenants, model_name=model_name, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    documents = "/v1/collections/{collection}/documents"
+    routes = [
+        Route("/v1/chat/completions", _endpoint(server, "chat", server.chat_completions), methods=["POST"]),
+        Route("/v1/completions", _endpoint(server, "completions", server.completions), methods=["POST"]),
+        Route("/v1/models", _endpoint(server, "models", server.models), methods=["GET"]),
+        Route(documents, _endpoint(server, "add_documents", server.add_documents), methods=["POST"]),
+        Route(documents, _endpoint(server, "list_documents", server.list_documents), methods=["GET"]),
+        Route(documents + "/{document}", _endpoint(server, "delete_document", server.delete_document), methods=["DELETE"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.scrape, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={404: _no_route, 405: _no_route})
+    app.state.server = server
+    return app

@@ -1,0 +1,72 @@
+"""Prometheus metrics of one server (``GET /metrics``), in a registry of its own.
+
+Counted as requests finish: requests by endpoint and status, TTFT and latency histograms, prompt
+tokens reused and computed, tokens generated. Read at each scrape from the engine: queue depth
+and running rows (the scheduler), and where module KV came from (memory, disk and remote tier
+hits, misses, tokens recomputed because a tier was slower than prefill: ``engine.store_stats()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..generation import Generation
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# engine.store_stats() counters exported as pcrag_kv_<name>_total
+_TIER_COUNTERS = ("hits_memory", "hits_disk", "hits_remote", "misses", "encoded", "recomputed_tokens")
+
+
+class _EngineCollector(Collector):
+    """What the engine knows now, read at scrape time (no background thread)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        scheduler = self.engine.scheduler.stats()
+        yield GaugeMetricFamily("pcrag_queue_depth", "Requests waiting for admission", value=scheduler["queued"])
+        yield GaugeMetricFamily("pcrag_running_rows", "Rows decoding now", value=scheduler["running"])
+        yield CounterMetricFamily("pcrag_scheduler_cancelled", "Requests let go before they finished (cancelled, disconnected)",
+                                  value=scheduler["cancelled"])
+        yield CounterMetricFamily("pcrag_scheduler_steps", "Forward passes the scheduler ran", value=scheduler["steps"])
+        store = self.engine.store_stats()
+        for name in _TIER_COUNTERS:
+            yield CounterMetricFamily(f"pcrag_kv_{name}", f"Module KV: {name.replace('_', ' ')} (engine.store_stats())", value=store.get(name, 0))
+        yield GaugeMetricFamily("pcrag_kv_bytes_memory", "Module KV bytes held in memory", value=store.get("bytes_memory", 0))
+        yield GaugeMetricFamily("pcrag_documents_pending", "Documents queued for background encoding", value=store.get("background_pending", 0))
+
+
+class Metrics:
+    """The server's metrics; :meth:`finished` is called once per request."""
+
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pcrag_requests", "Requests answered, by endpoint and HTTP status", ["endpoint", "status"],
+                                registry=self.registry)
+        self.ttft = Histogram("pcrag_ttft_seconds", "Time to first token from submission", buckets=_SECONDS, registry=self.registry)
+        self.latency = Histogram("pcrag_request_seconds", "Time from submission to the last token", buckets=_SECONDS, registry=self.registry)
+        self.cached = Counter("pcrag_prompt_tokens_cached", "Prompt tokens whose KV was reused", registry=self.registry)
+        self.computed = Counter("pcrag_prompt_tokens_computed", "Prompt tokens computed", registry=self.registry)
+        self.generated = Counter("pcrag_generated_tokens", "Tokens generated", registry=self.registry)
+        self.registry.register(_EngineCollector(engine))
+
+    def answered(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def generation(self, result: Generation) -> None:
+        stats = result.stats
+        self.ttft.observe(stats.ttft_s)
+        self.latency.observe(stats.total_s)
+        self.cached.inc(stats.cached_tokens)
+        self.computed.inc(stats.computed_tokens)
+        self.generated.inc(len(result.token_ids))
+
+    def scrape(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,310 @@
+"""OpenAI's wire format: request bodies read into engine calls, replies written back.
+
+Bodies are validated by pydantic in strict JSON mode (``"1"`` is not a number), so a wrong type
+is a 400 that names the field. Fields this server does not know are ignored and logged by name,
+as OpenAI-compatible servers do, since clients send many; known fields with values it cannot
+honour (``n`` other than 1, penalties, log-probabilities) are a 400 that says so.
+
+Nothing here touches the model: :func:`chat_call` and :func:`completion_call` turn a body into
+the prompt (plain text: nothing a client sends becomes PML) and ``generate`` keywords, and the
+``*_response``/``*_chunk`` functions turn a :class:`~pc_rag.Generation` into JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..constrained import response_format_schema
+from ..errors import PromptCacheError
+from ..generation import Generation
+from ..tools import call_id, call_schema, parse_calls, resolve_tool_choice
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def not_found(what: str) -> ApiError:
+    """The one answer for a collection or document that does not exist *or* that the caller's key
+    may not see: the two are indistinguishable from outside."""
+    return ApiError(404, f"{what} not found", code="not_found")
+
+
+# -- request bodies ------------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's format)
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionSpec(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """What chat and text completions share."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    user: str | None = None
+    # beyond OpenAI's fields, with vLLM's names (clients pass them as extra_body)
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    no_repeat_ngram_size: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    # pc-rag's own: documents by id, placed at the start of the last user message by the server
+    documents: list[str] | None = None
+    collection: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[str], Field(min_length=1)]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def read_body(model: type[_Body], raw: bytes) -> Any:
+    """``raw`` validated as ``model``: a 400 that names the first wrong field otherwise."""
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "json_invalid":
+            raise ApiError(400, f"the body is not valid JSON: {error['msg']}") from None
+        if error["type"] == "model_type" and not error["loc"]:
+            raise ApiError(400, "the body must be a JSON object") from None
+        raise ApiError(400, f"{where or 'body'}: {error['msg']}", param=where or None) from None
+    unknown = body.unknown_fields()
+    if unknown:
+        logger.info("ignored fields this server does not know: %s", ", ".join(unknown[:20]))
+    return body
+
+
+# -- requests as engine calls --------------------------------------------------------------------
+@dataclass
+class Call:
+    """One generation the engine runs: plain-text prompt, ``generate`` keywords, tools in force."""
+
+    prompt: str
+    params: dict[str, Any]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _refuse_unsupported(body: _Sampling) -> None:
+    if body.n != 1:
+        raise ApiError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1)", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name} is not supported (only 0); repetition_penalty and no_repeat_ngram_size are", param=name)
+    if body.logprobs:
+        raise ApiError(400, "logprobs are not supported", param="logprobs")
+
+
+def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
+    params: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+                              "top_k": body.top_k, "stop": body.stop, "seed": body.seed}
+    for name, engine_name in (("repetition_penalty", "repetition_penalty"), ("no_repeat_ngram_size", "no_repeat_ngram_size"),
+                              ("min_tokens", "min_new_tokens")):
+        value = getattr(body, name)
+        if value is not None:
+            params[engine_name] = value
+    return params
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.text for part in content)
+
+
+def _turn(message: Message, index: int) -> dict[str, Any]:
+    """A message as a chat-template turn (``developer`` is OpenAI's newer name for ``system``)."""
+    turn: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": _text(message.content)}
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                raise ApiError(400, f"messages.{index}.tool_calls: arguments of {call.function.name!r} are not JSON",
+                               param=f"messages.{index}.tool_calls") from None
+            calls.append({"type": "function", "id": call.id, "function": {"name": call.function.name, "arguments": arguments}})
+        turn["tool_calls"] = calls
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.name is not None and message.role == "tool":
+        turn["name"] = message.name
+    return turn
+
+
+def chat_call(body: ChatRequest, render: Any, references: Sequence[str] = ()) -> Call:
+    """The engine call of a chat completion; ``render`` is the engine's ``render_chat``;
+    ``references`` (module references of the documents the body names) open the last user message."""
+    _refuse_unsupported(body)
+    turns = [_turn(message, i) for i, message in enumerate(body.messages)]
+    if references:
+        users = [i for i, turn in enumerate(turns) if turn["role"] == "user"]
+        if not users:
+            raise ApiError(400, "documents are placed in the last user message, and there is none", param="documents")
+        turns[users[-1]]["content"] = "".join(references) + turns[users[-1]]["content"]
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+    try:
+        choice = resolve_tool_choice(body.tool_choice, tools)
+        params = _sampling(body, body.max_completion_tokens or body.max_tokens)
+        if choice == "none":
+            tools = []
+        elif choice != "auto":
+            params["json_schema"] = call_schema(tools, None if choice == "required" else choice)
+        if body.response_format is not None and body.response_format.get("type") != "text":
+            if "json_schema" in params:
+                raise ApiError(400, "give a forced tool_choice or a response_format, not both", param="response_format")
+            params["json_schema"] = response_format_schema(body.response_format)
+    except PromptCacheError as exc:
+        raise ApiError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "response_format") from None
+    prompt = render(turns, tools or None)
+    include = body.stream_options is not None and body.stream_options.include_usage
+    return Call(prompt, params, tools, body.stream, include)
+
+
+def completion_calls(body: CompletionRequest) -> list[Call]:
+    """The engine calls of a text completion: one per prompt (a list gives one choice each)."""
+    _refuse_unsupported(body)
+    if body.echo or body.suffix or (body.best_of or 1) != 1:
+        raise ApiError(400, "echo, suffix and best_of are not supported", param="echo")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if body.stream and len(prompts) != 1:
+        raise ApiError(400, "a streamed completion takes one prompt", param="prompt")
+    include = body.stream_options is not None and body.stream_options.include_usage
+    return [Call(prompt, _sampling(body, body.max_tokens), [], body.stream, include) for prompt in prompts]
+
+
+# -- replies -------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(results: Sequence[Generation]) -> dict[str, Any]:
+    """Token counts; ``prompt_tokens_details.cached_tokens`` is the prompt tokens whose KV was
+    reused (module tokens), as OpenAI and vLLM report prefix-cache hits."""
+    prompt = sum(r.stats.cached_tokens + r.stats.computed_tokens for r in results)
+    completion = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_tokens for r in results)}}
+
+
+def reply_message(result: Generation, tools: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], str]:
+    """The assistant message and finish reason: ``tool_calls`` when the reply is a call to a tool in force."""
+    calls = parse_calls(result.text, tools) if tools else []
+    if calls:
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id(), "type": "function", "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+            for call in calls]}, "tool_calls"
+    return {"role": "assistant", "content": result.text}, result.finish_reason
+
+
+def chat_response(request_id: str, model: str, result: Generation, tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    message, finish = reply_message(result, tools)
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": usage([result]), "pc_rag": result.stats.as_dict()}
+
+
+def completion_response(request_id: str, model: str, results: Sequence[Generation]) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None} for i, r in enumerate(results)],
+            "usage": usage(results)}
+
+
+def chat_chunk(request_id: str, model: str, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+
+def completion_chunk(request_id: str, model: str, text: str, finish: str | None = None) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+
+def usage_chunk(request_id: str, model: str, kind: str, result: Generation) -> dict[str, Any]:
+    """The last chunk of a stream asked for with ``stream_options.include_usage``: no choices, the usage."""
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [], "usage": usage([result])}

@@ -1,0 +1,242 @@
+"""``pc-rag serve`` as a process on a port, driven by the clients users drive it with: the
+``openai`` SDK, LangChain's ``ChatOpenAI``, LlamaIndex's ``OpenAILike`` and raw ``httpx``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from .conftest import SQUAD
+from .servers import MODEL, ServerProcess
+
+QUESTION = "Where was Super Bowl 50 played?"
+
+
+@pytest.fixture(scope="module")
+def client(pcrag_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=pcrag_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def passage() -> str:
+    return json.loads(SQUAD.read_text())["data"][0]["paragraphs"][0]["context"]
+
+
+def add_and_wait(server: ServerProcess, collection: str, documents: list[dict], key: str | None = None) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.post(f"{server.url}/v1/collections/{collection}/documents", json={"documents": documents}, headers=headers)
+    assert response.status_code == 202, response.text
+    assert [d["id"] for d in response.json()["data"]] == [d["id"] for d in documents]
+
+    def encoded() -> bool:
+        listing = httpx.get(f"{server.url}/v1/collections/{collection}/documents", headers=headers).json()["data"]
+        return {d["id"] for d in listing if d["status"] == "encoded"} >= {d["id"] for d in documents}
+
+    server.wait_for(encoded, "documents encoded")
+
+
+# -- the openai SDK -----------------------------------------------------------------------------
+def test_models_and_health(client, pcrag_server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(pcrag_server.url + "/health").json()["status"] == "ok"
+
+
+def test_chat_and_stream_agree_and_report_usage(client):
+    messages = [{"role": "user", "content": "Name a primary colour."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content  # greedy: the stream says what the whole reply says
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_text_completions_one_choice_per_prompt(client):
+    reply = client.completions.create(model=MODEL, prompt=["The capital of France is", "One, two, three,"], max_tokens=4)
+    assert [c.index for c in reply.choices] == [0, 1] and all(c.text for c in reply.choices)
+    alone = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=4)
+    assert alone.choices[0].text == reply.choices[1].text
+
+
+def test_stop_and_seed(client):
+    messages = [{"role": "user", "content": "Describe the sea in one sentence."}]
+    free = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20).choices[0].message.content
+    stop = free.split()[2]  # a word the reply writes
+    stopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop" and free.startswith(stopped.choices[0].message.content)
+    assert stop not in stopped.choices[0].message.content
+    sampled = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=1.0, seed=7)
+               .choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1]  # the same seed samples the same reply
+
+
+def test_forced_tool_call_and_json_schema(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                              "required": ["city"]}}}]
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+                                           tool_choice="required", max_tokens=40)
+    call = reply.choices[0].message.tool_calls[0]
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    streamed = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+                                                   tool_choice="required", max_tokens=40, stream=True))
+    calls = [c.choices[0].delta.tool_calls for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert calls[0][0].function.arguments == call.function.arguments
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    person = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Invent a person."}], max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(person.choices[0].message.content), schema)
+
+
+def test_pasted_documents_are_read_from_the_cache(client, pcrag_server, passage):
+    add_and_wait(pcrag_server, "squad", [{"id": "sb50-p0", "text": passage, "metadata": {"title": "Super_Bowl_50"}}])
+    messages = [{"role": "user", "content": f"{passage}\n\n{QUESTION}"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    assert first.usage.prompt_tokens_details.cached_tokens > 100
+    by_id = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=8,
+                                           extra_body={"documents": ["sb50-p0"], "collection": "squad"})
+    assert by_id.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens_details.cached_tokens
+    missing = httpx.post(pcrag_server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "documents": ["no-such-doc"], "collection": "squad"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_documents_listed_paged_and_deleted(pcrag_server):
+    docs = [{"id": f"note-{i}", "text": f"Note number {i} says the meeting room is {i} floors up."} for i in range(3)]
+    add_and_wait(pcrag_server, "notes", docs)
+    url = pcrag_server.url + "/v1/collections/notes/documents"
+    page = httpx.get(url, params={"limit": 2}).json()
+    assert [d["id"] for d in page["data"]] == ["note-0", "note-1"] and page["has_more"]
+    rest = httpx.get(url, params={"limit": 2, "after": page["last_id"]}).json()
+    assert [d["id"] for d in rest["data"]] == ["note-2"] and not rest["has_more"]
+    assert httpx.delete(url + "/note-1").json() == {"id": "note-1", "object": "document", "deleted": True}
+    assert [d["id"] for d in httpx.get(url).json()["data"]] == ["note-0", "note-2"]
+    assert httpx.delete(url + "/note-1").status_code == 404
+
+
+# -- bad input ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("body", "status", "says"), [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "messages.0.role"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(), 400, "n=2"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}).encode(), 400, "temperature"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "get_x"}).encode(), 400, "tool_choice"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}).encode(), 400,
+     "response_format"),
+    (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "gpt-4o"),
+])
+def test_bad_requests_get_openai_shaped_errors(pcrag_server, body, status, says):
+    response = httpx.post(pcrag_server.url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert says in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_unknown_fields_are_ignored(client):
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body={"some_vendor_field": {"x": 1}, "logit_bias_mode": "none"})
+    assert reply.usage.completion_tokens == 2
+
+
+def test_oversized_body_and_long_prompt(pcrag_server):
+    huge = httpx.post(pcrag_server.url + "/v1/chat/completions", content=b"x" * (9 * 1024 * 1024))
+    assert huge.status_code == 413
+    long = httpx.post(pcrag_server.url + "/v1/completions", json={"model": MODEL, "prompt": "word " * 9000, "max_tokens": 4})
+    assert long.status_code == 400
+    message = long.json()["error"]["message"]
+    assert "context window (8192)" in message and any(int(w) > 8192 for w in message.split() if w.isdigit())
+    assert httpx.get(pcrag_server.url + "/health").status_code == 200  # and the server lives on
+
+
+def test_disconnects_free_their_rows(pcrag_server):
+    cancelled = pcrag_server.metric("pcrag_scheduler_cancelled_total")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", pcrag_server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    # the streaming client is gone: its row is let go, long before 2000 tokens
+    pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_scheduler_cancelled_total") > cancelled, "stream cancelled")
+    pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_running_rows") == 0, "rows free")
+    # a client waiting for a whole reply that hangs up is let go too
+    payload = json.dumps({**body, "stream": False}).encode()
+    with socket.create_connection(("127.0.0.1", pcrag_server.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_running_rows") == 1, "request admitted")
+    pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_scheduler_cancelled_total") > cancelled + 1, "request cancelled")
+    assert pcrag_server.metric("pcrag_requests_total", endpoint="chat", status="499") >= 1
+
+
+def test_metrics_count_requests_and_tokens(client, pcrag_server):
+    before = pcrag_server.metric("pcrag_requests_total", endpoint="chat", status="200")
+    generated = pcrag_server.metric("pcrag_generated_tokens_total")
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert pcrag_server.metric("pcrag_requests_total", endpoint="chat", status="200") == before + 1
+    assert pcrag_server.metric("pcrag_generated_tokens_total") == generated + 3
+    assert pcrag_server.metric("pcrag_ttft_seconds_count") >= 1
+
+
+# -- LangChain and LlamaIndex pointed at the server ----------------------------------------------
+def test_langchain_chat_openai(pcrag_server, passage):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    llm = ChatOpenAI(model=MODEL, base_url=pcrag_server.url + "/v1", api_key="unused", max_tokens=24, stream_usage=True)
+    add_and_wait(pcrag_server, "squad", [{"id": "sb50-p0", "text": passage}])
+    message = llm.invoke(f"{passage}\n\n{QUESTION}")
+    assert message.content and message.usage_metadata["input_token_details"]["cache_read"] > 100
+    streamed = None
+    for chunk in llm.stream(f"{passage}\n\n{QUESTION}"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed.content == message.content
+
+    class Answer(BaseModel):
+        city: str
+
+    parsed = llm.with_structured_output(Answer).invoke("Which city hosts the Eiffel Tower?")
+    assert isinstance(parsed, Answer) and parsed.city
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    called = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Rome?")
+    assert called.tool_calls and called.tool_calls[0]["name"] == "get_weather"
+
+
+async def test_langchain_async_callers_at_once(pcrag_server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=pcrag_server.url + "/v1", api_key="unused", max_tokens=8)
+    questions = [f"Say the number {i}." for i in range(4)]
+    together = await asyncio.gather(*(llm.ainvoke(q) for q in questions))
+    alone = [llm.invoke(q) for q in questions]
+    assert [m.content for m in together] == [m.content for m in alone]
+
+
+def test_llama_index_openai_like(pcrag_server):
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    llm = OpenAILike(model=MODEL, api_base=pcrag_server.url + "/v1", api_key="unused", is_chat_model=True,
+                     context_window=8192, max_tokens=8, temperature=0.0)  # LlamaIndex's default samples at 0.1
+    reply = llm.chat([ChatMessage(role="user", content="Name a fruit.")])
+    assert reply.message.content
+    streamed = "".join(r.delta or "" for r in llm.stream_chat([ChatMessage(role="user", content="Name a fruit.")]))
+    assert streamed == reply.message.content
+    completer = OpenAILike(model=MODEL, api_base=pcrag_server.url + "/v1", api_key="unused", is_chat_model=False, max_tokens=4)
+    assert completer.complete("The capital of France is").text
