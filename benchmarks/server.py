@@ -1,0 +1,171 @@
+"""``pc-rag serve`` measured: what the HTTP layer costs over the in-process engine.
+
+Part ``http`` (the embedded SmolLM2-135M): HotpotQA dev-distractor records (``--skip`` records in,
+never used for tuning), each a chat request whose user message pastes ``--passages`` passages and
+asks the question; the passages are registered as documents first (over HTTP for the server,
+``add_documents`` in-process), so both read them from the cache (drop-in). For each N in
+``--clients``, N requests at once, ``--new-tokens`` tokens each (stop tokens off):
+
+- ``server``: N streaming ``POST /v1/chat/completions`` from an ``httpx.AsyncClient`` to a
+  ``pc-rag serve`` process on this machine; TTFT is the arrival of the first content event;
+- ``in-process``: N ``engine.astream`` calls of the same rendered prompts under ``asyncio.gather``
+  in this process; TTFT is the first piece.
+
+Requests/s and mean/p95 TTFT, median of ``--repeats`` runs (the two alternate).
+
+    python benchmarks/server.py http --clients 1 8 32 --repeats 3
+Writes ``benchmarks/results/server_<part>.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "benchmarks" / "data"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def records(data: Path, skip: int, count: int, passages: int) -> list[tuple[str, list[str]]]:
+    out = []
+    for line in (data / "hotpotqa_dev_distractor_more.jsonl").read_text().splitlines()[skip : skip + count]:
+        record = json.loads(line)
+        out.append((record["question"], [f"{p['title']}: {p['text']}" for p in record["passages"][:passages]]))
+    return out
+
+
+def messages(question: str, passages: list[str]) -> list[dict[str, str]]:
+    return [{"role": "user", "content": "Answer from these passages.\n\n" + "\n\n".join(passages) + f"\n\nQuestion: {question}"}]
+
+
+class Server:
+    def __init__(self, *args: str) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen([sys.executable, "-m", "pc_rag.cli", "serve", "--port", str(self.port), *args],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(600):
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError("server did not start")
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+def summary(ttfts: list[float], wall: float) -> dict[str, float]:
+    ttfts = sorted(ttfts)
+    return {"wall_s": wall, "requests_per_s": len(ttfts) / wall, "ttft_mean_s": statistics.mean(ttfts),
+            "ttft_p95_s": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))]}
+
+
+async def over_http(url: str, bodies: list[dict[str, Any]]) -> dict[str, float]:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=len(bodies) + 4)) as client:
+        async def one(body: dict[str, Any], start: float) -> float:
+            ttft = None
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200, await response.aread()
+                async for line in response.aiter_lines():
+                    if ttft is None and line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line:
+                        ttft = time.perf_counter() - start
+            assert ttft is not None
+            return ttft
+
+        start = time.perf_counter()
+        ttfts = await asyncio.gather(*(one(b, start) for b in bodies))
+        return summary(list(ttfts), time.perf_counter() - start)
+
+
+async def in_process(engine: Any, prompts: list[str], new_tokens: int) -> dict[str, float]:
+    async def one(prompt: str, start: float) -> float:
+        ttft = None
+        async for _ in engine.astream(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens):
+            if ttft is None:
+                ttft = time.perf_counter() - start
+        assert ttft is not None
+        return ttft
+
+    start = time.perf_counter()
+    ttfts = await asyncio.gather(*(one(p, start) for p in prompts))
+    return summary(list(ttfts), time.perf_counter() - start)
+
+
+def http(args: argparse.Namespace) -> dict[str, Any]:
+    from pc_rag import PromptCache
+
+    cases = records(args.data, args.skip, max(args.clients), args.passages)
+    passages = sorted({p for _, ps in cases for p in ps})
+    server = Server()
+    try:
+        added = httpx.post(server.url + "/v1/collections/docs/documents", timeout=600,
+                           json={"documents": [{"id": f"p{i}", "text": t} for i, t in enumerate(passages)]})
+        assert added.status_code == 202
+        while any(d["status"] != "encoded" for d in httpx.get(server.url + "/v1/collections/docs/documents", params={"limit": 1000}).json()["data"]):
+            time.sleep(0.5)
+        engine = PromptCache.from_pretrained()
+        engine.add_documents(passages, ids=[f"p{i}" for i in range(len(passages))], progress=False)
+        out: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": vars(args) | {"data": str(args.data)}, "results": {}}
+        for n in args.clients:
+            chats = [messages(q, ps) for q, ps in cases[:n]]
+            bodies = [{"model": MODEL, "messages": m, "max_tokens": args.new_tokens, "min_tokens": args.new_tokens, "stream": True}
+                      for m in chats]
+            prompts = [engine.render_chat(m) for m in chats]
+            asyncio.run(over_http(server.url, bodies[:1]))  # warm both
+            asyncio.run(in_process(engine, prompts[:1], args.new_tokens))
+            runs: dict[str, list[dict[str, float]]] = {"server": [], "in-process": []}
+            for _ in range(args.repeats):
+                runs["server"].append(asyncio.run(over_http(server.url, bodies)))
+                runs["in-process"].append(asyncio.run(in_process(engine, prompts, args.new_tokens)))
+            out["results"][str(n)] = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
+            print(n, json.dumps(out["results"][str(n)]), flush=True)
+        return out
+    finally:
+        server.close()
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = ["| clients | server req/s | in-process req/s | server p95 TTFT | in-process p95 TTFT |", "| ---: | ---: | ---: | ---: | ---: |"]
+    for n, r in report["results"].items():
+        s, p = r["server"], r["in-process"]
+        lines.append(f"| {n} | {s['requests_per_s']:.2f} | {p['requests_per_s']:.2f} | {s['ttft_p95_s']:.2f} s | {p['ttft_p95_s']:.2f} s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=["http"])
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--skip", type=int, default=100, help="HotpotQA-more records skipped (held out from development)")
+    parser.add_argument("--passages", type=int, default=6)
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    report = {"http": http}[args.part](args)
+    out = ROOT / "benchmarks" / "results" / f"server_{args.part}.json"
+    out.write_text(json.dumps(report, indent=2))
+    print(table(report))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
