@@ -19,8 +19,11 @@ GPU includes the synchronisation the first token forces). Tier rates are exponen
 moving averages, so a tier that slows down or recovers is followed within a few loads; prefill
 time is a fixed cost plus a cost per token, fitted to the last prefills (:class:`PrefillRate`).
 
-Until a tier has been measured its modules are loaded (the first load measures it); until a
-prefill has been measured, nothing is recomputed. Computing wins only when clearly faster
+Until a tier and the prefill have both been measured, a tier's modules are loaded against a
+deadline (:data:`RACE_FRACTION` of their estimated prefill, or :data:`MIN_SAVING_S` before any
+prefill was measured): what has
+not arrived by then is computed in the prompt, and the loads go on into memory, measuring the
+tier. So a cold replica behind a slow link is never much slower than computing. Computing wins only when clearly faster
 (:data:`MARGIN`, :data:`MIN_SAVING_S`): the choice changes which tokens are computed, and must
 not flip on noise.
 """
@@ -43,6 +46,10 @@ SMOOTHING = 0.3  # weight of the newest observation
 # cached ones), so it should not flip back and forth on noise between two near-equal costs.
 MARGIN = 0.1
 MIN_SAVING_S = 0.005
+# a tier not measured yet races the computation: its loads get this fraction of the estimated
+# prefill of their tokens (a first request then costs at most ~1.2x computing them); loads not
+# done by then go on into memory for later requests while this one computes those segments
+RACE_FRACTION = 0.2
 
 
 def _blend(old: float | None, new: float) -> float:
@@ -169,9 +176,11 @@ class CostModel:
             return out
 
 
-def load_or_compute(plans: Sequence[Plan], store: Any, costs: CostModel, bytes_per_token: float) -> tuple[list[Plan], list[str]]:
+def load_or_compute(plans: Sequence[Plan], store: Any, costs: CostModel, bytes_per_token: float
+                    ) -> tuple[list[Plan], list[str], float | None]:
     """The plans with the cached segments whose tier is slower than computing them turned into
-    computed ones, and the keys of the modules to load (not in memory, in a tier that is faster).
+    computed ones, the keys of the modules to load (not in memory, in a tier that is faster), and
+    how long those loads may take (None: no limit; a deadline when a tier is not measured yet).
 
     Modules are grouped by the tier that holds them (one pipelined lookup for the remote tier);
     a tier's modules are loaded or computed together, since they would be read concurrently
@@ -186,27 +195,40 @@ def load_or_compute(plans: Sequence[Plan], store: Any, costs: CostModel, bytes_p
                 module_tokens[segment.key] = len(schema.layout.modules[segment.owner].token_ids)
                 read_tokens[segment.key] = read_tokens.get(segment.key, 0) + len(segment)
     if not module_tokens:
-        return list(plans), []
+        return list(plans), [], None
     where = store.locate(list(module_tokens))
     slower: set[str] = set()
+    unmeasured = 0  # tokens read from tiers with no measurement yet (or before any prefill was measured)
     for tier in ("disk", "remote"):
         keys = [key for key, found in where.items() if found == tier]
-        if keys and costs.recompute(tier, round(sum(module_tokens[k] for k in keys) * bytes_per_token),
-                                    sum(read_tokens[k] for k in keys)):
+        nbytes = round(sum(module_tokens[k] for k in keys) * bytes_per_token)
+        if keys and (costs.load_s(tier, nbytes) is None or costs.compute_s(1) is None):
+            unmeasured += sum(read_tokens[k] for k in keys)
+        elif keys and costs.recompute(tier, nbytes, sum(read_tokens[k] for k in keys)):
             slower.update(keys)
     load = [key for key, found in where.items() if found in ("disk", "remote") and key not in slower]
-    if not slower:
-        return list(plans), load
+    deadline = None
+    if unmeasured:
+        compute = costs.compute_s(unmeasured)
+        deadline = MIN_SAVING_S if compute is None else max(RACE_FRACTION * compute, MIN_SAVING_S)
+    return compute_in_prompt(plans, slower, costs), load, deadline
+
+
+def compute_in_prompt(plans: Sequence[Plan], keys: set[str] | frozenset[str], costs: CostModel) -> list[Plan]:
+    """The plans with the cached segments of modules ``keys`` computed in the prompt instead (at
+    their positions, behind what precedes them: as full prefill computes them)."""
+    if not keys:
+        return list(plans)
     chosen = []
     for plan in plans:
         flags = plan.moved if plan.moved is not None else (False,) * len(plan.segments)
         segments, moved = [], []
         for segment, flag in zip(plan.segments, flags):
-            computed = segment.cached and segment.key in slower
+            computed = segment.cached and segment.key in keys
             segments.append(replace(segment, owner=None) if computed else segment)
             moved.append(flag and not computed)
             if computed:
                 costs.count_recomputed(len(segment))
         chosen.append(replace(plan, segments=segments, moved=tuple(moved) if plan.moved is not None else None))
-    logger.debug("computing %d modules in the prompt: their tier is slower than prefill", len(slower))
-    return chosen, load
+    logger.debug("computing %d modules in the prompt: their tier is slower than prefill", len(keys))
+    return chosen

@@ -8,7 +8,8 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import numpy as np
@@ -228,6 +229,8 @@ class ModuleEncoder:
         self.fingerprint = fingerprint
         self._contexts: dict[str, ModuleKV] = {}  # prefix + lead KV of document schemas, by key
         self._lock = threading.RLock()
+        self._late: set[Future] = set()  # reads prefetch left running past a deadline
+        self._late_lock = threading.Lock()
 
     def key(self, collection: str, token_ids: Sequence[int], positions: Sequence[int], context_key: str | None) -> str:
         return entry_key(self.fingerprint, self.encoding, collection, token_ids, positions, context_key)
@@ -290,11 +293,15 @@ class ModuleEncoder:
         context = self.context(schema) if name != schema.layout.prefix else None
         return self.ensure(key, info.token_ids, info.positions, context, _info(schema, name), count=False)
 
-    def prefetch(self, plans: Sequence[Any], keys: Sequence[str]) -> None:
+    def prefetch(self, plans: Sequence[Any], keys: Sequence[str], deadline: float | None = None) -> set[str]:
         """Read the modules under ``keys`` (imported by ``plans``) from disk or the remote tier into
         memory, concurrently: their reads (sockets, files, checksums) overlap instead of queueing
         one behind another in assembly. A module that turns out missing or invalid is left to
-        :meth:`fetch`, which encodes it."""
+        :meth:`fetch`, which encodes it.
+
+        With ``deadline`` (seconds), the keys whose reads have not finished by then are returned
+        (the caller computes those segments instead) and their reads go on into memory, for
+        later requests (:meth:`settle` waits for them)."""
         wanted = set(keys)
         jobs: dict[str, Sequence[int]] = {}
         for plan in plans:
@@ -303,12 +310,29 @@ class ModuleEncoder:
                     schema = plan.sources[segment.schema]
                     joint = schema.joint.get(segment.owner)
                     jobs[segment.key] = joint.module_positions if joint is not None else schema.layout.modules[segment.owner].positions
-        if len(jobs) == 1:
+        if deadline is None and len(jobs) == 1:
             ((key, positions),) = jobs.items()
             self.store.get(key, positions, count=False)
-            return
-        if jobs:
-            list(_readers().map(lambda item: self.store.get(item[0], item[1], count=False), jobs.items()))
+            return set()
+        if not jobs:
+            return set()
+        reads = {key: _readers().submit(self.store.get, key, positions, count=False) for key, positions in jobs.items()}
+        done, late = futures_wait(reads.values(), timeout=deadline)
+        for read in done:
+            read.result()  # an error reading is raised here, as before the deadline existed
+        if late:
+            with self._late_lock:
+                self._late.update(late)
+        return {key for key, read in reads.items() if read in late}
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait for the reads :meth:`prefetch` left running past a deadline; True when none is left."""
+        with self._late_lock:
+            late, self._late = set(self._late), set()
+        _, left = futures_wait(late, timeout=timeout)
+        with self._late_lock:
+            self._late.update(left)
+        return not left
 
     def _encode_joint(self, schema: Any, name: str, key: str) -> ModuleKV:
         """Encode the path ``name`` lies on in one forward pass (``encoding="scaffold"``): every

@@ -24,7 +24,7 @@ from .assemble import Assembler, Assembly
 from .background import BackgroundEncoder
 from .chat import render_chat
 from .constrained import Vocabulary
-from .costs import CostModel, load_or_compute
+from .costs import CostModel, compute_in_prompt, load_or_compute
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
 from .generation import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
@@ -241,8 +241,9 @@ class Serving:
         if use_cache and (self.store.disk is not None or self.remote is not None):
             # modules not in memory: loaded concurrently, or computed in the prompt where their
             # tier is slower than prefill (pc_rag.costs)
-            plans, load = load_or_compute(plans, self.store, self.costs, self._kv_bytes_per_token)
-            self.encoder.prefetch(plans, load)
+            plans, load, deadline = load_or_compute(plans, self.store, self.costs, self._kv_bytes_per_token)
+            late = self.encoder.prefetch(plans, load, deadline)
+            plans = compute_in_prompt(plans, late, self.costs)  # a tier not measured yet lost the race
         return plans
 
     def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, *, share: bool) -> Prefilled:
