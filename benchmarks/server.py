@@ -14,6 +14,11 @@ asks the question; the passages are registered as documents first (over HTTP for
 Requests/s and mean/p95 TTFT, median of ``--repeats`` runs (the two alternate).
 
     python benchmarks/server.py http --clients 1 8 32 --repeats 3
+    python benchmarks/server.py coldstart --passages 8 --requests 5   # starts its own redis-server
+
+Part ``coldstart``: a replica that just started over a Redis behind a ~2 MB/s link (the tests'
+throttling proxy), TTFT of its first ``--requests`` requests (each over another record's
+``--passages`` passages, encoded into Redis by another engine) against full prefill.
 Writes ``benchmarks/results/server_<part>.json`` and prints a markdown table.
 """
 
@@ -142,7 +147,55 @@ def http(args: argparse.Namespace) -> dict[str, Any]:
         server.close()
 
 
+def coldstart(args: argparse.Namespace) -> dict[str, Any]:
+    """A replica that just started, its store a Redis behind a ~2 MB/s link: TTFT of its first
+    requests (each a different held-out record's passages) against full prefill of the same prompt."""
+    import tempfile
+
+    import pc_rag.costs
+    from pc_rag import PromptCache, build_prompt
+
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import RedisServer, ThrottledProxy
+
+    pc_rag.costs.MIN_SAVING_S = 0.005  # as shipped (the tests' conftest is imported, not its fixtures)
+    cases = records(args.data, args.skip, args.requests, args.passages)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "redis").mkdir()
+        server = RedisServer(Path(folder) / "redis")
+        server.start()
+        proxy = ThrottledProxy(server.port, 2e6)
+        try:
+            writer = PromptCache.from_pretrained(remote_store=server.url)
+            prompts = []
+            for question, passages in cases:
+                names = writer.add_documents(passages, progress=False)
+                prompts.append(build_prompt(question, names))
+            writer.generate(prompts[0], max_new_tokens=1, use_cache=False)  # warm the model
+            replica = PromptCache(writer.model, writer.tokenizer, remote_store=proxy.url, remote_timeout_ms=10000)
+            for i, prompt in enumerate(prompts):
+                cached = replica.generate(prompt, max_new_tokens=1)
+                full = writer.generate(prompt, max_new_tokens=1, use_cache=False)
+                rows.append({"request": i + 1, "prompt_tokens": cached.stats.cached_tokens + cached.stats.computed_tokens,
+                             "cached_tokens": cached.stats.cached_tokens, "ttft_s": cached.stats.ttft_s, "full_prefill_s": full.stats.ttft_s,
+                             "ratio": cached.stats.ttft_s / full.stats.ttft_s})
+                print(rows[-1], flush=True)
+            rates = replica.costs.snapshot()
+        finally:
+            proxy.close()
+            server.stop()
+    return {"info": run_info(writer, "SmolLM2-135M-Instruct (embedded)"), "settings": vars(args) | {"data": str(args.data)},
+            "rows": rows, "rates": rates}
+
+
 def table(report: dict[str, Any]) -> str:
+    if "rows" in report:
+        lines = ["| request | prompt tokens | cached | TTFT | full prefill | ratio |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in report["rows"]:
+            lines.append(f"| {r['request']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['ttft_s']:.2f} s | {r['full_prefill_s']:.2f} s "
+                         f"| {r['ratio']:.2f}x |")
+        return "\n".join(lines)
     lines = ["| clients | server req/s | in-process req/s | server p95 TTFT | in-process p95 TTFT |", "| ---: | ---: | ---: | ---: | ---: |"]
     for n, r in report["results"].items():
         s, p = r["server"], r["in-process"]
@@ -152,15 +205,16 @@ def table(report: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["http"])
+    parser.add_argument("part", choices=["http", "coldstart"])
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--skip", type=int, default=100, help="HotpotQA-more records skipped (held out from development)")
     parser.add_argument("--passages", type=int, default=6)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=5, help="coldstart: requests, each over another record's passages")
     args = parser.parse_args()
-    report = {"http": http}[args.part](args)
+    report = {"http": http, "coldstart": coldstart}[args.part](args)
     out = ROOT / "benchmarks" / "results" / f"server_{args.part}.json"
     out.write_text(json.dumps(report, indent=2))
     print(table(report))
