@@ -15,6 +15,7 @@ Requests/s and mean/p95 TTFT, median of ``--repeats`` runs (the two alternate).
 
     python benchmarks/server.py http --clients 1 8 32 --repeats 3
     python benchmarks/server.py coldstart --passages 8 --requests 5   # starts its own redis-server
+    python benchmarks/server.py affinity --groups 8 --rounds 4        # Ray Serve, 2 replicas, its own redis-server
 
 Part ``coldstart``: a replica that just started over a Redis behind a ~2 MB/s link (the tests'
 throttling proxy), TTFT of its first ``--requests`` requests (each over another record's
@@ -64,12 +65,13 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen([sys.executable, "-m", "pc_rag.cli", "serve", "--port", str(self.port), *args],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(600):
+        for _ in range(1200):  # readiness poll: up to 10 minutes (Ray Serve starts replicas one by one)
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         raise RuntimeError("server did not start")
 
     def close(self) -> None:
@@ -189,7 +191,62 @@ def coldstart(args: argparse.Namespace) -> dict[str, Any]:
             "rows": rows, "rates": rates}
 
 
+def affinity(args: argparse.Namespace) -> dict[str, Any]:
+    """Two replicas on Ray Serve over one Redis, each holding about half the documents in memory
+    (``--memory-budget-mb``): requests over ``--groups`` records' passages in turn, ``--rounds``
+    times; memory-tier hit rate (requests that loaded nothing from Redis, after a replica's first)
+    and mean TTFT, with the affinity router and with Ray Serve's default (power of two choices)."""
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import RedisServer
+
+    cases = records(args.data, args.skip, args.groups, args.passages)
+    out: dict[str, Any] = {"settings": vars(args) | {"data": str(args.data)}, "results": {}}
+    with tempfile.TemporaryDirectory() as folder:
+        redis = RedisServer(Path(folder))
+        redis.start()
+        try:
+            for router in ("affinity", "default"):
+                budget = ["--memory-budget-mb", str(args.memory_budget_mb)] if args.memory_budget_mb else []
+                server = Server("--replicas", "2", "--remote-store", redis.url, "--router", router, *budget)
+                try:
+                    documents = [{"id": f"r{r}-p{i}", "text": t} for r, (_, ps) in enumerate(cases) for i, t in enumerate(ps)]
+                    assert httpx.post(server.url + "/v1/collections/docs/documents", json={"documents": documents}, timeout=600).status_code == 202
+                    while len([d for d in httpx.get(server.url + "/v1/collections/docs/documents", params={"limit": 1000}, timeout=600)
+                               .json().get("data", []) if d["status"] == "encoded"]) < len(documents):
+                        time.sleep(1)
+                    last: dict[str, dict] = {}
+                    served = counted = 0
+                    ttfts = []
+                    for _ in range(args.rounds):
+                        for question, passages in cases:
+                            reply = httpx.post(server.url + "/v1/chat/completions", timeout=600, json={
+                                "model": MODEL, "messages": messages(question, passages), "max_tokens": 1}).json()
+                            replica = reply["pc_rag"]["replica"]
+                            ttfts.append(reply["pc_rag"]["ttft_s"])
+                            if replica["id"] in last:
+                                counted += 1
+                                before = last[replica["id"]]
+                                served += replica["hits_remote"] == before["hits_remote"] and replica["misses"] == before["misses"]
+                            last[replica["id"]] = replica
+                    out["results"][router] = {"memory_hit_rate": served / counted, "ttft_mean_s": statistics.mean(ttfts),
+                                              "requests": len(ttfts), "replicas_used": len(last)}
+                    print(router, out["results"][router], flush=True)
+                finally:
+                    server.close()
+                redis.client().flushall()
+        finally:
+            redis.stop()
+    return out
+
+
 def table(report: dict[str, Any]) -> str:
+    if "results" in report and "affinity" in report["results"]:
+        lines = ["| router | memory-tier hit rate | mean TTFT |", "| --- | ---: | ---: |"]
+        for router, r in report["results"].items():
+            lines.append(f"| {router} | {r['memory_hit_rate']:.0%} | {r['ttft_mean_s']:.3f} s |")
+        return "\n".join(lines)
     if "rows" in report:
         lines = ["| request | prompt tokens | cached | TTFT | full prefill | ratio |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in report["rows"]:
@@ -205,7 +262,7 @@ def table(report: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["http", "coldstart"])
+    parser.add_argument("part", choices=["http", "coldstart", "affinity"])
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--skip", type=int, default=100, help="HotpotQA-more records skipped (held out from development)")
     parser.add_argument("--passages", type=int, default=6)
@@ -213,8 +270,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=5, help="coldstart: requests, each over another record's passages")
+    parser.add_argument("--groups", type=int, default=8, help="affinity: records whose passages are asked about in turn")
+    parser.add_argument("--rounds", type=int, default=4, help="affinity: times each record is asked about")
+    parser.add_argument("--memory-budget-mb", type=float, default=None, help="affinity: each replica's memory tier (default: unbounded)")
     args = parser.parse_args()
-    report = {"http": http, "coldstart": coldstart}[args.part](args)
+    report = {"http": http, "coldstart": coldstart, "affinity": affinity}[args.part](args)
     out = ROOT / "benchmarks" / "results" / f"server_{args.part}.json"
     out.write_text(json.dumps(report, indent=2))
     print(table(report))

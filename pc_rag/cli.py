@@ -255,9 +255,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import Tenants, serve
 
     tenants = Tenants.from_file(expand(args.api_keys)) if args.api_keys else None  # a bad key file fails before the model loads
-    engine = _engine(args, max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued)
+    limits = dict(max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued)
+    memory_budget = None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
     name = args.served_model_name or (Path(args.model.rstrip("/")).name if args.model else "SmolLM2-135M-Instruct")
-    serve(engine, host=args.host, port=args.port, tenants=tenants, model_name=name)
+    if args.replicas:
+        from .server.replicas import run
+
+        options = dict(device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store,
+                       kv_quantization=args.kv_quantization, memory_budget=memory_budget, **limits)
+        run(args.model, name, options, replicas=args.replicas, host=args.host, port=args.port,
+            keys_file=str(expand(args.api_keys)) if args.api_keys else None, router=args.router)
+        return 0
+    serve(_engine(args, memory_budget=memory_budget, **limits), host=args.host, port=args.port, tenants=tenants, model_name=name)
     return 0
 
 
@@ -311,12 +320,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running", type=int, default=16, help="rows decoding at once")
     serve.add_argument("--max-step-tokens", type=int, default=512, help="prompt tokens prefilled per scheduler step")
     serve.add_argument("--max-queued", type=int, default=256, help="requests waiting for admission; past it a request gets 429")
+    serve.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
+                       help="module KV held in memory, per engine (default: no bound; the least recently used leave first)")
+    serve.add_argument("--replicas", type=int, default=0, metavar="N",
+                       help="N engine replicas on Ray Serve (a local runtime, or the cluster RAY_ADDRESS names) over --remote-store")
+    serve.add_argument("--router", choices=("affinity", "default"), default="affinity",
+                       help="with --replicas: send a request to the replica that holds its documents, or Ray Serve's default")
     serve.set_defaults(func=cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve" and args.replicas and not args.remote_store:
+        print("pc-rag: error: serve --replicas needs --remote-store URL (the Redis the replicas share)", file=sys.stderr)
+        return 2
     if args.command == "encode" and not args.remote_store:
         print("pc-rag: error: encode needs --remote-store URL (where the replicas read the documents)", file=sys.stderr)
         return 2

@@ -31,9 +31,13 @@ class CacheStats:
     assemble_s: float = 0.0
     prefill_s: float = 0.0
     queue_s: float = 0.0
+    # set by a Ray Serve replica (pc_rag.server.replicas): which one served the call, and its
+    # cumulative memory/disk/remote tier hits at the time
+    replica: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        extra = {"replica": dict(self.replica)} if self.replica is not None else {}
+        return {**extra, 
             "cached_tokens": self.cached_tokens,
             "computed_tokens": self.computed_tokens,
             "ttft_s": self.ttft_s,

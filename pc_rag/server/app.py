@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -31,6 +31,7 @@ from ..documents import DEFAULT_SCHEMA, check_name, module_reference
 from ..errors import PromptCacheError, QueueFull
 from ..generation import Generation
 from ..integrations._shared import model_name as engine_model_name
+from .backend import LocalBackend, call_payload
 from .metrics import CONTENT_TYPE, Metrics
 from .tenants import SINGLE_USER, Tenant, Tenants
 from .wire import (
@@ -75,13 +76,13 @@ class _ClientGone(Exception):
 
 
 class Server:
-    """One engine behind OpenAI's endpoints (see :func:`create_app`)."""
+    """A backend (the engine here, or replicas on Ray Serve) behind OpenAI's endpoints (see :func:`create_app`)."""
 
-    def __init__(self, engine: Any, *, tenants: Tenants | None = None, model_name: str | None = None,
+    def __init__(self, backend: Any, *, model_name: str, tenants: Tenants | None = None, engine: Any = None,
                  max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
-        self.engine = engine
+        self.backend = backend
         self.tenants = tenants
-        self.model = model_name or engine_model_name(engine)
+        self.model = model_name
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.metrics = Metrics(engine)
@@ -92,11 +93,12 @@ class Server:
         body: ChatRequest = read_body(ChatRequest, await self._body(request))
         self._check_model(body.model)
         references = await self._references(body.documents, body.collection, tenant)
-        call = chat_call(body, self.engine.render_chat, references)
+        call = chat_call(body, self.backend.render_chat, references)
         request_id = new_id("chatcmpl")
+        documents = body.documents or ()
         if call.stream:
-            return await self._stream(request_id, call, tenant, chat=True)
-        result = await _unless_disconnected(request, self._generate(call, tenant))
+            return await self._stream(request_id, call, tenant, documents, chat=True)
+        result = await _unless_disconnected(request, self._generate(call, tenant, documents))
         return JSONResponse(chat_response(request_id, self.model, result, call.tools))
 
     async def completions(self, request: Request, tenant: Tenant) -> Response:
@@ -105,7 +107,7 @@ class Server:
         calls = completion_calls(body)
         request_id = new_id("cmpl")
         if calls[0].stream:
-            return await self._stream(request_id, calls[0], tenant, chat=False)
+            return await self._stream(request_id, calls[0], tenant, (), chat=False)
         results = await _unless_disconnected(request, asyncio.gather(*(self._generate(call, tenant) for call in calls)))
         return JSONResponse(completion_response(request_id, self.model, results))
 
@@ -115,15 +117,14 @@ class Server:
     async def add_documents(self, request: Request, tenant: Tenant) -> Response:
         collection = self._collection(request.path_params["collection"], tenant)
         body: _Documents = read_body(_Documents, await self._body(request))
-        names = self.engine.add_documents([d.text for d in body.documents], ids=[d.id for d in body.documents],
-                                          metadatas=[d.metadata for d in body.documents], schema=collection,
-                                          background=True, replace_changed=True, progress=False)
+        names = await self.backend.add_documents(collection, [d.text for d in body.documents], [d.id for d in body.documents],
+                                                 [d.metadata for d in body.documents])
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "document", "status": "queued"} for name in names]},
                             status_code=202)
 
     async def list_documents(self, request: Request, tenant: Tenant) -> Response:
         collection = self._collection(request.path_params["collection"], tenant)
-        encoded, queued = self._held(collection)
+        encoded, queued = await self.backend.held(collection)
         if not encoded and not queued:
             raise not_found(f"collection {collection!r}")
         limit = _int_query(request, "limit", 100, 1, 1000)
@@ -137,32 +138,31 @@ class Server:
     async def delete_document(self, request: Request, tenant: Tenant) -> Response:
         collection = self._collection(request.path_params["collection"], tenant)
         name = request.path_params["document"]
-        encoded, queued = self._held(collection)
+        encoded, queued = await self.backend.held(collection)
         if name in queued:  # finish encoding it first, or it would be added back after the delete
-            await asyncio.to_thread(self.engine.wait_for_documents, DOCUMENTS_WAIT_S)
-            encoded, _ = self._held(collection)
+            await self.backend.wait_for_documents(DOCUMENTS_WAIT_S)
+            encoded, _ = await self.backend.held(collection)
         if name not in encoded:
             raise not_found(f"document {name!r} in collection {collection!r}")
-        await asyncio.to_thread(self.engine.delete_documents, [name], schema=collection)
+        await self.backend.delete_document(collection, name)
         return JSONResponse({"id": name, "object": "document", "deleted": True})
 
     async def health(self, request: Request) -> Response:
-        stats = self.engine.scheduler.stats()
-        return JSONResponse({"status": "ok", "model": self.model, "running": stats["running"], "queued": stats["queued"]})
+        return JSONResponse({"status": "ok", "model": self.model, **await self.backend.health()})
 
     async def scrape(self, request: Request) -> Response:
         return Response(self.metrics.scrape(), media_type=CONTENT_TYPE)
 
     # -- generation -------------------------------------------------------------------------------
-    async def _generate(self, call: Call, tenant: Tenant) -> Generation:
-        result = await self.engine.agenerate(call.prompt, collections=tenant.scope, **call.params)
+    async def _generate(self, call: Call, tenant: Tenant, documents: Sequence[str] = ()) -> Generation:
+        result = await self.backend.generate(call_payload(call.prompt, call.params, tenant.scope, documents))
         self.metrics.generation(result)
         return result
 
-    async def _stream(self, request_id: str, call: Call, tenant: Tenant, *, chat: bool) -> Response:
+    async def _stream(self, request_id: str, call: Call, tenant: Tenant, documents: Sequence[str], *, chat: bool) -> Response:
         """Server-sent events. The first piece is awaited before the response starts, so a request
         refused at submission (queue full, too long, bad) still gets its status code."""
-        stream = self.engine.astream(call.prompt, collections=tenant.scope, **call.params)
+        stream = self.backend.stream(call_payload(call.prompt, call.params, tenant.scope, documents))
         try:
             first: str | None = await stream.__anext__()
         except StopAsyncIteration:
@@ -240,12 +240,6 @@ class Server:
             raise not_found(f"collection {name!r}")
         return name
 
-    def _held(self, collection: str) -> tuple[set[str], set[str]]:
-        """Names of ``collection``'s documents encoded, and queued for encoding."""
-        held = self.engine.registry.snapshot().schemas.get(collection)
-        encoded = set(held.documents) if held is not None and held.layout.documents else set()
-        return encoded, set(self.engine.background.queued(collection))
-
     async def _references(self, ids: list[str] | None, collection: str | None, tenant: Tenant) -> list[str]:
         """Module references of the documents a request names (``documents``, in ``collection``:
         by default the key's only collection, or ``docs``); 404 for any it cannot see."""
@@ -255,10 +249,10 @@ class Server:
             only = tenant.scope
             collection = only[0] if only is not None and len(only) == 1 else DEFAULT_SCHEMA
         collection = self._collection(collection, tenant)
-        encoded, queued = self._held(collection)
+        encoded, queued = await self.backend.held(collection)
         if any(name in queued and name not in encoded for name in ids):
-            await asyncio.to_thread(self.engine.wait_for_documents, DOCUMENTS_WAIT_S)
-            encoded, _ = self._held(collection)
+            await self.backend.wait_for_documents(DOCUMENTS_WAIT_S)
+            encoded, _ = await self.backend.held(collection)
         for name in ids:
             if name not in encoded:
                 raise not_found(f"document {name!r} in collection {collection!r}")
@@ -349,12 +343,18 @@ def _endpoint(server: Server, name: str, handler: Handler) -> Callable[[Request]
     return run
 
 
-def create_app(engine: Any, *, tenants: Tenants | None = None, model_name: str | None = None,
+def create_app(engine: Any = None, *, backend: Any = None, tenants: Tenants | None = None, model_name: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:
-    """An ASGI application serving ``engine`` in OpenAI's wire format (run it with uvicorn:
-    ``pc-rag serve`` does). ``tenants``: API keys and their collections (None: single-user);
-    ``model_name``: the id clients ask for (default: the model's name)."""
-    server = Server(engine, tenants=tenants, model_name=model_name, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    """An ASGI application serving ``engine`` (a :class:`~pc_rag.PromptCache` in this process) or
+    ``backend`` (replicas: :class:`pc_rag.server.replicas.RayBackend`) in OpenAI's wire format
+    (run it with uvicorn: ``pc-rag serve`` does). ``tenants``: API keys and their collections
+    (None: single-user); ``model_name``: the id clients ask for (default: the model's name)."""
+    if (engine is None) == (backend is None):
+        raise PromptCacheError("create_app takes an engine or a backend")
+    if backend is None:
+        backend, model_name = LocalBackend(engine), model_name or engine_model_name(engine)
+    server = Server(backend, model_name=model_name or "pc-rag", tenants=tenants, engine=engine, max_body_bytes=max_body_bytes,
+                    body_timeout_s=body_timeout_s)
     documents = "/v1/collections/{collection}/documents"
     routes = [
         Route("/v1/chat/completions", _endpoint(server, "chat", server.chat_completions), methods=["POST"]),

@@ -55,7 +55,8 @@ class Metrics:
         self.cached = Counter("pcrag_prompt_tokens_cached", "Prompt tokens whose KV was reused", registry=self.registry)
         self.computed = Counter("pcrag_prompt_tokens_computed", "Prompt tokens computed", registry=self.registry)
         self.generated = Counter("pcrag_generated_tokens", "Tokens generated", registry=self.registry)
-        self.registry.register(_EngineCollector(engine))
+        if engine is not None:  # an engine in this process (replicas report through Ray's metrics)
+            self.registry.register(_EngineCollector(engine))
 
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
