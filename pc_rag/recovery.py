@@ -274,9 +274,14 @@ def assemble_plain(plans: list[Plan], new_tokens: int, *, use_cache: bool, share
     scored strategy, a model that takes a position mask), with the time assembly ended; None
     where it is not (:func:`prefill_plans` then runs the other passes). The scheduler prefills a
     long prompt from here in chunks."""
-    if not spec.one_pass or (use_cache and recovery.scored and any(p.cached_tokens for p in plans)):
+    if not spec.one_pass:
         return None
     flags = [list(p.moved) if p.moved is not None else moved(p, encoding) for p in plans]
+    # the scored strategy recovers moved cached segments: with none (a prompt whose cached KV all
+    # sits where it was encoded, e.g. the system prompt of one computed behind a slow tier) its
+    # probe pass would score nothing
+    if use_cache and recovery.scored and any(m for p, f in zip(plans, flags) for s, m in zip(p.segments, f) if s.cached):
+        return None
     ape = Ape(recovery.temperature, recovery.scale, flags) if use_cache and recovery.adjusts_attention else None
     assembled = assembler.assemble(plans, new_tokens, use_cache=use_cache, assembly=assembly, share=share, ape=ape)
     return assembled, time.perf_counter()

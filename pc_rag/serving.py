@@ -24,7 +24,7 @@ from .assemble import Assembler, Assembly
 from .background import BackgroundEncoder
 from .chat import render_chat
 from .constrained import Vocabulary
-from .costs import CostModel, compute_in_prompt, load_or_compute
+from .costs import CostModel, compute_in_prompt, load_or_compute, short_prefixes
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
 from .generation import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
@@ -244,6 +244,8 @@ class Serving:
             plans, load, deadline = load_or_compute(plans, self.store, self.costs, self._kv_bytes_per_token)
             late = self.encoder.prefetch(plans, load, deadline)
             plans = compute_in_prompt(plans, late, self.costs)  # a tier not measured yet lost the race
+        if use_cache:  # per plan: a prefix short in one prompt may be most of another's cache
+            plans = [compute_in_prompt([plan], short_prefixes([plan]), None)[0] for plan in plans]
         return plans
 
     def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, *, share: bool) -> Prefilled:

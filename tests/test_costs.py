@@ -49,6 +49,37 @@ def test_the_cost_model_weighs_measured_loads_against_measured_prefill():
     assert not slow.recompute("remote", 10**6, 100)  # faster, but by less than the floor: keep loading
 
 
+def test_a_tier_slower_than_prefill_at_every_size_is_not_even_asked():
+    costs = CostModel(min_saving_s=0.0)
+    assert not costs.never_load("remote", 46_000)  # nothing measured
+    costs.observe_prefill(100, 0.1)
+    costs.observe_prefill(1000, 0.55)  # 50 ms + 0.5 ms per token
+    costs.observe_load("remote", 0.002, 0.5, 10**6)  # 2 MB/s: 23 ms per 46 KB token
+    assert costs.never_load("remote", 46_000)
+    fast = CostModel(min_saving_s=0.0)
+    fast.observe_prefill(100, 0.1)
+    fast.observe_prefill(1000, 0.55)
+    fast.observe_load("remote", 0.0005, 0.001, 10**6)  # 1 GB/s: loading wins for long modules
+    assert not fast.never_load("remote", 46_000)
+
+
+def test_a_short_cached_prefix_is_computed_with_the_prompt(smollm):
+    """A prompt whose only cached KV is a short prefix (the system prompt; its documents computed,
+    e.g. behind a slow tier, or never registered) runs as full prefill does: from an empty cache,
+    with the causal kernel, instead of over a cache that forces an explicit mask (1.27x slower)."""
+    engine = PromptCache(smollm.model, smollm.tokenizer)
+    engine.add_documents(_passages()[:1], progress=False)
+    other = PromptCache(smollm.model, smollm.tokenizer)
+    # a prompt laid out as the collection lays out its prompts, over documents this engine does not hold
+    layout = other.plan(build_prompt("Who won?", other.add_documents(_passages()[1:], progress=False)))
+    unregistered = smollm.tokenizer.decode(layout.input_ids)
+    assert 0 < engine.plan(unregistered).cached_tokens < 40  # the planner reads the system prompt from the cache ...
+    assert engine.generate(unregistered, max_new_tokens=1).stats.cached_tokens == 0  # ... it is computed with the rest
+    assert torch.allclose(engine.next_token_logits(unregistered), engine.next_token_logits(unregistered, use_cache=False), atol=1e-4)
+    held = engine.tokenizer.decode(engine.plan(build_prompt("Who won?", engine.schemas["docs"].documents)).input_ids)
+    assert engine.generate(held, max_new_tokens=1).stats.cached_tokens > 100  # a prompt that reads a document still does
+
+
 def test_prefill_time_is_a_fixed_cost_plus_a_cost_per_token_and_long_prompts_are_explored():
     costs = CostModel(min_saving_s=0.0)
     for _ in range(3):
