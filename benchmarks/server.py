@@ -39,18 +39,11 @@ from typing import Any
 import httpx
 
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
+from serving import records  # HotpotQA records as (question, passages), as the serving benchmark reads them
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data"
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def records(data: Path, skip: int, count: int, passages: int) -> list[tuple[str, list[str]]]:
-    out = []
-    for line in (data / "hotpotqa_dev_distractor_more.jsonl").read_text().splitlines()[skip : skip + count]:
-        record = json.loads(line)
-        out.append((record["question"], [f"{p['title']}: {p['text']}" for p in record["passages"][:passages]]))
-    return out
 
 
 def messages(question: str, passages: list[str]) -> list[dict[str, str]]:

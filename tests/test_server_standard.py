@@ -1,18 +1,17 @@
 """LangChain's standard chat-model suite for ``ChatOpenAI`` pointed at ``pc-rag serve``: a
 LangChain app that talks to an OpenAI-compatible endpoint works against the server as against
-the in-process ``ChatPromptCache`` (``test_langchain_standard.py``), with the same xfails."""
+the in-process ``ChatPromptCache`` (``test_langchain_standard.py``), with the same settings and xfails."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
-from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_openai import ChatOpenAI
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from .servers import MODEL
-from .test_langchain_standard import squad_passages
+from .test_langchain_standard import EmbeddedModelSettings, squad_passages
 
 _url: str | None = None
 
@@ -24,7 +23,7 @@ def _server(pcrag_server):
     yield
 
 
-class TestChatOpenAIAgainstServer(ChatModelIntegrationTests):
+class TestChatOpenAIAgainstServer(EmbeddedModelSettings, ChatModelIntegrationTests):
     @property
     def chat_model_class(self) -> type[ChatOpenAI]:
         return ChatOpenAI
@@ -37,36 +36,6 @@ class TestChatOpenAIAgainstServer(ChatModelIntegrationTests):
                 # a client per model: langchain-openai's default async client is cached process-wide and
                 # bound to the event loop of its first request, which pytest-asyncio closes after each test
                 "http_async_client": httpx.AsyncClient(timeout=120)}
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return True
-
-    @property
-    def structured_output_kwargs(self) -> dict:
-        return {"method": "json_schema"}
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
-
-    @property
-    def supported_usage_metadata_details(self) -> dict:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
-
-    @pytest.mark.xfail(strict=True, reason="as in-process: under tool_choice='auto' SmolLM2-135M answers the weather question "
-                       "in text instead of calling get_weather (forced calls pass: test_tool_calling)")
-    def test_agent_loop(self, model: BaseChatModel) -> None:
-        super().test_agent_loop(model)
-
-    @pytest.mark.xfail(strict=True, reason="as in-process: json_mode constrains to a JSON object and leaves its keys to the "
-                       "prompt; SmolLM2-135M closes the object before writing 'punchline'")
-    def test_json_mode(self, model: BaseChatModel) -> None:
-        super().test_json_mode(model)
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         """A question over a document the server holds: its text in the message is read from the cache."""

@@ -22,7 +22,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from ..generation import Generation
-from .backend import held
+from .backend import LocalBackend
 from .routing import routing_stats
 
 logger = logging.getLogger(__name__)
@@ -40,13 +40,14 @@ class EngineReplica:
 
         # another replica's documents reach this one within a second (deletions too)
         self.engine = PromptCache.from_pretrained(model, **{"remote_sync_interval_s": 1.0, **options})
+        self.local = LocalBackend(self.engine)  # what the ingress would run in-process, run here
 
     async def generate(self, call: dict[str, Any]) -> Generation:
-        return self._signed(await self.engine.agenerate(call["prompt"], collections=call["scope"], **call["params"]))
+        return self._signed(await self.local.generate(call))
 
     async def stream(self, call: dict[str, Any]) -> AsyncIterator[Any]:
         """The text pieces, then the Generation (cancelling the call lets the row go)."""
-        stream = self.engine.astream(call["prompt"], collections=call["scope"], **call["params"])
+        stream = self.local.stream(call)
         try:
             async for piece in stream:
                 yield piece
@@ -62,26 +63,20 @@ class EngineReplica:
         return result
 
     async def add_documents(self, collection: str, texts: list[str], ids: list[str | None], metadatas: list[Any]) -> list[str]:
-        return self.engine.add_documents(texts, ids=ids, metadatas=metadatas, schema=collection, background=True,
-                                         replace_changed=True, progress=False)
+        return await self.local.add_documents(collection, texts, ids, metadatas)
 
     async def held(self, collection: str) -> tuple[set[str], set[str]]:
-        self.engine.sync_if_due()
-        return held(self.engine, collection)
+        self.engine.sync_if_due()  # documents another replica added: listed here within a second
+        return await self.local.held(collection)
 
     async def wait_for_documents(self, timeout: float) -> None:
-        import asyncio
-
-        await asyncio.to_thread(self.engine.wait_for_documents, timeout)
+        await self.local.wait_for_documents(timeout)
 
     async def delete_document(self, collection: str, name: str) -> None:
-        import asyncio
-
-        await asyncio.to_thread(self.engine.delete_documents, [name], schema=collection)
+        await self.local.delete_document(collection, name)
 
     async def health(self) -> dict[str, Any]:
-        stats = self.engine.scheduler.stats()
-        return {"running": stats["running"], "queued": stats["queued"]}
+        return await self.local.health()
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Ray Serve for the router: the documents this replica holds in memory."""
