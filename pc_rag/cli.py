@@ -266,7 +266,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run(args.model, name, options, replicas=args.replicas, host=args.host, port=args.port,
             keys_file=str(expand(args.api_keys)) if args.api_keys else None, router=args.router)
         return 0
-    serve(_engine(args, memory_budget=memory_budget, **limits), host=args.host, port=args.port, tenants=tenants, model_name=name)
+    serve(_engine(args, memory_budget=memory_budget, **limits), host=args.host, port=args.port, tenants=tenants, model_name=name,
+          body_timeout_s=args.body_timeout_s)
     return 0
 
 
@@ -320,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running", type=int, default=16, help="rows decoding at once")
     serve.add_argument("--max-step-tokens", type=int, default=512, help="prompt tokens prefilled per scheduler step")
     serve.add_argument("--max-queued", type=int, default=256, help="requests waiting for admission; past it a request gets 429")
+    serve.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body not received within this answers 408")
     serve.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
                        help="module KV held in memory, per engine (default: no bound; the least recently used leave first)")
     serve.add_argument("--replicas", type=int, default=0, metavar="N",

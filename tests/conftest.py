@@ -270,6 +270,6 @@ def pcrag_server(tmp_path_factory):
     standard suite against it share it)."""
     from .servers import ServerProcess
 
-    server = ServerProcess(tmp_path_factory.mktemp("server"))
+    server = ServerProcess(tmp_path_factory.mktemp("server"), "--body-timeout-s", "2")
     yield server
     server.close()

@@ -161,6 +161,16 @@ def test_oversized_body_and_long_prompt(pcrag_server):
     assert httpx.get(pcrag_server.url + "/health").status_code == 200  # and the server lives on
 
 
+def test_a_body_that_never_arrives_times_out(pcrag_server):
+    """A client that announces a body and stalls (slowloris) gets a 408 and the server lives on."""
+    with socket.create_connection(("127.0.0.1", pcrag_server.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        reply = sock.recv(4096).decode()  # the server's 2 s body timeout (--body-timeout-s) answers
+    assert reply.startswith("HTTP/1.1 408") and "did not arrive within 2 s" in reply
+    assert httpx.get(pcrag_server.url + "/health").status_code == 200
+
+
 def test_disconnects_free_their_rows(pcrag_server):
     cancelled = pcrag_server.metric("pcrag_scheduler_cancelled_total")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],

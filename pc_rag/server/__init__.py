@@ -24,14 +24,16 @@ __all__ = ["Tenants", "create_app", "serve"]
 
 
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, tenants: Tenants | None = None,
-          model_name: str | None = None, timeout_keep_alive: int = 5) -> None:
+          model_name: str | None = None, timeout_keep_alive: int = 5, body_timeout_s: float = 30.0) -> None:
     """Serve ``engine`` with uvicorn until interrupted. Without ``tenants`` the server is
-    single-user: meant for localhost, and a warning says so when bound to another interface."""
+    single-user: meant for localhost, and a warning says so when bound to another interface.
+    Idle keep-alive connections close after ``timeout_keep_alive`` s; a body not received within
+    ``body_timeout_s`` answers 408."""
     import uvicorn
 
     if tenants is None and not _loopback(host):
         logger.warning("serving on %s without --api-keys: anyone who can reach this port reads and writes every collection", host)
-    app = create_app(engine, tenants=tenants, model_name=model_name)
+    app = create_app(engine, tenants=tenants, model_name=model_name, body_timeout_s=body_timeout_s)
     # h11: its ASGI spec version makes Starlette watch for disconnects while a stream waits on the model
     uvicorn.run(app, host=host, port=port, http="h11", timeout_keep_alive=timeout_keep_alive, log_level="info")
 
