@@ -19,9 +19,10 @@ GPU includes the synchronisation the first token forces). Tier rates are exponen
 moving averages, so a tier that slows down or recovers is followed within a few loads; prefill
 time is a fixed cost plus a cost per token, fitted to the last prefills (:class:`PrefillRate`).
 
+An engine with a disk or remote tier times one prefill when it starts (:data:`CALIBRATION_TOKENS`).
 Until a tier and the prefill have both been measured, a tier's modules are loaded against a
-deadline (:data:`RACE_FRACTION` of their estimated prefill, or :data:`MIN_SAVING_S` before any
-prefill was measured): what has
+deadline (:data:`RACE_FRACTION` of their estimated prefill, or :data:`MIN_SAVING_S` without any
+prefill measured): what has
 not arrived by then is computed in the prompt, and the loads go on into memory, measuring the
 tier. So a cold replica behind a slow link is never much slower than computing. Computing wins only when clearly faster
 (:data:`MARGIN`, :data:`MIN_SAVING_S`): the choice changes which tokens are computed, and must
@@ -50,6 +51,10 @@ MIN_SAVING_S = 0.005
 # prefill of their tokens (a first request then costs at most ~1.2x computing them); loads not
 # done by then go on into memory for later requests while this one computes those segments
 RACE_FRACTION = 0.2
+# an engine with a disk or remote tier times one prefill of this many tokens when it starts, so
+# that its first requests weigh loads against a measured prefill (a short one overstates the cost
+# per token of a long prompt: the loads it allows are the generous side of the race)
+CALIBRATION_TOKENS = 256
 SHORT_PREFIX = 1 / 8  # cached KV at most this share of the computed tokens, as a prefix: computed too
 
 

@@ -49,6 +49,21 @@ class Forward:
         """Whether decode steps run through torch.compile."""
         return self._decode_step is not None
 
+    @torch.inference_mode()
+    def time_prefill(self, tokens: int = 256) -> float:
+        """Seconds one prefill of ``tokens`` takes now (after a short warm-up pass), not counted
+        among the passes: what load-or-compute needs before any request was served (pc_rag.costs)."""
+        device = self.model.device
+        ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        self.model.base_model(input_ids=ids[:, :8])  # first-call allocations and kernel choices
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        self.model.base_model(input_ids=ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - started
+
     def _count(self, passes: int, encoded: int = 0) -> None:
         with self._count_lock:
             self.passes += passes

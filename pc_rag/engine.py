@@ -35,7 +35,7 @@ from . import recovery as recovery_mod
 from .assemble import Assembler, Assembly, choose_assembly
 from .background import BackgroundEncoder
 from .constrained import Vocabulary
-from .costs import CostModel
+from .costs import CALIBRATION_TOKENS, CostModel
 from .documents import SEPARATOR, check_name
 from .encoder import Forward, ModuleEncoder
 from .errors import PromptCacheError
@@ -181,6 +181,8 @@ class PromptCache(Registration, Serving):
         self.costs = CostModel()
         self.store.costs = self.costs
         self.forward = Forward(model, compile=compile)
+        if self.store.disk is not None or self.remote is not None:  # a prefill rate before the first load-or-compute choice
+            self.costs.observe_prefill(CALIBRATION_TOKENS, self.forward.time_prefill(CALIBRATION_TOKENS))
         self.encoder = ModuleEncoder(self.forward, self.store, self.spec, encoding, self.fingerprint)
         # verbatim module texts, for drop-in reuse in plain prompts (only where modules can move)
         # (aligned through character offsets: a fast tokenizer's)

@@ -1,6 +1,7 @@
 """The CLI runs every example schema; bad input ends with a clear message and exit code 2."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,12 @@ def test_demo_and_ask_run_the_langchain_rag_chain(tiny_folder, tmp_path, capsys)
     args = ["--model", str(tiny_folder), "--kv-dir", str(tmp_path), "--max-new-tokens", "3", "-k", "2"]
     assert main(["demo", *args]) == 0
     out = capsys.readouterr().out
-    assert out.count("Q: ") == len(DEMO_QUESTIONS) and out.count("speedup") == len(DEMO_QUESTIONS)
+    assert out.count("Q: ") == len(DEMO_QUESTIONS) and out.count("| speedup ") == len(DEMO_QUESTIONS)
+    agreements = re.findall(r"against full prefill: first token (agrees|differs), (\d+) of (\d+) leading tokens equal", out)
+    assert len(agreements) == len(DEMO_QUESTIONS) and all(int(n) <= int(of) for _, n, of in agreements)
+    firsts = sum(a == "agrees" for a, _, _ in agreements)
+    assert f"totals: first token agrees on {firsts} of {len(DEMO_QUESTIONS)} questions; " \
+           f"{sum(int(n) for _, n, _ in agreements)} of {sum(int(of) for _, _, of in agreements)} leading tokens" in out
     assert "corpus: " in out and "modules: " in out
     assert any((tmp_path / "kv").rglob("*.safetensors")) and (tmp_path / "index" / "docs" / "index.faiss").is_file()
     stored = sorted(p.name for p in (tmp_path / "kv").rglob("*.safetensors"))
