@@ -198,6 +198,8 @@ def test_a_slow_or_full_redis_is_skipped(make_engine, redis_server):
 REPLICA = textwrap.dedent("""
     import json, sys
     from pc_rag import PromptCache, build_prompt
+    import pc_rag.costs
+    pc_rag.costs.MIN_SAVING_S = 3600.0  # count tier hits: a tiny model would rightly compute instead (conftest)
     model, url, role = sys.argv[1:4]
     docs = json.loads(sys.argv[4])
     engine = PromptCache.from_pretrained(model, remote_store=url, recompute=0, attention_temperature=1.0, attention_scale=1.0)
