@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def export(ref: str, into: Path) -> Path:
-    """``pc_rag/`` as it was at ``ref``, under ``into``."""
-    blob = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "pc_rag"], check=True, capture_output=True).stdout
+def export(ref: str, into: Path, *folders: str) -> Path:
+    """``pc_rag/`` (and ``folders``) as they were at ``ref``, under ``into``."""
+    blob = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "pc_rag", *folders], check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(blob)) as archive:
         archive.extractall(into, filter="data")
     return into
@@ -60,6 +60,9 @@ def main() -> None:
     parser.add_argument("--ref", required=True, help="the earlier commit (before)")
     parser.add_argument("--after", default=None, help="a commit for the after side (default: the working tree)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--scripts-from-ref", action="store_true",
+                        help="run the benchmark script as it was at --ref on the before side (when internal modules moved between them; "
+                             "the two scripts must do the same work)")
     parser.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- script.py [its arguments]")
     args = parser.parse_args()
     command = [a for a in args.benchmark if a != "--"]
@@ -67,19 +70,20 @@ def main() -> None:
         parser.error("give the benchmark after --")
     name = Path(command[0]).stem
     with tempfile.TemporaryDirectory(prefix="pc-rag-before-") as tmp:
-        before = export(args.ref, Path(tmp) / "before")
+        before = export(args.ref, Path(tmp) / "before", *(["benchmarks"] if args.scripts_from_ref else []))
         after = export(args.after, Path(tmp) / "after") if args.after else ROOT
         sides = {"before": str(before), "after": str(after)}
+        scripts = {"before": str(before / command[0]) if args.scripts_from_ref else command[0], "after": command[0]}
         runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
         for round_ in range(args.rounds):
             for side, path in sides.items():
                 out = Path(tmp) / f"{side}-{round_}.json"
                 env = {**os.environ, "PYTHONPATH": path + os.pathsep + os.environ.get("PYTHONPATH", "")}
                 print(f"round {round_ + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
-                subprocess.run([sys.executable, *command, "--out", str(out)], check=True, env=env, cwd=ROOT)
+                subprocess.run([sys.executable, scripts[side], *command[1:], "--out", str(out)], check=True, env=env, cwd=ROOT)
                 runs[side].append(metrics(json.loads(out.read_text())))
     report = {"ref": resolve(args.ref), "after": resolve(args.after) if args.after else "working tree", "rounds": args.rounds,
-              "command": command, "metrics": {}}
+              "command": command, "scripts_from_ref": args.scripts_from_ref, "metrics": {}}
     print(f"{'metric':70} {'before':>10} {'after':>10} {'after/before':>12}")
     for key in runs["before"][0]:
         before_value = statistics.median(r[key] for r in runs["before"])

@@ -29,7 +29,7 @@ from run_info import run_info  # benchmarks/run_info.py: scripts run from this f
 from ttft import median_time, timed  # the same timing as the TTFT curve
 
 from pc_rag import PromptCache
-from pc_rag.documents import build_prompt
+from pc_rag.prompt.documents import build_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ["Which team won the game?", "Where was the game played?", "Who performed at halftime?",
@@ -49,8 +49,8 @@ def synthetic_8b(device: str, tokenizer: Any) -> Any:
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
     from transformers import AutoTokenizer
 
-    from pc_rag.loading import load_model
-    from pc_rag.model import default_model_dir
+    from pc_rag.model.loading import load_model
+    from pc_rag.model.loading import default_model_dir
 
     if args.model == "synthetic-8b":
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model_dir())

@@ -25,7 +25,7 @@ from run_info import run_info
 from tqdm.auto import tqdm
 
 from pc_rag import PML, PromptCache, escape
-from pc_rag.model import load_model
+from pc_rag.model.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "Answer the question from the paragraphs."

@@ -52,7 +52,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pc_rag import PromptCache, build_prompt
-from pc_rag.recovery import Recovery
+from pc_rag.prefill.recovery import Recovery
 
 INSTRUCTION = "\nAnswer with only the answer, in a few words."
 DECISIVE = 0.1  # full prefill's first token leads the runner-up by this much probability

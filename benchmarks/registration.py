@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from pc_rag import PromptCache
-from pc_rag.model import default_model_dir
+from pc_rag.model.loading import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

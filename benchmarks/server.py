@@ -147,13 +147,13 @@ def coldstart(args: argparse.Namespace) -> dict[str, Any]:
     requests (each a different held-out record's passages) against full prefill of the same prompt."""
     import tempfile
 
-    import pc_rag.costs
+    import pc_rag.kv.load_or_compute
     from pc_rag import PromptCache, build_prompt
 
     sys.path.insert(0, str(ROOT))
     from tests.conftest import RedisServer, ThrottledProxy
 
-    pc_rag.costs.MIN_SAVING_S = 0.005  # as shipped (the tests' conftest is imported, not its fixtures)
+    pc_rag.kv.load_or_compute.MIN_SAVING_S = 0.005  # as shipped (the tests' conftest is imported, not its fixtures)
     cases = records(args.data, args.skip, args.requests, args.passages)
     rows = []
     with tempfile.TemporaryDirectory() as folder:

@@ -194,9 +194,9 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Per decode step: the scheduler's loop against the bare loop, on a tiny model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from pc_rag.generate import decode
-    from pc_rag.generation import SamplingParams
-    from pc_rag.model import default_model_dir
+    from pc_rag.decode.loop import decode
+    from pc_rag.decode.request import SamplingParams
+    from pc_rag.model.loading import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     torch.manual_seed(0)

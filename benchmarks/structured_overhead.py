@@ -4,7 +4,7 @@ Both libraries walk the same valid JSON answer token by token, as the decode loo
 the allowed-token mask, apply it to a row of logits, accept the token. Reported: tokenizer setup (once
 per engine), schema compile (once per schema) and the median per-token cost, against the median time of one decode step of the model.
 Then pc-rag's own matcher (llguidance plus the budget check that closes a document before
-``max_new_tokens`` ends it, :mod:`pc_rag.constrained`) walks the same answer with a budget a few
+``max_new_tokens`` ends it, :mod:`pc_rag.decode.constrained`) walks the same answer with a budget a few
 tokens above its length (the budget check steers no token) and with a loose one.
 
     python benchmarks/structured_overhead.py [--repeats 5]
@@ -91,7 +91,7 @@ def bench_llguidance(tokenizer, vocab: int, tokens: list[int], repeats: int) -> 
 
 
 def bench_pc_rag(engine: PromptCache, tokens: list[int], repeats: int, budget: int) -> float:
-    from pc_rag.constrained import schema_text
+    from pc_rag.decode.constrained import schema_text
 
     vocabulary = engine._vocabulary
     schema = schema_text(SCHEMA)

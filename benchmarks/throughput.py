@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "throughput.json")
     args = parser.parse_args()
 
-    from pc_rag.model import load_model
+    from pc_rag.model.loading import load_model
 
     model, tokenizer = load_model(args.model, device=args.device)
     engines = {assembly: PromptCache(model, tokenizer, assembly=assembly) for assembly in ("copy", "in_place")}

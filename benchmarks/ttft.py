@@ -33,7 +33,7 @@ import torch
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
 
 from pc_rag import PromptCache
-from pc_rag.documents import DEFAULT_SYSTEM
+from pc_rag.prompt.documents import DEFAULT_SYSTEM
 
 QUESTION = "Which team won the game, and what was the final score?"
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def synthetic_7b(device: str) -> tuple[Any, Any]:
     """A Llama-2-7B-shaped model with random bf16 weights (TTFT does not depend on weight values)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from pc_rag.model import default_model_dir
+    from pc_rag.model.loading import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -132,7 +132,7 @@ def main() -> None:
     if args.synthetic_7b:
         model, tokenizer = synthetic_7b(args.device or "cuda")
     else:
-        from pc_rag.model import load_model
+        from pc_rag.model.loading import load_model
 
         model, tokenizer = load_model(args.model, device=args.device)
     kv_dir = Path(tempfile.mkdtemp(prefix="pc-rag-ttft-"))

@@ -8,20 +8,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .documents import DocumentRecord, build_prompt, module_reference
+    from .prompt.documents import DocumentRecord, build_prompt, module_reference
     from .engine import DEFAULT_ENCODING, PromptCache
     from .errors import PromptCacheError, QueueFull
-    from .generation import CacheStats, Generation
-    from .layout import Plan, Segment
-    from .pml import PML, escape, parse_prompt, parse_schema
+    from .decode.request import CacheStats, Generation
+    from .prompt.layout import Plan, Segment
+    from .prompt.pml import PML, escape, parse_prompt, parse_schema
     from .registry import Schema
 
 # imported on first use (PEP 562): `pc-rag --help` and light tools do not pay for torch
 _WHERE = {
-    "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry", "DocumentRecord": "documents",
-    "build_prompt": "documents", "module_reference": "documents", "PromptCacheError": "errors", "QueueFull": "errors", "CacheStats": "generation",
-    "Generation": "generation", "Plan": "layout", "Segment": "layout", "PML": "pml", "escape": "pml",
-    "parse_prompt": "pml", "parse_schema": "pml",
+    "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry", "DocumentRecord": "prompt.documents",
+    "build_prompt": "prompt.documents", "module_reference": "prompt.documents", "PromptCacheError": "errors", "QueueFull": "errors",
+    "CacheStats": "decode.request", "Generation": "decode.request", "Plan": "prompt.layout", "Segment": "prompt.layout",
+    "PML": "prompt.pml", "escape": "prompt.pml", "parse_prompt": "prompt.pml", "parse_schema": "prompt.pml",
 }
 
 

@@ -4,7 +4,7 @@
 actors; each actor loads the model once, encodes its batches with ``add_documents`` (KV written
 to the remote tier, the batch's document records published once after it) and asks for more.
 Ray retries the batch of an actor that dies (a new actor loads the model again); an entry
-becomes visible in Redis only whole (see :mod:`pc_rag.remote`), so a retry never meets half of
+becomes visible in Redis only whole (see :mod:`pc_rag.kv.remote`), so a retry never meets half of
 one, and encoding the same document twice writes the same bytes.
 
 Runs on a local Ray runtime (``ray.init()`` with this machine's CPUs) or joins the cluster that
@@ -20,11 +20,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from . import documents as docs_mod
-from .documents import DEFAULT_SCHEMA
+from .prompt import documents as docs_mod
+from .prompt.documents import DEFAULT_SCHEMA
 from .errors import PromptCacheError
-from .neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, check_context
-from .remote import RemoteTier, redact_url
+from .prompt.neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, check_context
+from .kv.remote import RemoteTier
+from .kv.redis_link import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class _Encoder:
         """Encode one batch into the remote tier; a PromptCacheError unless every entry and the
         batch's records were written there (what the tier could not take would otherwise wait
         for a write-back that dies with this actor). ``context``: the form, each document's
-        neighbours and the texts of those outside the batch (:mod:`pc_rag.neighbours`)."""
+        neighbours and the texts of those outside the batch (:mod:`pc_rag.prompt.neighbours`)."""
         before = self.engine.store_stats()["encoded"]
         names = [name for name, _, _ in batch]
         form, neighbours_of, texts = context if context is not None else (None, None, None)
@@ -147,7 +148,7 @@ def encode_documents(
 
 def _neighbours(named: dict[str, tuple[str, dict[str, Any]]], k: int, embedding: Any) -> dict[str, list[str]]:
     """Each document's ``k`` nearest among ``named`` by ``embedding``, the farthest first."""
-    from .retrievers.faiss_retriever import embed_texts, load_embedder
+    from .embedding import embed_texts, load_embedder
 
     model, _ = load_embedder(embedding)
     index = NeighbourIndex(lambda texts: embed_texts(model, texts))

@@ -1,14 +1,14 @@
 """``PromptCache``: the one object users hold. It wires the parts and holds no algorithm.
 
     prompt -> planner.plan(snapshot) -> Plan -> recovery.recover (head, tail) -> planner.admit
-           -> Scheduler.submit ... [its loop] recovery.prefill_plans: Assembler.assemble(store) [+ APE]
-              -> generate.prefill [or the scored passes, pc_rag.scored]
-              -> generate.RunningBatch (with other callers' rows) -> Generation
+           -> Scheduler.submit ... [its loop] pipeline.prefill_plans: Assembler.assemble(store) [+ APE]
+              -> generate.prefill [or the scored passes, pc_rag.prefill.scored]
+              -> loop.RunningBatch (with other callers' rows) -> Generation
 
 The public API's halves live in :mod:`pc_rag.registration` (schemas, documents, the shared
 registry) and :mod:`pc_rag.serving` (the request above); this module builds the parts.
 
-``model.inspect_model`` measures the model once (:class:`~pc_rag.model.ModelSpec`);
+``model.inspect_model`` measures the model once (:class:`~pc_rag.model.spec.ModelSpec`);
 ``registry.Registry`` holds schemas and documents and publishes immutable snapshots;
 ``encoder.ModuleEncoder`` puts module KV into the ``store.ModuleStore``.
 """
@@ -31,28 +31,31 @@ from typing import Any, Literal
 import torch
 
 from . import planner
-from . import recovery as recovery_mod
-from .assemble import Assembler, Assembly, choose_assembly
+from .prefill import pipeline
+from .prefill import recovery as recovery_mod
+from .prefill.assemble import Assembler, Assembly, choose_assembly
 from .background import BackgroundEncoder
-from .constrained import Vocabulary
-from .costs import CALIBRATION_TOKENS, CostModel
-from .documents import SEPARATOR, check_name
-from .encoder import Forward, ModuleEncoder
+from .decode.constrained import Vocabulary
+from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
+from .prompt.documents import SEPARATOR, check_name
+from .model.forward import Forward
+from .prefill.encode import ModuleEncoder
 from .errors import PromptCacheError
-from .kvcache import BufferPool
-from .layout import ENCODINGS, Encoding
-from .loading import load_model
-from .model import ModelSpec, inspect_model
+from .kv.buffers import BufferPool
+from .prompt.layout import ENCODINGS, Encoding
+from .model.loading import load_model
+from .model.spec import ModelSpec, inspect_model
 from .paths import expand
-from .quantize import scheme_for
-from .recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, configure_recovery
+from .kv.quantize import scheme_for
+from .prefill.recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, configure_recovery
 from .registration import Registration
 from .registry import Registry, Schema
-from .remote import RemoteTier
-from .rope import RopeRotator
+from .kv.remote import RemoteTier
+from .model.rope import RopeRotator
 from .scheduler import DEFAULT_MAX_QUEUED, DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, Limits, Scheduler
 from .serving import Serving
-from .store import KVShape, open_store
+from .kv.records import KVShape
+from .kv.store import open_store
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ class PromptCache(Registration, Serving):
     with :meth:`add_documents`), then call :meth:`generate`, :meth:`stream` or
     :meth:`generate_batch` with PML prompts (``<prompt schema="...">``) or plain text.
 
-    Fidelity (see :mod:`pc_rag.recovery` and README "Measured quality"): ``recovery`` chooses
+    Fidelity (see :mod:`pc_rag.prefill.recovery` and README "Measured quality"): ``recovery`` chooses
     which tokens of moved modules are computed again (``"head_tail"``: ``recompute`` head and
     ``recompute_tail`` tail tokens per module; ``"query"``/``"deviation"``: the
     ``recovery_budget`` best-scored, a fraction or a count); ``attention_temperature`` and
@@ -81,7 +84,7 @@ class PromptCache(Registration, Serving):
     Storage: ``kv_dir`` persists module KV (``cache_dir``: its deprecated name),
     ``memory_budget`` bounds the memory tier, ``store_dtype``/``kv_location`` where and how it is held,
     ``remote_store`` (``redis://HOST:PORT/DB``, ``rediss://``, ``valkey://``) adds a tier shared by
-    every replica (:mod:`pc_rag.remote`): module KV and document records; ``remote_timeout_ms``
+    every replica (:mod:`pc_rag.kv.remote`): module KV and document records; ``remote_timeout_ms``
     bounds each of its commands; ``remote_sync=False`` skips taking in its documents at start (an
     encoding worker needs none); ``remote_key`` (default: the ``PC_RAG_REMOTE_KEY`` environment
     variable) authenticates every record with an HMAC (a list: the first key signs, all verify,
@@ -91,7 +94,7 @@ class PromptCache(Registration, Serving):
     before a request reads it again (None: only at start, on an unknown name and on
     :meth:`sync_documents`).
     ``kv_quantization`` (``"int8"``, ``"int4"``) stores module KV in 8 or 4 bits in every tier
-    (:mod:`pc_rag.quantize`: keys per channel, values per token), dequantized into each request's
+    (:mod:`pc_rag.kv.quantize`: keys per channel, values per token), dequantized into each request's
     buffer; a budget then holds ~3.8x (int8) or ~6.6x (int4) the modules of float32.
     Speed: ``compile=True`` runs decode steps through ``torch.compile`` (fixed shapes; compiled
     once per batch size and answer budget, so it pays off for long-lived engines with steady settings).
@@ -177,7 +180,7 @@ class PromptCache(Registration, Serving):
             kv_dtype=kv_dtype, pin=store_device.type == "cpu" and self.spec.device.type == "cuda", remote=self.remote,
             shape=KVShape(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, kv_dtype, scheme),
         )
-        # load or recompute (pc_rag.costs): rates measured from this engine's own loads and prefills
+        # load or recompute (pc_rag.kv.load_or_compute): rates measured from this engine's own loads and prefills
         self.costs = CostModel()
         self.store.costs = self.costs
         self.forward = Forward(model, compile=compile)
@@ -197,7 +200,7 @@ class PromptCache(Registration, Serving):
             spec=self.spec, buffers=self.buffers, kv_bytes_per_token=self.spec.kv_bytes_per_token(self.spec.dtype),
             limits=Limits(max_running, max_step_tokens, max_queued, queue_timeout_s, buffer_budget),
             prefill=lambda plans, new, use_cache, share: self._prefill(plans, new, use_cache, share=share),
-            assemble=lambda plans, new, use_cache, share: recovery_mod.assemble_plain(
+            assemble=lambda plans, new, use_cache, share: pipeline.assemble_plain(
                 plans, new, use_cache=use_cache, share=share, recovery=self.recovery, encoding=self.encoding,
                 assembler=self.assembler, assembly=self.assembly, spec=self.spec),
             serving=self.background.serving, observe_prefill=self.costs.observe_prefill, forward=self.forward)
@@ -231,7 +234,7 @@ class PromptCache(Registration, Serving):
         warnings.warn("PromptCache.cache_dir is now kv_dir", DeprecationWarning, stacklevel=2)
         return self.kv_dir
 
-    # -- recovery (see pc_rag.recovery) -----------------------------------------------------------
+    # -- recovery (see pc_rag.prefill.recovery) -----------------------------------------------------------
     @property
     def recompute(self) -> int:
         """Head tokens recomputed per moved module."""
@@ -304,7 +307,7 @@ class PromptCache(Registration, Serving):
         ``kv_quantization`` shows here),
         ``background_pending`` (documents queued by ``add_documents(background=True)``),
         ``recomputed_tokens`` (cached tokens computed in the prompt because their tier was slower
-        than prefill: :mod:`pc_rag.costs`; the rates themselves: ``engine.costs.snapshot()``);
+        than prefill: :mod:`pc_rag.kv.load_or_compute`; the rates themselves: ``engine.costs.snapshot()``);
         with a remote tier, ``remote_errors`` (commands that failed: the tier was skipped) and
         ``remote_rejected`` (records and entries read back and refused)."""
         stats = {"encoded": self.forward.encoded, **self.store.stats(), "background_pending": self.background.pending,

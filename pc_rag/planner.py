@@ -1,4 +1,4 @@
-"""Planning: a prompt and a registry snapshot -> a :class:`~pc_rag.layout.Plan`; recovery; admission.
+"""Planning: a prompt and a registry snapshot -> a :class:`~pc_rag.prompt.layout.Plan`; recovery; admission.
 
 Pure functions of their arguments. A plan lists the prompt's tokens as segments at explicit
 positions; each cached segment carries the store key of the KV it reads and its schema, pinned
@@ -19,11 +19,11 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from .documents import split_references
+from .prompt.documents import split_references
 from .errors import PromptCacheError
-from .layout import ModuleSpan, Plan, Segment, close_names, compute_last, plan_prompt
-from .model import ModelSpec
-from .pml import PML, parse_prompt
+from .prompt.layout import ModuleSpan, Plan, Segment, close_names, compute_last, plan_prompt
+from .model.spec import ModelSpec
+from .prompt.pml import PML, parse_prompt
 from .registry import Schema, Snapshot
 
 
@@ -48,7 +48,7 @@ def plan(prompt: str, snapshot: Snapshot, spec: ModelSpec, *, encoding: str, dro
          collections: frozenset[str] | None = None) -> Plan:
     """Which tokens of ``prompt`` are cached (and where their KV is stored) and which computed, at which positions.
 
-    A :class:`~pc_rag.pml.PML` prompt is read as markup; any other ``str`` is plain text, even one
+    A :class:`~pc_rag.prompt.pml.PML` prompt is read as markup; any other ``str`` is plain text, even one
     that looks like markup (untrusted text never becomes structure).
 
     ``collections`` scopes the request: nothing outside those collections is imported, matched
@@ -83,7 +83,7 @@ def _plan_plain(prompt: str, snapshot: Snapshot, spec: ModelSpec, drop_in: bool)
     """Plain text, tokenised as the tokenizer would: honour module references, and reuse the KV of
     known module text found verbatim wherever the prompt's tokens are the module's tokens.
 
-    A module reference (secret-carrying, see :mod:`pc_rag.documents`) stands for the module's
+    A module reference (secret-carrying, see :mod:`pc_rag.prompt.documents`) stands for the module's
     stored tokens; the text between references is tokenised once per run of text, as a whole.
     """
     bos = [] if spec.bos_text and prompt.startswith(spec.bos_text) else list(spec.bos_ids)  # a chat template may render BOS itself

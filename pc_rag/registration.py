@@ -9,12 +9,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .background import BackgroundEncoder
-from .documents import DEFAULT_SCHEMA, check_name, default_name, normalize
+from .prompt.documents import DEFAULT_SCHEMA, check_name, default_name, normalize
 from .errors import PromptCacheError
-from .neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, check_context, reorder
+from .prompt.neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, check_context, reorder
 from .registry import Registry, Schema
-from .remote import RemoteTier
-from .store import ModuleStore
+from .kv.remote import RemoteTier
+from .kv.store import ModuleStore
 
 
 class Registration:
@@ -58,7 +58,7 @@ class Registration:
         waits for the queue.
 
         ``context="neighbours"`` encodes each new document behind the texts of the ``neighbours``
-        documents it is most likely to be retrieved with (:mod:`pc_rag.neighbours`): the nearest
+        documents it is most likely to be retrieved with (:mod:`pc_rag.prompt.neighbours`): the nearest
         ones of the collection (held, or added in this call) by ``embedding`` (a sentence-transformers
         model or its name, or a LangChain ``Embeddings``; default: the retriever's default model),
         the farthest first; ``"neighbour_sentences"`` behind their first sentences only. A prompt
@@ -115,7 +115,7 @@ class Registration:
     def _neighbour_index(self, schema: str, embedding: Any) -> NeighbourIndex:
         """The embeddings of collection ``schema``'s documents under ``embedding`` (kept per
         collection and embedding model; documents deleted leave it)."""
-        from .retrievers.faiss_retriever import embed_texts, load_embedder
+        from .embedding import embed_texts, load_embedder
 
         indexes = self.__dict__.setdefault("_neighbour_indexes", {})
         # a model given by name (or the default) is loaded once; a model object is its own key
@@ -128,7 +128,7 @@ class Registration:
 
     def reorder_documents(self, names: Sequence[str], *, schema: str = DEFAULT_SCHEMA) -> list[str]:
         """``names`` (retrieved documents of ``schema``, best first) placed so that each follows the
-        neighbour it was encoded behind where the ranking allows (:func:`pc_rag.neighbours.reorder`):
+        neighbour it was encoded behind where the ranking allows (:func:`pc_rag.prompt.neighbours.reorder`):
         ``build_prompt(question, names, reorder=True, engine=engine)`` does it for you."""
         held = self.registry.snapshot().schemas.get(schema)
         return reorder(list(names), held.contexts if held is not None else {})

@@ -1,7 +1,7 @@
 """What the engine knows by name: schemas, document collections and the drop-in text index.
 
 Writers (:meth:`Registry.add_schema`, :meth:`Registry.add_documents`) hold one lock, encode what
-they add through the :class:`~pc_rag.encoder.ModuleEncoder` first and publish after, so a prompt
+they add through the :class:`~pc_rag.prefill.encode.ModuleEncoder` first and publish after, so a prompt
 never sees a module whose KV is not stored yet. Publishing replaces one immutable
 :class:`Snapshot`; planners read the snapshot of the moment without any lock, and a plan keeps
 the schemas it was planned against however the registry changes afterwards.
@@ -21,15 +21,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from . import documents as docs_mod
-from .documents import DEFAULT_SCHEMA, DocumentRecord
-from .dropin import IndexSnapshot, ModuleTextIndex
-from .encoder import ModuleEncoder
+from .prompt import documents as docs_mod
+from .prompt.documents import DEFAULT_SCHEMA, DocumentRecord
+from .prompt.dropin import IndexSnapshot, ModuleTextIndex
+from .prefill.encode import ModuleEncoder
 from .errors import PromptCacheError
-from .layout import SchemaLayout, add_document, document_layout, document_module, layout_schema, remove_documents, scaffold_paths
-from .model import ModelSpec
-from .neighbours import DocumentContext, first_sentence
-from .pml import parse_schema
+from .prompt.layout import SchemaLayout, add_document, document_layout, document_module, layout_schema, remove_documents, scaffold_paths
+from .model.spec import ModelSpec
+from .prompt.neighbours import DocumentContext, first_sentence
+from .prompt.pml import parse_schema
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Registry:
         self._schemas: dict[str, Schema] = {}
         self._snapshot = Snapshot(MappingProxyType({}), IndexSnapshot())
         self._lock = threading.RLock()
-        self.remote = remote  # pc_rag.remote.RemoteTier: document records shared with other processes
+        self.remote = remote  # pc_rag.kv.remote.RemoteTier: document records shared with other processes
         self.remote_collections = remote_collections  # None: every collection published there
         self._remote_seen: dict[str, int] = {}  # log entries of each remote collection read so far
         self._remote_epoch: dict[str, str | None] = {}  # ... in the log of this epoch
@@ -212,7 +212,7 @@ class Registry:
         under the same id) is deleted first (:meth:`delete_documents`) and added anew; without
         it, another text is an error (and other metadata is ignored).
 
-        ``context`` (``"neighbours"`` or ``"neighbour_sentences"``, :mod:`pc_rag.neighbours`) with
+        ``context`` (``"neighbours"`` or ``"neighbour_sentences"``, :mod:`pc_rag.prompt.neighbours`) with
         ``neighbours_of`` (a new document's name -> the names it is encoded behind, the farthest
         first): each new document is encoded behind those documents' texts (or first sentences),
         found among this call's documents, the collection's and ``context_texts`` (name -> text,
@@ -549,7 +549,7 @@ class Registry:
 
     @staticmethod
     def _joint_paths(layout: SchemaLayout, compact: bool) -> dict[str, "_Joint"]:
-        """Each module's path for joint encoding (see :func:`pc_rag.layout.scaffold_paths`).
+        """Each module's path for joint encoding (see :func:`pc_rag.prompt.layout.scaffold_paths`).
 
         ``compact`` (modules can move): a path is encoded at consecutive positions, as a prompt
         that follows it is placed, so such a prompt reads exactly what full prefill computes even

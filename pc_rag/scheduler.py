@@ -40,12 +40,13 @@ from typing import Any
 import torch
 
 from .errors import PromptCacheError, QueueFull
-from .generate import RunningBatch, prefill_chunks
-from .generation import Generation, RequestState
-from .kvcache import BufferPool, batch_capacity
-from .layout import Plan
-from .model import ModelSpec
-from .rows import Prefilled
+from .decode.loop import RunningBatch
+from .prefill.passes import prefill_chunks
+from .decode.request import Generation, RequestState
+from .kv.buffers import BufferPool, batch_capacity
+from .prompt.layout import Plan
+from .model.spec import ModelSpec
+from .prefill.rows import Prefilled
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ class _Chunked:
     """A long prompt being prefilled one chunk per iteration."""
 
     ticket: Ticket
-    assembled: Any  # pc_rag.assemble.Assembled: its rows and inputs
+    assembled: Any  # pc_rag.prefill.assemble.Assembled: its rows and inputs
     assembled_at: float
     chunks: Generator[torch.Tensor | None, None, None]
 
@@ -461,7 +462,7 @@ class Scheduler:
         rows, order = prefilled.rows, prefilled.order
         if rows.batch == 1:
             self._pooled.add(id(rows.buffer))
-        # the prefill rate the load-or-compute choice weighs fetches against (pc_rag.costs)
+        # the prefill rate the load-or-compute choice weighs fetches against (pc_rag.kv.load_or_compute)
         self._observe(sum(requests[i].stats.computed_tokens for i in order), time.perf_counter() - prefilled.assembled_at)
         requests = [requests[i] for i in order]
         owners = [owners[i] for i in order]

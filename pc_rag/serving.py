@@ -1,7 +1,7 @@
 """The serving half of :class:`pc_rag.PromptCache`'s public API, and the request it runs:
 
     plan (planner.plan, recovery.recover) -> admit -> Scheduler.submit
-        -> [the scheduler's loop] recovery.prefill_plans -> generate.RunningBatch (with other callers' rows)
+        -> [the scheduler's loop] pipeline.prefill_plans -> loop.RunningBatch (with other callers' rows)
 
 Each request is planned on the caller's thread against an immutable registry snapshot and
 refused there, before any work, when it cannot be served; the scheduler
@@ -19,24 +19,26 @@ from typing import Any
 import torch
 
 from . import planner
-from . import recovery as recovery_mod
-from .assemble import Assembler, Assembly
+from .prefill import pipeline
+from .prefill import recovery as recovery_mod
+from .prefill.assemble import Assembler, Assembly
 from .background import BackgroundEncoder
-from .chat import render_chat
-from .constrained import Vocabulary
-from .costs import CostModel, compute_in_prompt, load_or_compute, short_prefixes
-from .encoder import Forward, ModuleEncoder
+from .prompt.chat import render_chat
+from .decode.constrained import Vocabulary
+from .kv.load_or_compute import CostModel, compute_in_prompt, load_or_compute, short_prefixes
+from .model.forward import Forward
+from .prefill.encode import ModuleEncoder
 from .errors import PromptCacheError
-from .generation import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
-from .kvcache import BufferPool
-from .layout import Plan
-from .model import ModelSpec
-from .recovery import Recovery
+from .decode.request import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
+from .kv.buffers import BufferPool
+from .prompt.layout import Plan
+from .model.spec import ModelSpec
+from .prefill.recovery import Recovery
 from .registry import Registry
-from .remote import RemoteTier
-from .rows import Prefilled
+from .kv.remote import RemoteTier
+from .prefill.rows import Prefilled
 from .scheduler import AsyncStream, Scheduler, Ticket
-from .store import ModuleStore
+from .kv.store import ModuleStore
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class Serving:
         """``[{"role", "content"}]`` as the model's chat template renders them, ending with the generation prompt.
 
         ``tools``: OpenAI-style function specs, rendered by the template when it takes tools and
-        otherwise described in the system turn (see :mod:`pc_rag.tools`); assistant messages may
+        otherwise described in the system turn (see :mod:`pc_rag.prompt.tools`); assistant messages may
         carry ``tool_calls`` and ``tool`` messages the results.
 
         The result is a plain prompt: module references and verbatim document text inside the
@@ -112,7 +114,7 @@ class Serving:
         ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``,
         ``output_logits``, ``generation_config`` (a ``transformers.GenerationConfig`` or a dict);
         and ``json_schema`` (a JSON schema dict, its text, or True for any JSON object): the
-        output is constrained, token by token, to a document of that schema (:mod:`pc_rag.constrained`),
+        output is constrained, token by token, to a document of that schema (:mod:`pc_rag.decode.constrained`),
         closed within ``max_new_tokens`` whenever that can hold one (:meth:`min_json_tokens`), and
         not cut by stop strings. What a call leaves unset comes from ``generation_config``, then from the engine's
         :attr:`generation_config` (the model's own: its sampling defaults apply when it sets
@@ -177,7 +179,7 @@ class Serving:
         Every prompt is planned first, so every error surfaces before any work. With
         ``share_modules`` (RoPE models on SDPA), cached KV that several prompts import at the same
         positions is held once and attended to once per step for all of them (shared-module
-        attention, see :mod:`pc_rag.shared_attention`); what each prompt computes is prefilled in
+        attention, see :mod:`pc_rag.model.shared_attention`); what each prompt computes is prefilled in
         one batched pass. Greedy outputs equal those of :meth:`generate` called on each prompt.
         Models whose attention cannot take per-row masks (ALiBi, learned positions, flash/flex
         attention) are served one prompt after another. ``collections`` scopes every prompt
@@ -204,7 +206,7 @@ class Serving:
         """Tokens of the shortest document of ``json_schema`` that constrained decoding closes a
         reply with (its closing walk from an empty reply: short, not always the shortest); None
         when none is within 512 tokens. A ``max_new_tokens`` below it ends incomplete."""
-        from .constrained import schema_text
+        from .decode.constrained import schema_text
 
         closing = self._vocabulary.matcher(schema_text(json_schema)).closing()
         return None if closing is None else len(closing)
@@ -240,7 +242,7 @@ class Serving:
                       kv_bytes_per_token=self._kv_bytes_per_token)
         if use_cache and (self.store.disk is not None or self.remote is not None):
             # modules not in memory: loaded concurrently, or computed in the prompt where their
-            # tier is slower than prefill (pc_rag.costs)
+            # tier is slower than prefill (pc_rag.kv.load_or_compute)
             plans, load, deadline = load_or_compute(plans, self.store, self.costs, self._kv_bytes_per_token)
             late = self.encoder.prefetch(plans, load, deadline)
             plans = compute_in_prompt(plans, late, self.costs)  # a tier not measured yet lost the race
@@ -249,7 +251,7 @@ class Serving:
         return plans
 
     def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, *, share: bool) -> Prefilled:
-        return recovery_mod.prefill_plans(plans, new_tokens, use_cache=use_cache, share=share, recovery=self.recovery,
+        return pipeline.prefill_plans(plans, new_tokens, use_cache=use_cache, share=share, recovery=self.recovery,
                                           encoding=self.encoding, assembler=self.assembler, assembly=self.assembly,
                                           forward=self.forward, spec=self.spec, buffers=self.buffers)
 

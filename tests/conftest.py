@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BloomConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from pc_rag import PromptCache
-from pc_rag.model import default_model_dir
+from pc_rag.model.loading import default_model_dir
 
 ARCHS = ("llama", "qwen2", "gpt2", "bloom")
 
@@ -258,10 +258,10 @@ def slow_redis(redis_server):
 def _tiers_always_load(monkeypatch):
     """Tests that count tier hits or compare cached answers need loads to stay loads: a tiny
     model computes a module faster than a disk read, and the load-or-compute choice
-    (pc_rag.costs) would rightly compute it. tests/test_costs.py sets the saving back."""
-    import pc_rag.costs
+    (pc_rag.kv.load_or_compute) would rightly compute it. tests/test_costs.py sets the saving back."""
+    import pc_rag.kv.load_or_compute
 
-    monkeypatch.setattr(pc_rag.costs, "MIN_SAVING_S", 3600.0)
+    monkeypatch.setattr(pc_rag.kv.load_or_compute, "MIN_SAVING_S", 3600.0)
 
 
 @pytest.fixture(scope="session")

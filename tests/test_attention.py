@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pc_rag import attention
+from pc_rag.model import attention
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pc_rag import PromptCacheError, build_prompt
-from pc_rag.documents import default_name, document_id, module_name
+from pc_rag.prompt.documents import default_name, document_id, module_name
 
 
 def test_ids_become_module_names_and_back():

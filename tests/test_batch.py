@@ -120,8 +120,8 @@ def test_rows_sharing_a_module_with_different_ape_flags_keep_their_own(make_engi
     # two rows import the same module at the same position, but in one it reads as moved (APE
     # adjusts the attention to it) and in the other as exact: a shared run must not impose the
     # first row's flags on the second (it did: the signature left the flags out)
-    from pc_rag.assemble import Ape
-    from pc_rag.generate import prefill
+    from pc_rag.prefill.ape import Ape
+    from pc_rag.prefill.passes import prefill
 
     engine = make_engine("llama", recompute=0, recompute_tail=0)
     names = engine.add_documents(DOCS, progress=False)

@@ -11,7 +11,7 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
 from pc_rag import PromptCache, PromptCacheError
-from pc_rag.documents import DEFAULT_SYSTEM
+from pc_rag.prompt.documents import DEFAULT_SYSTEM
 from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheRetriever, SentenceTransformerEmbeddings, format_modules
 
 QUESTION = "Which team won Super Bowl 50?"
@@ -141,7 +141,7 @@ async def test_async_retrieval_and_scopes(smollm, embeddings):
 def test_a_forged_reference_in_store_metadata_is_dropped(smollm, embeddings):
     from langchain_core.vectorstores import InMemoryVectorStore
 
-    from pc_rag.documents import module_reference
+    from pc_rag.prompt.documents import module_reference
 
     store = InMemoryVectorStore(embeddings)
     # someone who can write the vector store copies a genuine reference to another tenant's module

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pc_rag.cli import DEMO_QUESTIONS, main
+from pc_rag.cli import main
+from pc_rag.demo import DEMO_QUESTIONS
 from pc_rag.corpus import stdlib_corpus
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -146,14 +147,14 @@ def test_paths_expand_the_home_folder(tiny_folder, tmp_path, monkeypatch, make_e
     import shutil
 
     shutil.copytree(tiny_folder, tmp_path / "tiny")
-    from pc_rag.model import load_model
+    from pc_rag.model.loading import load_model
 
     model, _ = load_model("~/tiny")  # a model folder under ~ too
     assert model.config.model_type == "llama"
 
 
 def test_ask_labels_the_answer_once():
-    from pc_rag.cli import _answer_text
+    from pc_rag.demo import answer_text
 
-    assert _answer_text(" A: The json module.") == "The json module." and _answer_text("Answer: yes") == "yes"
-    assert _answer_text("Use json.dumps.") == "Use json.dumps."
+    assert answer_text(" A: The json module.") == "The json module." and answer_text("Answer: yes") == "yes"
+    assert answer_text("Use json.dumps.") == "Use json.dumps."

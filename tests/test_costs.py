@@ -1,4 +1,4 @@
-"""Load or recompute (pc_rag.costs) against a real redis-server, directly and behind a proxy that
+"""Load or recompute (pc_rag.kv.load_or_compute) against a real redis-server, directly and behind a proxy that
 forwards at ~2 MB/s; and the remote tier's hygiene: uploads off the request path, no MULTI/EXEC,
 no SCAN, one round trip for many lookups."""
 
@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 
-import pc_rag.costs
+import pc_rag.kv.load_or_compute
 from pc_rag import PromptCache, build_prompt
-from pc_rag.costs import CostModel
-from pc_rag.kvcache import ModuleKV
-from pc_rag.remote import RemoteTier
+from pc_rag.kv.load_or_compute import CostModel
+from pc_rag.kv.buffers import ModuleKV
+from pc_rag.kv.remote import RemoteTier
 
 from .conftest import SQUAD
 
@@ -21,7 +21,7 @@ from .conftest import SQUAD
 @pytest.fixture
 def measured_choice(monkeypatch):
     """The load-or-compute choice as it ships (conftest turns it off for tests that count hits)."""
-    monkeypatch.setattr(pc_rag.costs, "MIN_SAVING_S", 0.005)
+    monkeypatch.setattr(pc_rag.kv.load_or_compute, "MIN_SAVING_S", 0.005)
 
 
 def _passages() -> list[str]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pc_rag import PromptCache
-from pc_rag.generation import TokenHistory
+from pc_rag.decode.request import TokenHistory
 
 PROMPT = "the cat sat on the mat and then the cat sat on the"
 
@@ -79,7 +79,7 @@ def test_one_grammar_mask_for_a_batch_is_each_rows_own(tokenizer):
     """Rows under a grammar get exactly what their matcher allows; a row without one, everything."""
     import llguidance.torch
 
-    from pc_rag.constrained import Vocabulary, allowed_tokens, schema_text
+    from pc_rag.decode.constrained import Vocabulary, allowed_tokens, schema_text
 
     vocab = len(tokenizer)
     vocabulary = Vocabulary(tokenizer, vocab, frozenset({tokenizer.eos_token_id}))

@@ -104,7 +104,7 @@ def test_a_document_deleted_on_one_replica_is_gone_on_the_other(saved_model, red
 
 @pytest.fixture(scope="module")
 def embedder():
-    from pc_rag.retrievers.faiss_retriever import load_embedder
+    from pc_rag.embedding import load_embedder
 
     return load_embedder(None)[0]
 

@@ -31,8 +31,8 @@ def hotpot_paragraphs(count: int) -> list[str]:
 SERVE = textwrap.dedent("""
     import json, sys
     from pc_rag import PromptCache, build_prompt
-    import pc_rag.costs
-    pc_rag.costs.MIN_SAVING_S = 3600.0  # count tier hits: a tiny model would rightly compute instead (conftest)
+    import pc_rag.kv.load_or_compute
+    pc_rag.kv.load_or_compute.MIN_SAVING_S = 3600.0  # count tier hits: a tiny model would rightly compute instead (conftest)
     model, url, names = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     engine = PromptCache.from_pretrained(model, remote_store=url)
     held = sorted(engine.schemas["docs"].documents)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt, module_reference, parse_prompt
-from pc_rag.documents import DEFAULT_SYSTEM, SEPARATOR, default_name
-from pc_rag.pml import ModuleRef, PromptRole, TextNode
+from pc_rag.prompt.documents import DEFAULT_SYSTEM, SEPARATOR, default_name
+from pc_rag.prompt.pml import ModuleRef, PromptRole, TextNode
 
 DOCS = [
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France.",

@@ -1,6 +1,6 @@
 """The drop-in text index: finds stored module texts in a prompt without scanning the store."""
 
-from pc_rag.dropin import KEY_CHARS, ModuleTextIndex
+from pc_rag.prompt.dropin import KEY_CHARS, ModuleTextIndex
 
 A = "Alpha paragraph: " + "a" * 40
 B = "Bravo paragraph: " + "b" * 40

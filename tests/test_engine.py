@@ -3,7 +3,7 @@
 import pytest
 
 from pc_rag import PML, CacheStats, Generation, PromptCache, PromptCacheError
-from pc_rag.generation import IncrementalDetokenizer, StopFilter
+from pc_rag.decode.request import IncrementalDetokenizer, StopFilter
 
 SCHEMA = """<schema name="kb">
 <system>Answer briefly.</system>

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pc_rag import PML, PromptCacheError
-from pc_rag.kvcache import KVBuffer
+from pc_rag.kv.buffers import KVBuffer
 
 from .conftest import ARCHS
 

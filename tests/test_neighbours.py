@@ -1,4 +1,4 @@
-"""Neighbour context (pc_rag.neighbours): documents encoded behind the documents they are retrieved
+"""Neighbour context (pc_rag.prompt.neighbours): documents encoded behind the documents they are retrieved
 with, keyed by that context, carried by persistence, the remote tier and encode_documents, and
 prompt orders that follow it."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
-from pc_rag.neighbours import DocumentContext, NeighbourIndex, nearest, reorder
+from pc_rag.prompt.neighbours import DocumentContext, NeighbourIndex, nearest, reorder
 
 DOCS = {
     "eiffel": "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France.",

@@ -3,7 +3,7 @@
 import pytest
 
 from pc_rag import PromptCacheError, escape, parse_prompt, parse_schema
-from pc_rag.pml import ModuleNode, ModuleRef, ParamNode, PromptRole, RoleNode, UnionNode, is_pml_prompt
+from pc_rag.prompt.pml import ModuleNode, ModuleRef, ParamNode, PromptRole, RoleNode, UnionNode, is_pml_prompt
 
 APPENDIX_TRAVEL = """<schema name="travel">
 <system>

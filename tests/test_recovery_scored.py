@@ -14,9 +14,10 @@ import torch
 from transformers import DynamicCache
 
 from pc_rag import PML, PromptCache, PromptCacheError, build_prompt
-from pc_rag.probe import Probe
-from pc_rag.recovery import Recovery, prefill_plans
-from pc_rag.scored import Entries, top_entries
+from pc_rag.model.probe import Probe
+from pc_rag.prefill.recovery import Recovery
+from pc_rag.prefill.pipeline import prefill_plans
+from pc_rag.prefill.scored import Entries, top_entries
 
 from .test_recovery import DOCS, QUESTION, SCHEMA
 
@@ -101,7 +102,7 @@ def test_probe_scores_are_the_attention_weights_transformers_computes(make_tiny,
     weight = torch.zeros(1, n)
     weight[0, -5:] = 1.0  # the last five tokens play the question
     probe = Probe(stop_after=1, query_weight=weight)
-    from pc_rag.kvcache import KVBuffer
+    from pc_rag.kv.buffers import KVBuffer
 
     engine.forward.probe(KVBuffer.for_model(model, n), ids, torch.arange(n)[None], None, probe)
     eager = make_tiny("llama", num_hidden_layers=4, attn_implementation="eager")

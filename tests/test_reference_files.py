@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pc_rag import PML, PromptCache, PromptCacheError
-from pc_rag.recovery import moved
+from pc_rag.prefill.recovery import moved
 
 FILES = Path(__file__).parent / "reference_pml"
 RUNS = ["empty.xml", "schema_mbti_short.xml", "schema_mbti.xml", "schema_persona.xml", "code_generation_bookstore.xml",
@@ -139,7 +139,7 @@ SQUAD_PROMPT = "<prompt schema='squadv2'><contexts>" + "".join(f"<document{i}/>"
 
 
 def test_several_members_of_one_union_run_with_a_warning(engine, caplog):
-    with caplog.at_level(logging.WARNING, logger="pc_rag.layout"):
+    with caplog.at_level(logging.WARNING, logger="pc_rag.prompt.layout"):
         plan = engine.plan(PML(SQUAD_PROMPT))
     assert "members of the same <union>" in caplog.text
     text = engine.tokenizer.decode(plan.input_ids)

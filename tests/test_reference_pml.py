@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pc_rag import PML, PromptCache, PromptCacheError
-from pc_rag.pml import ModuleNode, ParamNode, UnionNode, parse_schema
+from pc_rag.prompt.pml import ModuleNode, ParamNode, UnionNode, parse_schema
 
 # written in the reference's style (its benchmark/schema_persona.xml shape), with our own text
 PERSONA = """<!-- scenario: 1 -->

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pc_rag import PromptCache, build_prompt
-from pc_rag.kvcache import ModuleKV
-from pc_rag.remote import RemoteTier
+from pc_rag.kv.buffers import ModuleKV
+from pc_rag.kv.remote import RemoteTier
 
 DOCS = [
     "The cathedral bell was cast in 1822 and rings every hour.",
@@ -115,7 +115,7 @@ def test_a_bad_entry_is_rejected_re_encoded_and_replaced(make_engine, redis_serv
     expected = [writer.generate(p, max_new_tokens=6).token_ids for p in prompts(names)]
     corrupt(redis_server, writer, how)
     reader = make_engine(remote_store=redis_server.url)
-    with caplog.at_level("WARNING", logger="pc_rag.remote"):
+    with caplog.at_level("WARNING", logger="pc_rag.kv.remote"):
         got = [reader.generate(p, max_new_tokens=6).token_ids for p in prompts(names)]
     assert got == expected
     assert "rejected" in caplog.text and "re-encoded" in caplog.text
@@ -198,8 +198,8 @@ def test_a_slow_or_full_redis_is_skipped(make_engine, redis_server):
 REPLICA = textwrap.dedent("""
     import json, sys
     from pc_rag import PromptCache, build_prompt
-    import pc_rag.costs
-    pc_rag.costs.MIN_SAVING_S = 3600.0  # count tier hits: a tiny model would rightly compute instead (conftest)
+    import pc_rag.kv.load_or_compute
+    pc_rag.kv.load_or_compute.MIN_SAVING_S = 3600.0  # count tier hits: a tiny model would rightly compute instead (conftest)
     model, url, role = sys.argv[1:4]
     docs = json.loads(sys.argv[4])
     engine = PromptCache.from_pretrained(model, remote_store=url, recompute=0, attention_temperature=1.0, attention_scale=1.0)

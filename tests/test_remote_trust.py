@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
-from pc_rag.kvcache import ModuleKV
-from pc_rag.remote import RemoteTier
-from pc_rag.store import serialize
+from pc_rag.kv.buffers import ModuleKV
+from pc_rag.kv.remote import RemoteTier
+from pc_rag.kv.records import serialize
 
 DOCS = [
     "The cathedral bell was cast in 1822 and rings every hour.",
@@ -59,7 +59,7 @@ def test_bad_registry_records_are_skipped_and_the_good_ones_taken(make_engine, r
     client.set(tier.log._meta_key("broken"), "- [1]")
     client.set(tier.log._meta_key("wrongtype"), "- " + json.dumps({"collection": "wrongtype", "kind": "documents", "system": None}))
     client.set(tier.log._log_key("wrongtype"), "a string, not a list")
-    with caplog.at_level(logging.WARNING, logger="pc_rag.remote"):
+    with caplog.at_level(logging.WARNING, logger="pc_rag.kv.remote"):
         replica = make_engine(remote_store=redis_server.url)  # starts: nothing raised
     assert sorted(replica.schemas["docs"].documents) == ["bell", "keepers", "river"]
     assert replica.remote.rejected >= 8 and "rejected" in caplog.text and "not JSON" in caplog.text
@@ -135,7 +135,7 @@ def test_a_well_formed_payload_that_is_not_this_module_is_rejected(make_engine, 
         forged = ModuleKV(module.kv.to(torch.float16), module.positions.clone())
     forge(redis_server.client(), writer.remote, writer.remote._record_key(entry), forged)
     replica = make_engine(remote_store=redis_server.url)
-    with caplog.at_level(logging.WARNING, logger="pc_rag.store"):
+    with caplog.at_level(logging.WARNING, logger="pc_rag.kv.store"):
         assert answers(replica, names) == answers(local, names)  # never served, never raised
     assert "discarding remote entry" in caplog.text and replica.store_stats()["encoded"] == 1
     third = make_engine(remote_store=redis_server.url)  # the rebuilt entry replaced it
@@ -145,7 +145,7 @@ def test_a_well_formed_payload_that_is_not_this_module_is_rejected(make_engine, 
 def test_with_a_key_unauthenticated_records_are_skipped(make_engine, redis_server, local, caplog):
     stranger = make_engine(remote_store=redis_server.url)  # no key: its records are unsigned
     stranger.add_documents(DOCS[:2], ids=["bell", "keepers"], progress=False)
-    with caplog.at_level(logging.WARNING, logger="pc_rag.remote"):
+    with caplog.at_level(logging.WARNING, logger="pc_rag.kv.remote"):
         replica = make_engine(remote_store=redis_server.url, remote_key=KEY)
     assert "docs" not in replica.schemas and "not authenticated" in caplog.text
     # its own documents: the unsigned KV entries under the same keys are rejected and rebuilt, signed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pc_rag import PromptCacheError
-from pc_rag.documents import default_name
+from pc_rag.prompt.documents import default_name
 from pc_rag.retrievers import FaissModuleRetriever, Hit
 
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pc_rag import PromptCacheError, QueueFull, build_prompt
-from pc_rag.tools import call_schema
+from pc_rag.prompt.tools import call_schema
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
           "required": ["city", "days"], "additionalProperties": False}

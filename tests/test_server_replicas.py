@@ -59,7 +59,7 @@ def ask(server: ServerProcess, group: list[str], question: str, max_tokens: int 
 def memory_served(server: ServerProcess, groups: list[list[str]], rounds: int, tokenizer) -> tuple[float, list[dict]]:
     """Ask about each group in turn, ``rounds`` times: the fraction of requests (after a replica's
     first) whose documents were all read from the replica's memory: reused (cached), with nothing
-    loaded from Redis. (A replica's first requests may compute them instead: pc_rag.costs.)"""
+    loaded from Redis. (A replica's first requests may compute them instead: pc_rag.kv.load_or_compute.)"""
     last: dict[str, dict] = {}
     served, counted, replies = 0, 0, []
     for _ in range(rounds):

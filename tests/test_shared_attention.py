@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pc_rag.assemble as assemble_mod
+import pc_rag.prefill.assemble as assemble_mod
 from pc_rag import PromptCache, PromptCacheError, build_prompt
-from pc_rag.model import RopeRotator
-from pc_rag.shared_attention import SharedKV, SharedPart, SharedRun, share_prefixes, split_attention
+from pc_rag.model.rope import RopeRotator
+from pc_rag.model.shared_attention import SharedKV, SharedPart, SharedRun, share_prefixes, split_attention
 
 DOCS = [
     "The lighthouse on the northern cape was automated in 1987 and still flashes every ten seconds.",
@@ -165,7 +165,7 @@ def test_eager_attention_batches_without_sharing(make_tiny, tokenizer):
 def test_garbage_in_padding_never_reaches_an_answer(make_engine, monkeypatch, share_modules):
     """Masked entries still meet the values in a product (weight 0): fresh buffers are filled
     with NaN here, as uninitialised memory can be, and batched answers must not change."""
-    from pc_rag.kvcache import KVBuffer
+    from pc_rag.kv.buffers import KVBuffer
 
     engine = make_engine("llama", recompute=4)
     names = engine.add_documents(DOCS, progress=False)
@@ -187,7 +187,7 @@ def test_cuda_fused_kernels_return_out_and_lse_in_the_merge_layout(dtype, masked
     shape logic on the meta device: ``out [b, h, m, d]`` and ``lse [b, h, m]`` (the efficient
     kernel pads its log-sum-exp to 32 queries and wants 16-aligned bias rows). The numbers need a
     GPU: no GPU was lent to this project, so only the shapes and the dispatch are checked here."""
-    from pc_rag.shared_attention import fused_attention_with_lse
+    from pc_rag.model.shared_attention import fused_attention_with_lse
 
     query = torch.empty(1, 3, 40, 64, device="meta", dtype=dtype)
     key = torch.empty(1, 3, 100, 64, device="meta", dtype=dtype)

@@ -69,7 +69,7 @@ def test_damaged_entries_are_detected_logged_and_reencoded(saved_model, tmp_path
     else:
         manifest.write_text("{not json")
     second = PromptCache.from_pretrained(saved_model, kv_dir=kv_dir)
-    with caplog.at_level(logging.WARNING, logger="pc_rag.store"):
+    with caplog.at_level(logging.WARNING, logger="pc_rag.kv.store"):
         second.add_schema(SCHEMA, progress=False)
     assert second.forward.passes == 1  # only the damaged entry is encoded again
     assert any("discarding cache entry" in r.message for r in caplog.records)

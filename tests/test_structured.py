@@ -15,9 +15,9 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
 from pc_rag import PromptCacheError
-from pc_rag.constrained import closed
+from pc_rag.prompt.schemas import closed
 from pc_rag.integrations.langchain import ChatPromptCache
-from pc_rag.tools import TOOLS_SYSTEM_TEXT, call_schema, parse_calls
+from pc_rag.prompt.tools import TOOLS_SYSTEM_TEXT, call_schema, parse_calls
 
 # every value bounded, so even a random model finishes the document within the budget
 SCHEMA = {
@@ -161,7 +161,7 @@ def test_stop_strings_do_not_cut_a_constrained_document(make_engine):
 def test_the_closing_walk_completes_partial_documents(make_engine):
     engine = make_engine("llama")
     vocabulary = engine._vocabulary
-    from pc_rag.constrained import schema_text
+    from pc_rag.decode.constrained import schema_text
 
     for prefix in ('{"title": "abc', '{"title": "a\\', '{"title": "", "score": 1.5', '{"title": "", "score": 0, "tags": ["x", "y',
                    '{"title": "", "score": 0, "tags": [], "inner": {"note": "n'):
@@ -246,7 +246,7 @@ def test_tools_go_to_the_system_turn_of_a_template_without_tools(smollm):
 def test_tools_go_through_a_template_that_renders_them(tokenizer):
     from copy import deepcopy
 
-    from pc_rag.model import render_chat
+    from pc_rag.prompt.chat import render_chat
 
     render_chat(tokenizer, None, [{"role": "user", "content": "hi"}], tools=[ADD])  # the plain template probed first
     tool_aware = deepcopy(tokenizer)

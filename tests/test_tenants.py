@@ -95,7 +95,7 @@ class PromptLog(BaseCallbackHandler):
 
 @pytest.fixture(scope="module")
 def embedder():
-    from pc_rag.retrievers.faiss_retriever import load_embedder
+    from pc_rag.embedding import load_embedder
 
     return load_embedder(None)[0]
 

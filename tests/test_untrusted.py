@@ -66,7 +66,7 @@ def test_only_this_process_references_import(engine):
 
 @pytest.fixture(scope="module")
 def embedder():
-    from pc_rag.retrievers.faiss_retriever import load_embedder
+    from pc_rag.embedding import load_embedder
 
     return load_embedder(None)[0]
 

@@ -9,13 +9,13 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from ..documents import DEFAULT_SCHEMA, check_name, module_name, module_reference
+from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_name, module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
-from ..generation import Generation
-from ..neighbours import DocumentContext, reorder
+from ..decode.request import Generation
+from ..prompt.neighbours import DocumentContext, reorder
 from ..planner import scope
-from ..pml import PML, is_pml_prompt
+from ..prompt.pml import PML, is_pml_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def engine_kwargs(adapter: Any, kwargs: dict[str, Any], stop: list[str] | None, 
 def check_document(result: Generation, engine: PromptCache, params: Mapping[str, Any]) -> None:
     """A constrained reply (``json_schema`` in ``params``) that the token budget ended before its
     document closed: a clear error, never half a document handed to a parser. Constrained
-    decoding closes the document whenever the budget can hold it (:mod:`pc_rag.constrained`), so
+    decoding closes the document whenever the budget can hold it (:mod:`pc_rag.decode.constrained`), so
     this happens only when even the shortest document does not fit."""
     schema = params.get("json_schema")
     if schema is None or result.finish_reason != "length":
@@ -207,7 +207,7 @@ def _held_text(engine: PromptCache, collection: str) -> Callable[[str], str | No
 def as_modules(engine: PromptCache, collection: str, hits: Sequence[tuple[Any, str, Mapping[str, Any]]],
                encode: Encode) -> list[tuple[str, str | None]]:
     """``(module name, reference or None)`` for each hit ``(id, text, metadata)`` of a user's own
-    retriever. A hit is named by its id (:func:`pc_rag.documents.module_name`), else by its text.
+    retriever. A hit is named by its id (:func:`pc_rag.prompt.documents.module_name`), else by its text.
     The reference is set when ``collection`` holds exactly this text under that name (so an
     edited document is never served from its old KV); the others are encoded, ``"eager"`` now,
     ``"background"`` after the request (:mod:`pc_rag.background`), and read as text meanwhile. A
@@ -235,7 +235,7 @@ def as_modules(engine: PromptCache, collection: str, hits: Sequence[tuple[Any, s
 
 def reordered(engine: PromptCache, items: Sequence[T], where: Callable[[T], tuple[str, str] | None]) -> list[T]:
     """``items`` (retrieved, best first) placed so that each document follows the neighbour it was
-    encoded behind where the ranking allows (:func:`pc_rag.neighbours.reorder`); ``where`` gives
+    encoded behind where the ranking allows (:func:`pc_rag.prompt.neighbours.reorder`); ``where`` gives
     an item's (collection, module), None for one the engine does not hold (it keeps its rank)."""
     keys = [where(item) for item in items]
     contexts: dict[Any, DocumentContext] = {}

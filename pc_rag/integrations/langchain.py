@@ -45,14 +45,14 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.vectorstores import VectorStore
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
 
-from ..constrained import closed, response_format_schema
-from ..documents import document_id, is_reference, module_reference
+from ..prompt.schemas import closed, response_format_schema
+from ..prompt.documents import document_id, is_reference, module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
-from ..generation import Generation as EngineGeneration
-from ..generation import StreamingGeneration
-from ..retrievers import FaissModuleRetriever
-from ..tools import call_id, call_schema, parse_calls, resolve_tool_choice
+from ..decode.request import Generation as EngineGeneration
+from ..decode.request import StreamingGeneration
+from ..retrievers.faiss_retriever import FaissModuleRetriever
+from ..prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
 from ._shared import (
     as_modules,
     as_prompt,
@@ -374,7 +374,7 @@ class ChatPromptCache(_EngineParams, BaseChatModel):
         ``tool_choice``: "auto" (default: the model answers or calls), "none", "any"/"required"/True
         (a call to some tool) or a tool's name (a call to it). A forced call is decoded under its
         JSON schema, so it always parses into ``AIMessage.tool_calls``. Tools are rendered by the
-        chat template when it takes them, else described in the system turn (:mod:`pc_rag.tools`).
+        chat template when it takes them, else described in the system turn (:mod:`pc_rag.prompt.tools`).
         """
         formatted = [convert_to_openai_tool(tool) for tool in tools]
         return super().bind(tools=formatted, tool_choice=resolve_tool_choice(tool_choice, formatted), **kwargs)
@@ -619,7 +619,7 @@ class PromptCacheRetriever(BaseRetriever):
     """A user's retriever: when hits the engine has not encoded are encoded (see the class docstring)."""
     reorder: bool = False
     """Place each returned document after the neighbour it was encoded behind where the ranking
-    allows (documents added with ``context="neighbours"``; :func:`pc_rag.neighbours.reorder`),
+    allows (documents added with ``context="neighbours"``; :func:`pc_rag.prompt.neighbours.reorder`),
     as LangChain's ``LongContextReorder`` reorders: more of the prompt reads as full prefill."""
 
     def model_post_init(self, context: Any) -> None:

@@ -38,14 +38,14 @@ from llama_index.core.types import PydanticProgramMode
 from llama_index.core.vector_stores.types import MetadataFilters
 from pydantic import Field
 
-from ..constrained import closed
-from ..documents import document_id, module_reference
+from ..prompt.schemas import closed
+from ..prompt.documents import document_id, module_reference
 from ..engine import PromptCache
 from ..errors import PromptCacheError
-from ..generation import StreamingGeneration
-from ..pml import is_pml_prompt
-from ..retrievers import FaissModuleRetriever
-from ..tools import call_id, call_schema, parse_calls, resolve_tool_choice
+from ..decode.request import StreamingGeneration
+from ..prompt.pml import is_pml_prompt
+from ..retrievers.faiss_retriever import FaissModuleRetriever
+from ..prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
 from ._shared import (
     Encode,
     as_modules,
@@ -77,8 +77,8 @@ class PromptCacheLLM(FunctionCallingLLM):
     query engines send it chat messages and agents (``FunctionAgent``), ``predict_and_call`` and
     ``FunctionCallingProgram`` hand it tools: a required call (``tool_required=True``,
     ``tool_choice="required"`` or a tool's name) is decoded under its JSON schema, so it always
-    parses (:mod:`pc_rag.tools`). ``structured_predict`` and ``as_structured_llm`` decode under
-    the output class's JSON schema (:mod:`pc_rag.constrained`). Reuse statistics are in each
+    parses (:mod:`pc_rag.prompt.tools`). ``structured_predict`` and ``as_structured_llm`` decode under
+    the output class's JSON schema (:mod:`pc_rag.decode.constrained`). Reuse statistics are in each
     response's ``additional_kwargs``.
     """
 
@@ -467,7 +467,7 @@ class PromptCacheRetriever(BaseRetriever):
         self.collections = list(collections) if collections is not None else None
         self.collection = collection
         self.encode = check_encode(encode)
-        # each node after the neighbour it was encoded behind, where the ranking allows (pc_rag.neighbours)
+        # each node after the neighbour it was encoded behind, where the ranking allows (pc_rag.prompt.neighbours)
         self.reorder = bool(reorder)
         # metadata conditions, as FaissModuleRetriever.search takes them, or LlamaIndex's MetadataFilters
         self.filter = as_filter(filter)

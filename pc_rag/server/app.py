@@ -27,9 +27,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..documents import DEFAULT_SCHEMA, check_name, module_reference
+from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_reference
 from ..errors import PromptCacheError, QueueFull
-from ..generation import Generation
+from ..decode.request import Generation
 from ..integrations._shared import model_name as engine_model_name
 from .backend import LocalBackend, call_payload
 from .metrics import CONTENT_TYPE, Metrics
@@ -39,7 +39,7 @@ from .wire import (
     Call,
     ChatRequest,
     CompletionRequest,
-    _Body,
+    RequestBody,
     chat_call,
     chat_chunk,
     chat_response,
@@ -61,13 +61,13 @@ RETRY_AFTER_S = 1
 DOCUMENTS_WAIT_S = 120.0  # a request naming documents still being encoded waits this long for them
 
 
-class _Document(_Body):
+class _Document(RequestBody):
     id: str | None = None
     text: str
     metadata: dict[str, Any] | None = None
 
 
-class _Documents(_Body):
+class _Documents(RequestBody):
     documents: list[_Document] = Field(min_length=1)
 
 

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from ..generation import Generation
+from ..decode.request import Generation
 
 
 class Stream(Protocol):

@@ -21,7 +21,7 @@ from typing import Any
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from ..generation import Generation
+from ..decode.request import Generation
 from .backend import LocalBackend
 from .routing import routing_stats
 
@@ -126,15 +126,15 @@ class RayBackend:
     def __init__(self, handle: Any, model: str | None) -> None:
         from transformers import AutoTokenizer
 
-        from ..chat import chat_markers
-        from ..loading import default_model_dir
+        from ..prompt.chat import chat_markers
+        from ..model.loading import default_model_dir
 
         self.handle = handle
         self.tokenizer = AutoTokenizer.from_pretrained(model or default_model_dir())
         self.markers = chat_markers(self.tokenizer)
 
     def render_chat(self, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        from ..chat import render_chat
+        from ..prompt.chat import render_chat
 
         return render_chat(self.tokenizer, self.markers, turns, tools)
 

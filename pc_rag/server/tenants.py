@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..documents import check_name
+from ..prompt.documents import check_name
 from ..errors import PromptCacheError
 from .wire import ApiError
 

@@ -22,10 +22,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..constrained import response_format_schema
+from ..prompt.schemas import response_format_schema
 from ..errors import PromptCacheError
-from ..generation import Generation
-from ..tools import call_id, call_schema, parse_calls, resolve_tool_choice
+from ..decode.request import Generation
+from ..prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
 
 logger = logging.getLogger(__name__)
 
@@ -50,30 +50,32 @@ def not_found(what: str) -> ApiError:
 
 
 # -- request bodies ------------------------------------------------------------------------------
-class _Body(BaseModel):
+class RequestBody(BaseModel):
+    """A request body read in strict JSON mode; fields it does not name are kept (and logged by name)."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(RequestBody):
     name: str
     arguments: str  # a JSON object, as text (OpenAI's format)
 
 
-class ToolCall(_Body):
+class ToolCall(RequestBody):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Body):
+class Message(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -81,23 +83,23 @@ class Message(_Body):
     tool_call_id: str | None = None
 
 
-class FunctionSpec(_Body):
+class FunctionSpec(RequestBody):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(RequestBody):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(RequestBody):
     """What chat and text completions share."""
 
     model: str
@@ -140,7 +142,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
-def read_body(model: type[_Body], raw: bytes) -> Any:
+def read_body(model: type[RequestBody], raw: bytes) -> Any:
     """``raw`` validated as ``model``: a 400 that names the first wrong field otherwise."""
     try:
         body = model.model_validate_json(raw)

@@ -1,0 +1,452 @@
+"""Per-request decoding state: sampling, incremental detokenisation, stop sequences, result types."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import PromptCacheError
+
+
+@dataclass
+class CacheStats:
+    """What one call reused and what it cost.
+
+    ``ttft_s`` runs from receiving the prompt to having the first generated token;
+    ``assemble_s`` is the part of it spent before the first forward pass (parsing, planning,
+    gathering module KV); ``queue_s`` the part spent waiting for the scheduler to admit it
+    (other requests filling its rows or budgets).
+    """
+
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    modules: list[str] = field(default_factory=list)
+    generated_tokens: int = 0
+    assemble_s: float = 0.0
+    prefill_s: float = 0.0
+    queue_s: float = 0.0
+    # set by a Ray Serve replica (pc_rag.server.replicas): which one served the call, and its
+    # cumulative memory/disk/remote tier hits at the time
+    replica: dict[str, Any] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        extra = {"replica": dict(self.replica)} if self.replica is not None else {}
+        return {**extra, 
+            "cached_tokens": self.cached_tokens,
+            "computed_tokens": self.computed_tokens,
+            "ttft_s": self.ttft_s,
+            "total_s": self.total_s,
+            "modules": list(self.modules),
+            "generated_tokens": self.generated_tokens,
+            "assemble_s": self.assemble_s,
+            "prefill_s": self.prefill_s,
+            "queue_s": self.queue_s,
+        }
+
+
+@dataclass
+class Generation:
+    text: str
+    stats: CacheStats
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" (end of turn or stop sequence) or "length"
+    logits: list[torch.Tensor] | None = None  # with output_logits=True: each step's logits [vocab], on the CPU
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    # transformers' logits processors, applied as its generate() applies them
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_new_tokens: int = 0
+    output_logits: bool = False  # keep every step's raw logits (Generation.logits), as transformers' output_logits
+    json_schema: str | None = None  # canonical schema text: output constrained to it (pc_rag.decode.constrained)
+
+    @classmethod
+    def build(
+        cls,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        *,
+        do_sample: bool | None = None,
+        repetition_penalty: float = 1.0,
+        no_repeat_ngram_size: int = 0,
+        min_new_tokens: int = 0,
+        stop_strings: str | Sequence[str] | None = None,
+        output_logits: bool = False,
+        json_schema: Any = None,
+    ) -> "SamplingParams":
+        """Validated parameters. ``do_sample`` as in transformers: False is greedy whatever the
+        temperature, True samples (at temperature 1.0 when none is given); ``stop_strings`` is
+        transformers' name for ``stop``; ``output_logits`` keeps each step's logits, before any
+        processor, in ``Generation.logits``; ``json_schema`` (a JSON schema dict, its text, or
+        True for any JSON object) constrains the output to documents of that schema."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise PromptCacheError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if temperature < 0:
+            raise PromptCacheError(f"temperature must be >= 0, got {temperature!r}")
+        if not 0 < top_p <= 1:
+            raise PromptCacheError(f"top_p must be in (0, 1], got {top_p!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise PromptCacheError(f"top_k must be a positive integer or None, got {top_k!r}")
+        if stop is not None and stop_strings is not None:
+            raise PromptCacheError("give stop or stop_strings (the same thing), not both")
+        if do_sample is not None:
+            temperature = (temperature or 1.0) if do_sample else 0.0
+        if not repetition_penalty > 0:
+            raise PromptCacheError(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
+        for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size), ("min_new_tokens", min_new_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PromptCacheError(f"{name} must be an integer >= 0, got {value!r}")
+        stop = stop if stop is not None else stop_strings
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}")
+        if json_schema is not None and json_schema is not False:
+            from .constrained import schema_text
+
+            json_schema = schema_text(json_schema)
+        else:
+            json_schema = None
+        return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed,
+                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits), json_schema)
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a processor reads the prompt's and the generated tokens."""
+        return self.repetition_penalty != 1.0 or bool(self.no_repeat_ngram_size) or bool(self.min_new_tokens)
+
+    def processors(self, prompt_tokens: int, stop_token_ids: frozenset[int]) -> Any:
+        """transformers' logits processors for these parameters, in its generate()'s order (None: none)."""
+        from transformers import (
+            LogitsProcessorList,
+            MinNewTokensLengthLogitsProcessor,
+            NoRepeatNGramLogitsProcessor,
+            RepetitionPenaltyLogitsProcessor,
+        )
+
+        if not self.reads_history:
+            return None
+        processors = LogitsProcessorList()
+        if self.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if self.no_repeat_ngram_size:
+            processors.append(NoRepeatNGramLogitsProcessor(self.no_repeat_ngram_size))
+        if self.min_new_tokens and stop_token_ids:
+            processors.append(MinNewTokensLengthLogitsProcessor(prompt_tokens, self.min_new_tokens, sorted(stop_token_ids)))
+        return processors or None
+
+
+GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
+                        "output_logits", "generation_config", "json_schema")
+# what a GenerationConfig contributes besides its sampling settings (taken when it sets do_sample=True)
+_CONFIG_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "max_new_tokens", "stop_strings")
+
+
+def from_generation_config(config: Any) -> dict[str, Any]:
+    """The settings a ``GenerationConfig`` (or a dict of its fields) sets away from transformers' defaults."""
+    from transformers import GenerationConfig
+
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        config = GenerationConfig(**config)
+    if not isinstance(config, GenerationConfig):
+        raise PromptCacheError(f"generation_config must be a transformers.GenerationConfig or a dict, got {type(config).__name__}")
+    # fields a config leaves unset (None) take transformers' defaults, as its generate() does
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                "min_new_tokens": 0, "max_new_tokens": None, "stop_strings": None}
+    settings = {name: getattr(config, name) for name in _CONFIG_SETTINGS
+                if getattr(config, name, None) is not None and getattr(config, name) != defaults[name]}
+    if config.do_sample:
+        settings["do_sample"] = True
+        for name in ("temperature", "top_p", "top_k"):
+            value = getattr(config, name, None)
+            settings[name] = value if value is not None else defaults[name]
+    return settings
+
+
+def sampling_params(call: dict[str, Any], engine_config: Any = None) -> SamplingParams:
+    """A call's settings over its ``generation_config`` over the engine's (``engine_config``), over
+    pc-rag's defaults: transformers' precedence, with an explicit temperature deciding alone."""
+    unknown = sorted(set(call) - set(GENERATION_ARGUMENTS) - {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed"})
+    if unknown:
+        raise PromptCacheError(f"unknown generation arguments: {', '.join(unknown)} (known besides the named ones: "
+                               f"{', '.join(GENERATION_ARGUMENTS)})")
+    given = {name: value for name, value in call.items() if value is not None and name != "generation_config"}
+    settings = {**from_generation_config(engine_config), **from_generation_config(call.get("generation_config"))}
+    if "temperature" in given and "do_sample" not in given:
+        settings.pop("do_sample", None)  # an explicit temperature decides alone: 0 is greedy
+    if "stop" in given:
+        settings.pop("stop_strings", None)
+    settings.update(given)
+    settings.setdefault("max_new_tokens", 256)
+    return SamplingParams.build(**settings)
+
+
+class Sampler:
+    """Greedy at temperature 0; otherwise temperature, top-k and nucleus (top-p) sampling."""
+
+    def __init__(self, params: SamplingParams, device: torch.device) -> None:
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if params.temperature > 0 and params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of one row of ``logits``, as a 0-d tensor on their device (read later,
+        with the rest of the batch's tokens, in one transfer)."""
+        p = self.params
+        if p.temperature == 0:
+            return torch.argmax(logits)
+        logits = logits.float() / p.temperature
+        if p.top_k is not None and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+
+class TokenHistory:
+    """What logits processors read (transformers' ``input_ids``: the prompt and the tokens
+    generated so far) for every row of a batch, in one tensor allocated once on the device.
+
+    Each step appends the fed tokens in one in-place scatter; a row's processors read a view of
+    its filled part. (A list turned into a tensor at every step copied the whole history each
+    time: quadratic in the answer's length.)
+    """
+
+    def __init__(self, prompts: Sequence[Sequence[int]], steps: int, device: torch.device) -> None:
+        width = max(len(p) for p in prompts) + steps
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
+        self.ids = ids.to(device)
+        self.prompt_lengths = [len(p) for p in prompts]
+        self.appended = 0  # tokens appended to every row
+        self._at = torch.tensor(self.prompt_lengths, dtype=torch.long, device=device)[:, None]
+
+    def view(self, row: int) -> torch.Tensor:
+        """Row ``row``'s history, ``[1, length]`` (a view)."""
+        return self.ids[row : row + 1, : self.prompt_lengths[row] + self.appended]
+
+    def append(self, tokens: torch.Tensor) -> None:
+        """Append ``tokens [rows, 1]`` (on the device) to every row."""
+        self.ids.scatter_(1, self._at, tokens)
+        self._at += 1
+        self.appended += 1
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas that are safe to show.
+
+    Decoding tokens one by one breaks multi-byte characters and merged pieces; instead the text
+    of a short window of recent tokens is decoded and only its stable growth is released (a
+    trailing U+FFFD means a character is still incomplete).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.released = 0  # characters handed out so far
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        decode = self.tokenizer.decode
+        prefix = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        text = decode(self.tokens[self.prefix_offset :], skip_special_tokens=True)
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            delta = text[len(prefix) :]
+            self.released += len(delta)
+            return delta
+        return ""
+
+    def finish(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        rest = text[self.released :]
+        self.released = len(text)
+        return rest
+
+
+class StopFilter:
+    """Holds back text that may be the start of a stop sequence; cuts the text at the first stop."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        if not self.stops:
+            return delta
+        self.pending += delta
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i != -1]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        keep = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(stop[:n]):
+                    keep = max(keep, n)
+                    break
+        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class StreamingGeneration(Iterator[str]):
+    """Iterator over text deltas; ``.result`` (a :class:`Generation`) is set once exhausted.
+
+    ``deltas`` is a generator that yields text and *returns* the final Generation.
+    """
+
+    def __init__(self, deltas: Generator[str, None, Generation]) -> None:
+        self._deltas = deltas
+        self.result: Generation | None = None
+
+    def __iter__(self) -> "StreamingGeneration":
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._deltas)
+        except StopIteration as done:
+            self.result = done.value
+            raise
+
+    def close(self) -> None:
+        """Stop decoding now; the request's buffer goes back to the pool (as when the stream is collected)."""
+        self._deltas.close()
+
+    @property
+    def stats(self) -> CacheStats | None:
+        return self.result.stats if self.result else None
+
+
+class RequestState:
+    """One request's decoding state: sampling, detokenising, stop handling and statistics.
+
+    Fed one row of logits per step by the decode loop (:mod:`pc_rag.prefill.passes`), whatever the
+    batch; it decides the next token, what text that releases, and when the request is done.
+    """
+
+    def __init__(
+        self,
+        *,
+        params: SamplingParams,
+        tokenizer: Any,
+        device: torch.device,
+        stop_token_ids: frozenset[int],
+        context_window: int | None,
+        modules: list[str],
+        cached_tokens: int,
+        computed_tokens: int,
+        next_position: int,
+        started: float,
+        prompt_ids: Sequence[int] = (),
+        matcher: Any = None,
+    ) -> None:
+        self.stop_token_ids = stop_token_ids
+        self.started = started
+        self.next_position = next_position
+        self.budget = params.max_new_tokens
+        if context_window is not None:
+            self.budget = min(self.budget, context_window - next_position)
+        self.stats = CacheStats(modules=list(modules), cached_tokens=cached_tokens, computed_tokens=computed_tokens)
+        self.greedy = params.temperature == 0
+        self.sampler = Sampler(params, device)
+        # processors read the prompt and what was generated (input ids, as in transformers; the
+        # decode loop keeps them in a TokenHistory)
+        self.processors = params.processors(len(prompt_ids), stop_token_ids)
+        self.prompt_ids = list(prompt_ids) if self.processors is not None else []
+        self.matcher = matcher  # constrained decoding (pc_rag.decode.constrained.Matcher), or None
+        self.detok = IncrementalDetokenizer(tokenizer)
+        # stop strings do not cut a constrained document: it ends when it is whole
+        self.stops = StopFilter(() if matcher is not None else params.stop)
+        self.pieces: list[str] = []
+        self.finish = "length"
+        self.steps = 0
+        self.logits: list[torch.Tensor] | None = [] if params.output_logits else None
+        self.done = self.budget <= 0
+        self.prefill_started = time.perf_counter()
+
+    def scores(self, logits: torch.Tensor, history: TokenHistory | None, row: int) -> torch.Tensor:
+        """One row of ``logits`` after this request's logits processors (reading its ``history``
+        row), on the device; ``logits`` itself when it has none."""
+        if self.processors is None or history is None:
+            return logits
+        return self.processors(history.view(row), logits[None].float())[0]
+
+    def take(self, token: int, logits: torch.Tensor | None = None) -> tuple[int | None, str]:
+        """Record the chosen ``token`` (chosen on the device by the decode loop: processors, the
+        grammar's mask, then greedy choice or sampling, transformers' order); return the token to
+        feed next (None once done) and the new text. Under a grammar, a token after which the
+        document could not close within the budget gives way to the closing (so the fed token
+        may differ from ``token``)."""
+        if self.matcher is not None:
+            # near the end of the budget, a token after which the document could not close gives
+            # way to the closing (pc_rag.decode.constrained): a constrained reply parses whenever it can
+            token = self.matcher.within(token, self.budget - self.steps)
+            self.matcher.accept(token)
+        if self.steps == 0:
+            now = time.perf_counter()
+            self.stats.ttft_s = now - self.started
+            self.stats.prefill_s = now - self.prefill_started
+        if self.logits is not None and logits is not None:
+            self.logits.append(logits.detach().float().cpu())
+        self.steps += 1
+        if token in self.stop_token_ids:
+            self.finish, self.done = "stop", True
+            return None, ""
+        self.stats.generated_tokens += 1
+        delta = self.stops.feed(self.detok.add(token))
+        if delta:
+            self.pieces.append(delta)
+        if self.stops.stopped:
+            self.finish, self.done = "stop", True
+        elif self.steps >= self.budget:
+            self.done = True
+            if self.matcher is not None and self.matcher.complete:
+                self.finish = "stop"  # the document closed on the budget's last token: it is whole
+        return (None if self.done else token), delta
+
+    def close(self) -> tuple[str, Generation]:
+        """The text still held back (flushed now) and the finished Generation."""
+        tail = ""
+        if not self.stops.stopped:
+            tail = self.stops.feed(self.detok.finish()) + self.stops.flush()
+            if tail:
+                self.pieces.append(tail)
+        self.stats.total_s = time.perf_counter() - self.started
+        return tail, Generation("".join(self.pieces), self.stats, list(self.detok.tokens), self.finish, self.logits)

@@ -1,0 +1,152 @@
+"""Attention kernels the engine registers with transformers' public ``AttentionInterface``.
+
+``pc_rag_sdpa`` is transformers' own SDPA path with one change: on CPU, grouped-query attention
+with a mask runs through ``scaled_dot_product_attention(..., enable_gqa=True)`` instead of first
+materialising ``repeat_kv`` copies of every key and value. transformers only does that copy-free
+call without a mask (a CUDA kernel restriction that does not apply on CPU); a cached prompt always
+has a mask (its query starts after the imported modules), so on a 7.5K-token context the copies
+cost a quarter of the time to first token. The arithmetic is the same kernel's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import shared_attention
+from ..errors import PromptCacheError
+from .probe import PROBE_KWARG
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_NAME = "pc_rag_sdpa"
+# attention keywords of model families whose attention is more than softmax(q k^T) v
+_SPECIAL = ("position_bias", "cache", "softcap")
+_registered = False
+
+
+def _pc_rag_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    shared = kwargs.pop(shared_attention.KWARG, None)
+    probe = kwargs.pop(PROBE_KWARG, None)
+    if probe is not None:  # recovery reads this layer's attention (and may stop the pass here)
+        probe.observe(module, query, key, attention_mask, scaling)
+    special = any(kwargs.get(k) is not None for k in _SPECIAL)
+    if shared is not None:
+        if special:
+            raise PromptCacheError("shared-module attention does not support position biases or soft-capping")
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        return shared_attention.split_attention(module, query, key, value, attention_mask, scaling, shared, window=window), None
+    groups = getattr(module, "num_key_value_groups", 1)
+    special = special or kwargs.get("output_attentions")
+    if query.device.type != "cpu" or groups == 1 or query.shape[2] == 1 or special:
+        # decode steps (q_len 1) are already copy-free upstream (pack_gqa); everything else as upstream
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal and attention_mask is None and query.shape[2] > 1)
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=causal,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``pc_rag_sdpa`` (and transformers' SDPA mask builder under the same name)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, _pc_rag_sdpa)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    _registered = True
+
+
+def install(model: Any) -> bool:
+    """Switch a model that uses plain ``sdpa`` to ``pc_rag_sdpa``; returns whether it switched.
+
+    Models on eager, flash or flex attention are left alone: the switch only ever replaces the
+    SDPA path with the same SDPA kernel.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return False
+    register()
+    try:
+        model.set_attn_implementation(ATTENTION_NAME)
+    except (ValueError, TypeError) as err:  # a model class that cannot switch dynamically
+        logger.info("keeping sdpa attention: %s", err)
+        return False
+    return getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME
+
+
+# attention implementations that take an arbitrary 4D mask: boolean (True = attend) for SDPA,
+# additive float for eager
+BOOLEAN_MASK = ("sdpa", ATTENTION_NAME)
+ADDITIVE_MASK = ("eager",)
+
+
+def accepts_custom_mask(model: Any) -> bool:
+    return getattr(model.config, "_attn_implementation", None) in BOOLEAN_MASK + ADDITIVE_MASK
+
+
+def attention_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, valid: torch.Tensor | None, spec: Any,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The mask for queries at ``query_positions [rows, q]`` over keys at ``key_positions [rows, k]``.
+
+    Causality is given by positions, not by where a key sits in the cache: a request's cache holds
+    its cached modules first and its computed tokens after them, out of position order (see
+    :func:`pc_rag.prefill.passes.prefill`). ``valid [rows, k]`` marks real entries (not padding).
+    Sliding-window models see only keys within the window (``query - window < key``), as
+    transformers' own masks do; a model whose layers differ gets one mask per layer type.
+    Boolean (True = attend) for SDPA, additive for eager, as ``spec.attn_implementation`` takes;
+    additive for both when ``bias [rows, k]`` (added to the attention logits of every query,
+    APE's scale) is given.
+    """
+    allowed = key_positions[:, None, :] <= query_positions[:, :, None]
+    if valid is not None:
+        allowed &= valid[:, None, :]
+    allowed = allowed[:, None]  # [rows, 1, q, k]
+    window = spec.sliding_window
+    if window is None:
+        return _as_mask(allowed, spec, bias)
+    windowed = allowed & (key_positions[:, None, None, :] > query_positions[:, None, :, None] - window)
+    if not spec.mixed_window:
+        return _as_mask(windowed, spec, bias)
+    return {"full_attention": _as_mask(allowed, spec, bias), "sliding_attention": _as_mask(windowed, spec, bias)}
+
+
+def _as_mask(allowed: torch.Tensor, spec: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if spec.attn_implementation in BOOLEAN_MASK and bias is None:
+        return allowed
+    if bias is None:
+        mask = torch.zeros(allowed.shape, dtype=spec.dtype, device=allowed.device)
+    else:
+        mask = bias[:, None, None, : allowed.shape[-1]].to(spec.dtype).expand(allowed.shape).clone()
+    return mask.masked_fill_(~allowed, torch.finfo(spec.dtype).min)

@@ -1,0 +1,200 @@
+"""``Forward``: every pass pc-rag runs through a model (module encoding, prefill, probing, decode
+steps), with the keyword arguments its attention kernels read (positions, shared KV, the probe)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..kv.buffers import KVBuffer, ModuleKV
+from .probe import PROBE_KWARG, Probe, ProbeDone
+from .shared_attention import KWARG, SharedKV
+
+
+def _shared_kwargs(shared: SharedKV | None, positions: torch.Tensor, bounds: tuple[int, int] | None) -> dict[str, Any]:
+    """The forward keyword that hands shared KV to the attention function (none without it)."""
+    return {} if shared is None else {KWARG: shared.for_queries(positions, bounds)}
+
+
+class Forward:
+    """Runs the model over new tokens at explicit positions, appending to a :class:`KVBuffer`.
+
+    Counts its work (thread-safe): ``passes`` (forward passes of any kind) and ``encoded``
+    (token sequences encoded as module KV). Tests use them to prove that a cache hit runs no
+    forward pass and that concurrent callers encode every module once.
+    """
+
+    def __init__(self, model: Any, *, compile: bool = False) -> None:
+        self.model = model
+        # decode steps with fixed shapes (pc_rag.decode.loop.Cursor) through torch.compile: compiled
+        # once per batch size and buffer capacity (dynamic=False: a CUDA graph needs static shapes)
+        self._decode_step = torch.compile(self._model_step, dynamic=False) if compile else None
+        self.compiled_steps = 0  # decode steps run compiled
+        self.passes = 0
+        self.encoded = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run through torch.compile."""
+        return self._decode_step is not None
+
+    @torch.inference_mode()
+    def time_prefill(self, tokens: int = 256) -> float:
+        """Seconds one prefill of ``tokens`` takes now (after a short warm-up pass), not counted
+        among the passes: what load-or-compute needs before any request was served (pc_rag.kv.load_or_compute)."""
+        device = self.model.device
+        ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        self.model.base_model(input_ids=ids[:, :8])  # first-call allocations and kernel choices
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        self.model.base_model(input_ids=ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - started
+
+    def _count(self, passes: int, encoded: int = 0) -> None:
+        with self._count_lock:
+            self.passes += passes
+            self.encoded += encoded
+
+    def reset_counts(self) -> None:
+        with self._count_lock:
+            self.passes = self.encoded = 0
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        buffer: KVBuffer,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        *,
+        logits: bool,
+        mask: torch.Tensor | None = None,
+        shared: SharedKV | None = None,
+    ) -> torch.Tensor | None:
+        """Extend ``buffer`` with ``token_ids``; return the last token's logits when asked.
+
+        ``mask`` (``[1, 1, new, buffer + new]``, see :func:`pc_rag.model.attention.position_mask`)
+        replaces the causal mask transformers would build from buffer order. ``shared`` is KV
+        attended to besides the buffer, read in place (see :mod:`pc_rag.model.shared_attention`).
+        """
+        positions = list(positions)
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        pos = torch.tensor([positions], dtype=torch.long)
+        bounds = (min(positions), max(positions)) if shared is not None else None
+        if logits:
+            return self._step(buffer, ids, pos, mask, shared, bounds)[0]
+        self._count(1)
+        device = self.model.device
+        pos = pos.to(device)
+        self.model.base_model(
+            input_ids=ids.to(device), position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True,
+            **_shared_kwargs(shared, pos, bounds),
+        )
+        return None
+
+    def decode_batch(
+        self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, bounds: tuple[int, int], mask: Any,
+        shared: SharedKV | None = None,
+    ) -> torch.Tensor:
+        """One decoding step for every row of a batched ``buffer``: ``ids [rows, 1]`` at ``positions
+        [rows, 1]`` (their smallest and largest in ``bounds``): logits ``[rows, vocab]``."""
+        if self._decode_step is not None and shared is None and buffer.fixed:
+            self._count(1)
+            self.compiled_steps += 1
+            with torch.inference_mode():
+                return self._decode_step(ids, positions, mask, buffer.cache)
+        return self._step(buffer, ids, positions, mask, shared, bounds)
+
+    def _model_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, cache: Any, **extra: Any) -> torch.Tensor:
+        """The model over ``ids`` at ``positions``; the last token's logits (logits_to_keep=1: the
+        vocabulary projection runs for it only)."""
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1, **extra)
+        return out.logits[:, -1]
+
+    def prefill_batch(
+        self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: Any, shared: SharedKV | None = None,
+        bounds: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Run ``ids [rows, n]`` (left-padded, so every row's last column is a real token) at
+        ``positions`` (their smallest and largest in ``bounds``): the last column's logits, ``[rows, vocab]``."""
+        return self._step(buffer, ids, positions, mask, shared, bounds)
+
+    @torch.inference_mode()
+    def _step(
+        self, buffer: KVBuffer, ids: torch.Tensor, pos: torch.Tensor, mask: Any, shared: SharedKV | None = None,
+        bounds: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Run ``ids [rows, n]`` at ``pos``; the last token's logits of each row, ``[rows, vocab]``."""
+        self._count(1)
+        device = self.model.device
+        pos = pos.to(device)
+        return self._model_step(ids.to(device), pos, mask, buffer.cache, **_shared_kwargs(shared, pos, bounds))
+
+    @torch.inference_mode()
+    def probe(self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: Any, probe: Probe) -> None:
+        """Run ``ids [rows, n]`` at ``positions`` through the probe's layers only (see
+        :class:`pc_rag.model.probe.Probe`); those layers' KV is left in ``buffer``, which still
+        counts the entries it held before."""
+        self._count(1)
+        before = len(buffer)
+        device = self.model.device
+        try:
+            self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
+                                  past_key_values=buffer.cache, use_cache=True, **{PROBE_KWARG: probe})
+        except ProbeDone:
+            pass
+        buffer.grow_to(before)
+
+    def encode(self, token_ids: Sequence[int], positions: Sequence[int], prefix: ModuleKV | None = None) -> ModuleKV:
+        """The KV of ``token_ids`` at ``positions``, attending to ``prefix`` (if any) and to themselves."""
+        before = len(prefix) if prefix is not None else 0
+        buffer = KVBuffer.for_model(self.model, before + len(token_ids))
+        if prefix is not None:
+            buffer.append(prefix.read(dtype=buffer.storage.dtype))
+        self._count(0, 1)
+        self(buffer, token_ids, positions, logits=False)
+        kv = buffer.slice(before, before + len(token_ids)).clone()
+        return ModuleKV(kv, torch.tensor(list(positions), dtype=torch.long))
+
+    @torch.inference_mode()
+    def encode_batch(
+        self, sequences: Sequence[Sequence[int]], start: int, prefix: ModuleKV | None = None, *, pad_id: int = 0,
+        keep_from: Sequence[int] | None = None,
+    ) -> list[ModuleKV]:
+        """The KV of several token sequences, each at positions ``start, start+1, ...`` behind ``prefix``.
+
+        One forward pass for all: rows are right-padded, and since attention is causal a real
+        token never sees the padding after it, so no mask is needed and each row's KV equals
+        what :meth:`encode` gives it alone. ``keep_from[row]``: only that row's tokens from there
+        on are returned (the ones before were its context: :mod:`pc_rag.prompt.neighbours`).
+        """
+        before = len(prefix) if prefix is not None else 0
+        width = max(len(s) for s in sequences)
+        buffer = KVBuffer.for_model(self.model, before + width, batch=len(sequences))
+        if prefix is not None:
+            buffer.append(prefix.read(dtype=buffer.storage.dtype))
+        device = self.model.device
+        ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+        positions = torch.arange(start, start + width, dtype=torch.long).expand(len(sequences), -1)
+        self._count(1, len(sequences))
+        self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), past_key_values=buffer.cache, use_cache=True)
+        kept = keep_from if keep_from is not None else [0] * len(sequences)
+        return [
+            ModuleKV(buffer.slice(before + skip, before + len(seq), row).clone(), torch.arange(start + skip, start + len(seq), dtype=torch.long))
+            for row, (seq, skip) in enumerate(zip(sequences, kept))
+        ]
+
+    def keys_at(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        """Keys ``[layers, heads, n, dim]`` of ``token_ids`` encoded alone from position ``start``."""
+        module = self.encode(token_ids, range(start, start + len(token_ids)))
+        return module.kv[:, 0]

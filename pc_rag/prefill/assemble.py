@@ -1,0 +1,226 @@
+"""Assembly: plans + the store -> what attention reads (:class:`~pc_rag.prefill.rows.Rows`) and what
+each row computes (:class:`~pc_rag.prefill.rows.Inputs`).
+
+Three ways to hand a prompt's cached KV to attention:
+
+- ``copy``: each cached segment is copied into the request's own cache (rotated on the way
+  when it moved), then the computed tokens follow it;
+- ``in_place`` (one request, split attention): each cached segment is attended to where the
+  store keeps it, moved modules read unrotated (their queries rotate back instead);
+- shared (a batch, split attention): rows are sorted by their cached segments and
+  :func:`~pc_rag.model.shared_attention.share_prefixes` finds the runs two or more rows import at the
+  same positions (ChunkAttention's prefix tree); a run is held once (read in place when it is
+  one stored module, else assembled once for the batch), what a row shares with nobody is
+  copied into its own cache.
+
+Every cached segment's KV is read by the store key its plan pinned; a module the store lost is
+encoded again from the schema the plan pinned (``ModuleEncoder.fetch``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .ape import Ape, adjust_attention, moved_entries
+from .encode import ModuleEncoder
+from ..errors import PromptCacheError
+from ..kv.buffers import BufferPool, KVBuffer, batch_capacity
+from ..prompt.layout import Plan, Segment
+from ..model.spec import ModelSpec
+from ..kv.quantize import QuantizedModuleKV
+from ..kv.records import StoredKV
+from ..model.rope import rotate_in_place, rotate_with
+from .rows import Inputs, Rows
+from ..model.shared_attention import SharedKV, SharedPart, share_prefixes
+
+Assembly = Literal["copy", "in_place"]
+
+
+def choose_assembly(requested: Assembly | None, default: Assembly, spec: ModelSpec) -> Assembly:
+    """``in_place`` (zero-copy: modules are attended to where they are stored) needs split attention."""
+    if requested is None:
+        return default if spec.split else "copy"
+    if requested not in ("copy", "in_place"):
+        raise PromptCacheError(f"assembly must be 'copy' or 'in_place', got {requested!r}")
+    if requested == "in_place" and not spec.split:
+        raise PromptCacheError(
+            "assembly='in_place' needs a RoPE model on sdpa attention; this one has "
+            f"{spec.position_kind} positions and {spec.attn_implementation!r} attention"
+        )
+    return requested
+
+
+@dataclass
+class Assembled:
+    rows: Rows
+    inputs: Inputs
+    order: list[int]  # row -> index of its plan (shared batches sort their rows)
+
+
+class Assembler:
+    """Turns plans into :class:`Rows` and :class:`Inputs` (see module docstring)."""
+
+    def __init__(self, spec: ModelSpec, encoder: ModuleEncoder, buffers: BufferPool) -> None:
+        self.spec = spec
+        self.encoder = encoder
+        self.buffers = buffers
+
+    # -- reading the store -------------------------------------------------------------------
+    def segment_kv(self, plan: Plan, segment: Segment) -> tuple[StoredKV, int]:
+        """The stored module a cached segment reads (its tokens ``[offset, offset + len)``) and how far it moved."""
+        schema = plan.sources[segment.schema]  # type: ignore[index]
+        module = self.encoder.fetch(schema, segment.owner, segment.key)  # type: ignore[arg-type]
+        delta = segment.position - segment.source_position
+        if delta and not self.spec.movable:
+            raise PromptCacheError(f"module {segment.owner!r} cannot move on a model with {self.spec.pinned_reason}")
+        # ALiBi keys carry no position: a moved module's KV is used as it is
+        return module, delta if self.spec.rotator is not None else 0
+
+    def write(self, buffer: KVBuffer, at: int, plan: Plan, segments: Sequence[Segment], row: int = 0) -> int:
+        """Copy ``segments``' KV into ``buffer`` row ``row`` from entry ``at`` on, each rotated to
+        where the prompt puts it; returns the entry after the last. The rotations of all moved
+        segments come from one cos/sin computation. Quantized modules are dequantized straight
+        into the buffer (and rotated there)."""
+        views = [self.segment_kv(plan, segment) for segment in segments]
+        deltas = sorted({delta for _, delta in views if delta})
+        table = {}
+        if deltas:
+            cos, sin = self.spec.rotator.cos_sin_many(torch.tensor(deltas), buffer.storage)  # type: ignore[union-attr]
+            table = {delta: (cos[i], sin[i]) for i, delta in enumerate(deltas)}
+        for segment, (module, delta) in zip(segments, views):
+            first, last = segment.offset, segment.offset + len(segment)
+            if isinstance(module, QuantizedModuleKV):
+                dest = buffer.slice(at, at + len(segment), row)
+                module.read_into(dest, first, last)
+                if delta:
+                    rotate_in_place(dest[:, 0], *table[delta])
+                at += len(segment)
+                continue
+            rotate = None
+            if delta:
+                cos, sin = table[delta]
+                rotate = lambda out, keys, cos=cos, sin=sin: rotate_with(out, keys, cos, sin)  # noqa: E731
+            buffer.write(module.read(first, last), at, row=row if buffer.batch > 1 else None, rotate=rotate)
+            at += len(segment)
+        return at
+
+    def append(self, buffer: KVBuffer, plan: Plan, segment: Segment) -> None:
+        """One cached segment after what ``buffer`` holds (segment-by-segment prefill)."""
+        end = self.write(buffer, len(buffer), plan, [segment])
+        buffer.grow_to(end)
+
+    def _parts(self, plan: Plan, segments: Sequence[Segment], moved: Sequence[bool], rows: slice, ape: Ape | None) -> list[SharedPart]:
+        """KV that ``rows`` read in place: the stored tensor where it is one segment, else assembled
+        once; under APE, one part per run of segments that moved (adjusted) or did not."""
+        if ape is None:
+            return [self._part(plan, segments, rows)]
+        parts, start = [], 0
+        for end in range(1, len(segments) + 1):
+            if end == len(segments) or moved[end] != moved[start]:
+                adjust = (ape.temperature, math.log(ape.scale)) if moved[start] else (1.0, 0.0)
+                parts.append(self._part(plan, segments[start:end], rows, *adjust))
+                start = end
+        return parts
+
+    def _part(self, plan: Plan, segments: Sequence[Segment], rows: slice, temperature: float = 1.0, log_scale: float = 0.0) -> SharedPart:
+        spec = self.spec
+        if len(segments) == 1:
+            (segment,) = segments
+            module, shift = self.segment_kv(plan, segment)
+            kv = module.read(segment.offset, segment.offset + len(segment), dtype=spec.dtype, device=spec.device)
+            return SharedPart(kv, _positions(segments, spec.device), rows, shift, temperature, log_scale)
+        run = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, sum(len(s) for s in segments), dtype=spec.dtype, device=spec.device)
+        self.write(run, 0, plan, segments)
+        return SharedPart(run.slice(0, run.capacity), _positions(segments, spec.device), rows, 0, temperature, log_scale)
+
+    # -- building rows ---------------------------------------------------------------------------
+    def assemble(self, plans: Sequence[Plan], new_tokens: int, *, use_cache: bool, assembly: Assembly, share: bool,
+                 ape: Ape | None = None) -> Assembled:
+        """The rows for ``plans`` (with room for ``new_tokens`` more each) and their computed inputs.
+
+        ``share``: a batch shares the runs of cached segments its rows import at the same
+        positions; ``assembly='in_place'``: one request reads its cached segments where they are
+        stored. Both need split attention (``spec.split``). ``ape``: the attention of computed
+        queries to moved segments is adjusted (APE), wherever their KV is read from.
+        """
+        spec = self.spec
+        order = list(range(len(plans)))
+        parts: list[SharedPart] = []
+        cached = [[s for s in p.segments if s.cached] if use_cache else [] for p in plans]
+        moved = [[m for s, m in zip(p.segments, ape.moved[i]) if s.cached] if ape is not None else [False] * len(cached[i])
+                 for i, p in enumerate(plans)] if use_cache else [[] for _ in plans]
+        if use_cache and len(plans) == 1 and assembly == "in_place":
+            parts = [part for s, m in zip(cached[0], moved[0]) for part in self._parts(plans[0], [s], [m], slice(0, 1), ape)]
+            own: list[list[Segment]] = [[]]
+            own_moved: list[list[bool]] = [[]]
+        elif use_cache and len(plans) > 1 and share:
+            # rows share a segment only when they read it alike: the same KV at the same position,
+            # moved (APE-adjusted) in both or in neither; a shared part has one adjustment for all its rows
+            signatures = [tuple((s.key, s.offset, len(s), s.position, s.source_position, m) for s, m in zip(segments, flags))
+                          for segments, flags in zip(cached, moved)]
+            order = sorted(order, key=lambda i: signatures[i])
+            runs, private_from = share_prefixes([signatures[i] for i in order])
+            for run in runs:
+                first = order[run.rows.start]
+                parts += self._parts(plans[first], cached[first][run.first : run.stop], moved[first][run.first : run.stop], run.rows, ape)
+            own = [cached[i][private_from[row] :] for row, i in enumerate(order)]
+            own_moved = [moved[i][private_from[row] :] for row, i in enumerate(order)]
+        else:
+            own = cached
+            own_moved = moved
+        computed = [_computed(plans[i], use_cache) for i in order]
+        own_width = max(sum(len(s) for s in segments) for segments in own)
+        width = max(len(ids) for ids, _ in computed)
+        end = own_width + width
+        batch = len(plans)
+        capacity = end + new_tokens
+        if batch == 1:
+            buffer = self.buffers.acquire(capacity)
+        else:
+            # rounded up like the pool's buffers: a compiled decode step sees few shapes
+            capacity = batch_capacity(capacity)
+            buffer = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, capacity, dtype=spec.dtype, device=spec.device, batch=batch)
+            # masked entries still meet the values in a product (weight 0 x value): uninitialised
+            # memory can hold NaN, and 0 x NaN is NaN
+            buffer.storage.zero_()
+        key_positions = torch.zeros(batch, buffer.capacity, dtype=torch.long)
+        valid = torch.zeros(batch, buffer.capacity, dtype=torch.bool)
+        for row, segments in enumerate(own):
+            plan = plans[order[row]]
+            filled = self.write(buffer, 0, plan, segments, row=row)
+            if filled:
+                key_positions[row, :filled] = _positions(segments, torch.device("cpu"))
+                valid[row, :filled] = True
+        buffer.grow_to(own_width)
+        device = spec.device
+        shared = SharedKV(parts, heads_per_kv=spec.heads_per_kv, dtype=spec.dtype, rotator=spec.rotator) if parts else None
+        ordered = batch == 1 and own_width == 0 and shared is None
+        rows = Rows(buffer, key_positions.to(device), valid.to(device), shared, ordered)
+        inputs = Inputs.left_padded(computed, spec.placeholder_id, device)
+        if ape is not None and any(any(flags) for flags in own_moved):
+            adjust_attention(rows, moved_entries(own, own_moved), ape.temperature, ape.scale)
+        return Assembled(rows, inputs, order)
+
+    def empty_row(self, capacity: int) -> Rows:
+        """One row with an empty cache, for segment-by-segment prefill."""
+        buffer = self.buffers.acquire(capacity)
+        device = self.spec.device
+        return Rows(buffer, torch.zeros(1, buffer.capacity, dtype=torch.long, device=device),
+                    torch.zeros(1, buffer.capacity, dtype=torch.bool, device=device), None, ordered=True)
+
+
+def _positions(segments: Sequence[Segment], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(s.position, s.position + len(s)) for s in segments]).to(device)
+
+
+def _computed(plan: Plan, use_cache: bool) -> tuple[list[int], list[int]]:
+    """The token ids and positions a row computes: its uncached segments (all of them without the cache)."""
+    segments = plan.segments if not use_cache else [s for s in plan.segments if not s.cached]
+    ids = [t for s in segments for t in s.token_ids]
+    positions = [p for s in segments for p in range(s.position, s.position + len(s))]
+    return ids, positions
