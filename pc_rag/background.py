@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PromptCacheError
+from .prompt.documents import DocumentRecord
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,9 @@ class BackgroundEncoder:
                 self._cond.notify_all()
 
     # -- work ------------------------------------------------------------------------------------
-    def submit(self, schema: str, system: str | None, records: list[tuple[str, str, dict[str, Any]]], *,
+    def submit(self, schema: str, system: str | None, records: list[DocumentRecord], *,
                replace_changed: bool = False) -> int:
-        """Queue ``(name, text, metadata)`` records for ``schema``; returns how many were queued
+        """Queue ``records`` for ``schema``; returns how many were queued
         (a record already queued, or refused before, is not queued again). ``replace_changed``
         as :meth:`pc_rag.registry.Registry.add_documents` takes it."""
         with self._cond:
@@ -103,8 +104,8 @@ class BackgroundEncoder:
                 raise PromptCacheError("this engine's background queue is closed")
             deadline = time.monotonic() + self.grace_s
             queued = 0
-            for name, text, metadata in records:
-                job = _Job(schema, system, name, text, dict(metadata), replace_changed, self._served, deadline)
+            for record in records:
+                job = _Job(schema, system, record.name, record.text, dict(record.metadata), replace_changed, self._served, deadline)
                 if job.key in self._queued or job.key in self._failed:
                     continue
                 self._queue.append(job)
@@ -190,7 +191,7 @@ class BackgroundEncoder:
                 job = self._queue.popleft()
                 self._running += 1
             try:
-                self._add([job.text], ids=[job.name], metadatas=[job.metadata], schema=job.schema, system=job.system,
+                self._add([DocumentRecord(job.name, job.text, job.metadata)], schema=job.schema, system=job.system,
                           progress=False, replace_changed=job.replace_changed)
                 self.encoded += 1
             except PromptCacheError as err:

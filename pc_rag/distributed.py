@@ -55,11 +55,9 @@ class _Encoder:
         for a write-back that dies with this actor). ``context``: the form, each document's
         neighbours and the texts of those outside the batch (:mod:`pc_rag.prompt.neighbours`)."""
         before = self.engine.store_stats()["encoded"]
-        names = [name for name, _, _ in batch]
         form, neighbours_of, texts = context if context is not None else (None, None, None)
-        self.engine.registry.add_documents([text for _, text, _ in batch], ids=names, metadatas=[meta for _, _, meta in batch],
-                                           schema=schema, system=system, progress=False, context=form, neighbours_of=neighbours_of,
-                                           context_texts=texts)
+        self.engine.registry.add_documents([docs_mod.DocumentRecord(*record) for record in batch], schema=schema, system=system,
+                                           progress=False, context=form, neighbours_of=neighbours_of, context_texts=texts)
         unwritten = self.engine.remote_backlog()
         if unwritten:
             raise PromptCacheError(f"{unwritten} entries or registry records could not be written to the remote store "
@@ -99,40 +97,21 @@ def encode_documents(
     import ray
     from ray.util import ActorPool
 
-    records = docs_mod.normalize(texts, ids, metadatas)
+    records = docs_mod.normalize(texts, ids, metadatas)  # everything validated before any worker starts
+    _check_job(batch_size, num_workers, remote_store)
     named: dict[str, tuple[str, dict[str, Any]]] = {}
-    names: list[str] = []
-    for doc_id, text, meta in records:  # validate everything before any worker starts
-        name = doc_id or docs_mod.default_name(text)
-        if name in named and named[name][0] != text:
-            raise PromptCacheError(f"document id {name!r} is given two different texts")
-        named.setdefault(name, (text, meta))
-        names.append(name)
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise PromptCacheError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if num_workers is not None and (not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1):
-        raise PromptCacheError(f"num_workers must be an int >= 1 or None (the cluster's CPUs), got {num_workers!r}")
-    if not RemoteTier(remote_store, "reachability-check").ping():  # fail here, before Ray starts any worker
-        raise PromptCacheError(f"remote store {redact_url(remote_store)!r} is not reachable")
+    for record in records:
+        named.setdefault(record.name, (record.text, record.metadata))
+    batches, contexts = _batches(named, batch_size, context, neighbours, embedding)
     if not ray.is_initialized():
         # RAY_ADDRESS joins a cluster; without it a local runtime with this machine's CPUs
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
     workers = num_workers if num_workers is not None else max(1, int(ray.cluster_resources().get("CPU", 1)))
-    unique = list(named.items())
-    batches = [[(name, text, meta) for name, (text, meta) in unique[i : i + batch_size]] for i in range(0, len(unique), batch_size)]
     workers = min(workers, len(batches)) or 1
-    contexts: list[Any] = [None] * len(batches)
-    if context is not None and neighbours:
-        chosen = _neighbours(named, neighbours, embedding)
-        for i, batch in enumerate(batches):
-            inside = {name for name, _, _ in batch}
-            wanted = {name: chosen[name] for name in inside}
-            outside = {n for names in wanted.values() for n in names if n not in inside}
-            contexts[i] = (context, wanted, {n: named[n][0] for n in outside})
     actor = ray.remote(num_cpus=1, max_restarts=2, max_task_retries=2)(_Encoder)
     pool = ActorPool([actor.remote(model, remote_store, 1, engine_kwargs) for _ in range(workers)])
     encoded = 0
-    with tqdm(total=len(unique), desc="encoding on ray", unit="doc", disable=not progress) as bar:
+    with tqdm(total=len(named), desc="encoding on ray", unit="doc", disable=not progress) as bar:
         try:
             for done, fresh in pool.map_unordered(lambda a, job: a.encode.remote(job[0], schema, system, job[1]), list(zip(batches, contexts))):
                 encoded += fresh
@@ -142,8 +121,35 @@ def encode_documents(
             if isinstance(cause, PromptCacheError):  # a worker's own verdict: the remote store did not take its batch
                 raise PromptCacheError(f"encoding into {redact_url(remote_store)!r} failed: {cause}") from err
             raise
-    logger.info("encoded %d of %d documents on %d Ray workers into %s", encoded, len(unique), workers, remote_store)
-    return names
+    logger.info("encoded %d of %d documents on %d Ray workers into %s", encoded, len(named), workers, remote_store)
+    return [record.name for record in records]
+
+
+def _check_job(batch_size: Any, num_workers: Any, remote_store: str) -> None:
+    """Refuse a job that cannot run, before Ray starts any worker."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise PromptCacheError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if num_workers is not None and (not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1):
+        raise PromptCacheError(f"num_workers must be an int >= 1 or None (the cluster's CPUs), got {num_workers!r}")
+    if not RemoteTier(remote_store, "reachability-check").ping():
+        raise PromptCacheError(f"remote store {redact_url(remote_store)!r} is not reachable")
+
+
+def _batches(named: dict[str, tuple[str, dict[str, Any]]], size: int, context: str | None, neighbours: int,
+             embedding: Any) -> tuple[list[list[tuple[str, str, dict[str, Any]]]], list[Any]]:
+    """The workers' batches of ``(name, text, metadata)``, and each batch's context: the form, each
+    document's neighbours and the texts of those outside the batch (None without a context)."""
+    unique = list(named.items())
+    batches = [[(name, text, meta) for name, (text, meta) in unique[i : i + size]] for i in range(0, len(unique), size)]
+    contexts: list[Any] = [None] * len(batches)
+    if context is not None and neighbours:
+        chosen = _neighbours(named, neighbours, embedding)
+        for i, batch in enumerate(batches):
+            inside = {name for name, _, _ in batch}
+            wanted = {name: chosen[name] for name in inside}
+            outside = {n for names in wanted.values() for n in names if n not in inside}
+            contexts[i] = (context, wanted, {n: named[n][0] for n in outside})
+    return batches, contexts
 
 
 def _neighbours(named: dict[str, tuple[str, dict[str, Any]]], k: int, embedding: Any) -> dict[str, list[str]]:

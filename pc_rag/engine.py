@@ -1,61 +1,49 @@
 """``PromptCache``: the one object users hold. It wires the parts and holds no algorithm.
 
-    prompt -> planner.plan(snapshot) -> Plan -> recovery.recover (head, tail) -> planner.admit
-           -> Scheduler.submit ... [its loop] pipeline.prefill_plans: Assembler.assemble(store) [+ APE]
-              -> generate.prefill [or the scored passes, pc_rag.prefill.scored]
-              -> loop.RunningBatch (with other callers' rows) -> Generation
+    prompt -> planner.plan(snapshot) -> Plan -> prefill.recovery.recover -> planner.admit
+           -> Scheduler.submit ... [its loop] prefill.pipeline.prefill_plans (assemble, recover, prefill)
+              -> decode.loop.RunningBatch (with other callers' rows) -> Generation
 
 The public API's halves live in :mod:`pc_rag.registration` (schemas, documents, the shared
-registry) and :mod:`pc_rag.serving` (the request above); this module builds the parts.
-
-``model.inspect_model`` measures the model once (:class:`~pc_rag.model.spec.ModelSpec`);
-``registry.Registry`` holds schemas and documents and publishes immutable snapshots;
-``encoder.ModuleEncoder`` puts module KV into the ``store.ModuleStore``.
+registry) and :mod:`pc_rag.serving` (the request above); :mod:`pc_rag.engine_parts` opens the KV
+tiers; this module builds the rest. docs/architecture.md draws the whole.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import inspect
 import logging
-import math
 import os
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from . import planner
-from .prefill import pipeline
-from .prefill import recovery as recovery_mod
-from .prefill.assemble import Assembler, Assembly, choose_assembly
 from .background import BackgroundEncoder
 from .decode.constrained import Vocabulary
-from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
-from .prompt.documents import SEPARATOR, check_name
-from .model.forward import Forward
-from .prefill.encode import ModuleEncoder
+from .engine_parts import open_kv
 from .errors import PromptCacheError
 from .kv.buffers import BufferPool
-from .prompt.layout import ENCODINGS, Encoding
+from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
+from .model.forward import Forward
 from .model.loading import load_model
+from .model.rope import RopeRotator
 from .model.spec import ModelSpec, inspect_model
-from .paths import expand
-from .kv.quantize import scheme_for
-from .prefill.recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, configure_recovery
+from .prefill import pipeline
+from .prefill.assemble import Assembler, Assembly, choose_assembly
+from .prefill.encode import ModuleEncoder
+from .prefill.recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, configure_recovery, recovery_tokens
+from .prompt.documents import SEPARATOR, check_name
+from .prompt.layout import ENCODINGS, Encoding
 from .registration import Registration
 from .registry import Registry, Schema
-from .kv.remote import RemoteTier
-from .model.rope import RopeRotator
+from .registry_sync import RegistrySync
 from .scheduler import DEFAULT_MAX_QUEUED, DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, Limits, Scheduler
 from .serving import Serving
-from .kv.records import KVShape
-from .kv.store import open_store
 
 logger = logging.getLogger(__name__)
 
@@ -76,32 +64,50 @@ class PromptCache(Registration, Serving):
     with :meth:`add_documents`), then call :meth:`generate`, :meth:`stream` or
     :meth:`generate_batch` with PML prompts (``<prompt schema="...">``) or plain text.
 
-    Fidelity (see :mod:`pc_rag.prefill.recovery` and README "Measured quality"): ``recovery`` chooses
-    which tokens of moved modules are computed again (``"head_tail"``: ``recompute`` head and
-    ``recompute_tail`` tail tokens per module; ``"query"``/``"deviation"``: the
-    ``recovery_budget`` best-scored, a fraction or a count); ``attention_temperature`` and
-    ``attention_scale`` adjust the attention of computed queries to moved modules (APE).
-    Storage: ``kv_dir`` persists module KV (``cache_dir``: its deprecated name),
-    ``memory_budget`` bounds the memory tier, ``store_dtype``/``kv_location`` where and how it is held,
-    ``remote_store`` (``redis://HOST:PORT/DB``, ``rediss://``, ``valkey://``) adds a tier shared by
-    every replica (:mod:`pc_rag.kv.remote`): module KV and document records; ``remote_timeout_ms``
-    bounds each of its commands; ``remote_sync=False`` skips taking in its documents at start (an
-    encoding worker needs none); ``remote_key`` (default: the ``PC_RAG_REMOTE_KEY`` environment
-    variable) authenticates every record with an HMAC (a list: the first key signs, all verify,
-    for rotation); ``remote_ttl_s`` expires KV entries; ``remote_collections`` confines this
-    replica to those collections of the shared registry (for Redis ACLs per tenant);
-    ``remote_sync_interval_s`` is how stale this replica's view of the shared registry may get
-    before a request reads it again (None: only at start, on an unknown name and on
-    :meth:`sync_documents`).
-    ``kv_quantization`` (``"int8"``, ``"int4"``) stores module KV in 8 or 4 bits in every tier
-    (:mod:`pc_rag.kv.quantize`: keys per channel, values per token), dequantized into each request's
-    buffer; a budget then holds ~3.8x (int8) or ~6.6x (int4) the modules of float32.
-    Speed: ``compile=True`` runs decode steps through ``torch.compile`` (fixed shapes; compiled
-    once per batch size and answer budget, so it pays off for long-lived engines with steady settings).
-    Serving many callers (:mod:`pc_rag.scheduler`: one loop runs every request, batching whatever
-    arrives): ``max_running`` rows decode together, ``max_step_tokens`` are prefilled per step
-    while others decode, ``max_queued`` requests wait (then :class:`~pc_rag.errors.QueueFull`, at
-    once or after ``queue_timeout_s``), ``buffer_budget`` bounds the bytes of KV buffers held.
+    Args:
+        model: a transformers causal LM (:meth:`from_pretrained` loads one).
+        tokenizer: its tokenizer.
+        encoding: what modules are encoded behind: ``"shared_prefix"`` (the schema's system prompt;
+            default), ``"isolated"`` (nothing) or ``"scaffold"`` (a PML schema's text along its paths).
+        drop_in: find stored modules' verbatim text inside plain prompts and reuse their KV.
+
+    Fidelity (:mod:`pc_rag.prefill.recovery`, docs/quality.md):
+        recovery: which tokens of moved modules are computed again: ``"head_tail"`` (default),
+            ``"query"`` or ``"deviation"`` (the best-scored ``recovery_budget``).
+        recovery_budget: for the scored strategies, a fraction (float) or a count (int) of tokens.
+        recompute: head tokens recomputed per moved module (``"head_tail"``).
+        recompute_tail: tail tokens recomputed per moved module.
+        attention_temperature: APE's temperature on computed queries' attention to moved modules.
+        attention_scale: APE's scale of that attention.
+        assembly: ``"copy"`` (default) or ``"in_place"`` (modules attended to where they are stored).
+
+    Storage (:mod:`pc_rag.kv.store`):
+        kv_dir: a folder that persists module KV across processes.
+        memory_budget: bytes of module KV the memory tier holds (LRU; evicted to ``kv_dir``).
+        store_dtype: the dtype module KV is held in (default: the model's).
+        kv_location: ``"device"`` (default) or ``"cpu"`` (pinned host memory on a GPU).
+        kv_quantization: ``"int8"`` or ``"int4"``: module KV in 8 or 4 bits in every tier
+            (:mod:`pc_rag.kv.quantize`; a budget holds ~3.8x or ~6.6x the modules of float32).
+
+    Remote tier shared by replicas (:mod:`pc_rag.kv.remote`, docs/scaling.md):
+        remote_store: ``redis://HOST:PORT/DB``, ``rediss://`` or ``valkey://``: module KV and document records.
+        remote_timeout_ms: the bound on each of its commands (past it the tier is skipped).
+        remote_sync: take in the shared documents at start (False for an encoding worker).
+        remote_key: signs and verifies every record (HMAC; default ``PC_RAG_REMOTE_KEY``; a list
+            rotates: the first signs, all verify).
+        remote_ttl_s: expiry of KV entries.
+        remote_collections: confine this replica to these collections (Redis ACLs per tenant).
+        remote_sync_interval_s: how stale this replica's view of the shared registry may get before
+            a request reads it again (None: only at start, on an unknown name and on :meth:`sync_documents`).
+
+    Serving many callers (:mod:`pc_rag.scheduler`: one loop runs every request):
+        max_running: rows decoding together.
+        max_step_tokens: tokens prefilled per step while the others decode.
+        max_queued: requests waiting; past it :class:`~pc_rag.errors.QueueFull`.
+        queue_timeout_s: wait up to this long for a queue place instead of failing at once.
+        buffer_budget: bytes of KV buffers held by running rows.
+        compile: run decode steps through ``torch.compile`` (fixed shapes; pays off for
+            long-lived engines with steady settings).
     """
 
     def __init__(
@@ -110,19 +116,19 @@ class PromptCache(Registration, Serving):
         tokenizer: Any,
         *,
         encoding: Encoding | None = None,
+        drop_in: bool = True,
+        recovery: Strategy | None = None,
+        recovery_budget: float | int | None = None,  # noqa: PYI041 - a float is a fraction, an int a count
+        recompute: int | None = None,
+        recompute_tail: int | None = None,
+        attention_temperature: float | None = None,
+        attention_scale: float | None = None,
+        assembly: Assembly | None = None,
         kv_dir: str | os.PathLike | None = None,
         memory_budget: int | None = None,
         store_dtype: torch.dtype | None = None,
         kv_location: Literal["device", "cpu"] = "device",
-        drop_in: bool = True,
-        recompute: int | None = None,
-        recompute_tail: int | None = None,
-        assembly: Assembly | None = None,
-        recovery: Strategy | None = None,
-        recovery_budget: float | int | None = None,  # noqa: PYI041 - a float is a fraction, an int a count
-        attention_temperature: float | None = None,
-        attention_scale: float | None = None,
-        cache_dir: str | os.PathLike | None = None,
+        kv_quantization: Literal["int8", "int4"] | None = None,
         remote_store: str | None = None,
         remote_timeout_ms: float = 50.0,
         remote_sync: bool = True,
@@ -130,89 +136,70 @@ class PromptCache(Registration, Serving):
         remote_ttl_s: float | None = None,
         remote_collections: Sequence[str] | None = None,
         remote_sync_interval_s: float | None = 1.0,
-        compile: bool = False,
-        kv_quantization: Literal["int8", "int4"] | None = None,
         max_running: int = DEFAULT_MAX_RUNNING,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         max_queued: int = DEFAULT_MAX_QUEUED,
         queue_timeout_s: float | None = None,
         buffer_budget: int | None = None,
+        compile: bool = False,
     ) -> None:
-        encoding = encoding or DEFAULT_ENCODING
-        if encoding not in ENCODINGS:
-            raise PromptCacheError(f"unknown encoding {encoding!r}; choose one of {', '.join(ENCODINGS)}")
-        if memory_budget is not None and memory_budget < 0:
-            raise PromptCacheError(f"memory_budget must be a number of bytes >= 0, got {memory_budget!r}")
-        if kv_location not in ("device", "cpu"):
-            raise PromptCacheError(f"kv_location must be 'device' or 'cpu', got {kv_location!r}")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.encoding: Encoding = encoding
+        self.encoding: Encoding = _checked(encoding or DEFAULT_ENCODING, memory_budget, kv_location, remote_sync_interval_s)
+        self.model, self.tokenizer = model, tokenizer
         self.spec: ModelSpec = inspect_model(model, tokenizer, separator=SEPARATOR)
         self.recovery = configure_recovery(self.spec, strategy=recovery, budget=recovery_budget, recompute=recompute,
-                                           recompute_tail=recompute_tail, temperature=attention_temperature,
-                                           scale=attention_scale)
+                                           recompute_tail=recompute_tail, temperature=attention_temperature, scale=attention_scale)
         self.assembly: Assembly = choose_assembly(assembly, DEFAULT_ASSEMBLY, self.spec)
-        kv_dtype = store_dtype or self.spec.dtype
         self.kv_quantization = kv_quantization
-        scheme = scheme_for(kv_quantization)
-        # every tier holds KV in kv_dtype (quantized under the scheme): part of what an entry is, so
-        # of every key: quantized and full-precision entries never mix
-        packing = f"|{scheme.name}" if scheme is not None else ""
-        self.fingerprint = hashlib.sha256(f"{self.spec.fingerprint}|{encoding}|{kv_dtype}{packing}".encode()).hexdigest()[:32]
-        kv_dir = _kv_dir(kv_dir, cache_dir)
-        self.kv_dir = expand(kv_dir) if kv_dir is not None else None
-        store_device = self.spec.device if kv_location == "device" else torch.device("cpu")
-        # what the memory budget counts per cached token (quantized: of a 256-token module, a
-        # typical document; shorter modules carry a little more of their key ranges per token)
-        self._kv_bytes_per_token = (self.spec.kv_bytes_per_token(kv_dtype) if scheme is None else
-                                    math.ceil(scheme.bytes_per_token(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, 256)))
-        if remote_sync_interval_s is not None and not remote_sync_interval_s >= 0:
-            raise PromptCacheError(f"remote_sync_interval_s must be a number of seconds >= 0 or None, got {remote_sync_interval_s!r}")
         if remote_collections is not None:
             remote_collections = [check_name(c, "collection name") for c in planner.scope(remote_collections) or ()]
-        self.remote = RemoteTier(remote_store, self.fingerprint, key=remote_key, timeout_ms=remote_timeout_ms,
-                                 ttl_s=remote_ttl_s, announce=remote_collections is None) if remote_store else None
+        tiers = open_kv(self.spec, encoding=self.encoding, kv_dir=kv_dir, memory_budget=memory_budget, store_dtype=store_dtype,
+                        kv_location=kv_location, kv_quantization=kv_quantization, remote_store=remote_store, remote_key=remote_key,
+                        remote_timeout_ms=remote_timeout_ms, remote_ttl_s=remote_ttl_s, remote_collections=remote_collections)
+        self.fingerprint, self.kv_dir, self.remote, self.store = tiers.fingerprint, tiers.kv_dir, tiers.remote, tiers.store
+        self._kv_bytes_per_token = tiers.bytes_per_token
         self.remote_sync_interval_s = remote_sync_interval_s
         self._synced_at = time.monotonic()
-        self.store = open_store(
-            fingerprint=self.fingerprint, kv_dir=self.kv_dir, memory_budget=memory_budget, device=store_device,
-            kv_dtype=kv_dtype, pin=store_device.type == "cpu" and self.spec.device.type == "cuda", remote=self.remote,
-            shape=KVShape(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, kv_dtype, scheme),
-        )
+        self._build(drop_in=drop_in, compile=compile, remote_collections=remote_collections,
+                    limits=Limits(max_running, max_step_tokens, max_queued, queue_timeout_s, buffer_budget))
+        if self.remote is not None and remote_sync:
+            self.sync_documents()  # documents other processes stored: served here without encoding
+
+    def _build(self, *, drop_in: bool, compile: bool, remote_collections: Sequence[str] | None, limits: Limits) -> None:
+        """The parts over the model and the KV tiers, lowest first."""
+        model = self.model
         # load or recompute (pc_rag.kv.load_or_compute): rates measured from this engine's own loads and prefills
         self.costs = CostModel()
         self.store.costs = self.costs
         self.forward = Forward(model, compile=compile)
         if self.store.disk is not None or self.remote is not None:  # a prefill rate before the first load-or-compute choice
             self.costs.observe_prefill(CALIBRATION_TOKENS, self.forward.time_prefill(CALIBRATION_TOKENS))
-        self.encoder = ModuleEncoder(self.forward, self.store, self.spec, encoding, self.fingerprint)
-        # verbatim module texts, for drop-in reuse in plain prompts (only where modules can move)
-        # (aligned through character offsets: a fast tokenizer's)
-        self.drop_in = drop_in and self.spec.movable and bool(getattr(tokenizer, "is_fast", False))
-        self.registry = Registry(self.spec, self.encoder, encoding=encoding, drop_in=self.drop_in, remote=self.remote,
-                                 remote_collections=remote_collections)
-        # documents added with background=True: encoded between requests (pc_rag.background)
-        self.background = BackgroundEncoder(self.registry.add_documents)
+        self.encoder = ModuleEncoder(self.forward, self.store, self.spec, self.encoding, self.fingerprint)
+        # drop-in needs modules that can move, and a fast tokenizer's character offsets to align text
+        self.drop_in = drop_in and self.spec.movable and bool(getattr(self.tokenizer, "is_fast", False))
+        self.registry = Registry(self.spec, self.encoder, encoding=self.encoding, drop_in=self.drop_in)
+        # the registry shared with other replicas through the remote tier: this one's changes out, theirs in
+        self.registry_sync = RegistrySync(self.registry, self.remote, remote_collections) if self.remote is not None else None
+        self.registry.publisher = self.registry_sync
+        self.background = BackgroundEncoder(self.registry.add_documents)  # add_documents(background=True)
         self.buffers = BufferPool(model)
         self.assembler = Assembler(self.spec, self.encoder, self.buffers)
-        self.scheduler = Scheduler(
-            spec=self.spec, buffers=self.buffers, kv_bytes_per_token=self.spec.kv_bytes_per_token(self.spec.dtype),
-            limits=Limits(max_running, max_step_tokens, max_queued, queue_timeout_s, buffer_budget),
+        self.scheduler = self._scheduler(limits)
+        # tokens that end an answer (EOS, end of turn); empty it for fixed-length generations
+        self.stop_token_ids: set[int] = set(self.spec.stop_token_ids)
+        # the model's generation defaults, used where a call leaves a setting unset; edit it like transformers'
+        config = getattr(model, "generation_config", None)
+        self.generation_config: Any = copy.deepcopy(config) if config is not None else None
+        self._vocabularies: dict[frozenset[int], Vocabulary] = {}  # constrained decoding, per set of stop tokens
+
+    def _scheduler(self, limits: Limits) -> Scheduler:
+        """The loop that runs every request: it prefills through this engine's prefill path."""
+        return Scheduler(
+            spec=self.spec, buffers=self.buffers, kv_bytes_per_token=self.spec.kv_bytes_per_token(self.spec.dtype), limits=limits,
             prefill=lambda plans, new, use_cache, share: self._prefill(plans, new, use_cache, share=share),
             assemble=lambda plans, new, use_cache, share: pipeline.assemble_plain(
                 plans, new, use_cache=use_cache, share=share, recovery=self.recovery, encoding=self.encoding,
                 assembler=self.assembler, assembly=self.assembly, spec=self.spec),
             serving=self.background.serving, observe_prefill=self.costs.observe_prefill, forward=self.forward)
-        # tokens that end an answer (EOS, end of turn); empty it for fixed-length generations
-        self.stop_token_ids: set[int] = set(self.spec.stop_token_ids)
-        # the model's generation defaults (do_sample, temperature, top_p, top_k, repetition_penalty,
-        # ...), used where a call leaves a setting unset; replace or edit it like transformers'
-        config = getattr(model, "generation_config", None)
-        self.generation_config: Any = copy.deepcopy(config) if config is not None else None
-        self._vocabularies: dict[frozenset[int], Vocabulary] = {}  # constrained decoding, per set of stop tokens
-        if self.remote is not None and remote_sync:
-            self.sync_documents()  # documents other processes stored: served here without encoding
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
@@ -222,19 +209,14 @@ class PromptCache(Registration, Serving):
 
         Keywords of the constructor (``encoding``, ``kv_dir``, ``memory_budget``, ``recovery``,
         ``remote_store``, ``compile``, ...: see :class:`PromptCache`) configure the engine; every
-        other keyword goes to transformers' ``from_pretrained`` (``revision``, ``attn_implementation``, ...).
+        other keyword goes to transformers' ``from_pretrained`` (``revision``, ``attn_implementation``,
+        ``cache_dir`` (the download cache), ...).
         """
         engine_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name in _ENGINE_ARGUMENTS}
         lm, tokenizer = load_model(model, device=device, dtype=dtype, **kwargs)
         return cls(lm, tokenizer, **engine_kwargs)
 
-    @property
-    def cache_dir(self) -> Path | None:
-        """Deprecated name of :attr:`kv_dir`."""
-        warnings.warn("PromptCache.cache_dir is now kv_dir", DeprecationWarning, stacklevel=2)
-        return self.kv_dir
-
-    # -- recovery (see pc_rag.prefill.recovery) -----------------------------------------------------------
+    # -- recovery (see pc_rag.prefill.recovery) -------------------------------------------------
     @property
     def recompute(self) -> int:
         """Head tokens recomputed per moved module."""
@@ -242,7 +224,7 @@ class PromptCache(Registration, Serving):
 
     @recompute.setter
     def recompute(self, tokens: int) -> None:
-        self.recovery = replace(self.recovery, head=recovery_mod.recovery_tokens(tokens, "recompute", 0, self.spec))
+        self.recovery = replace(self.recovery, head=recovery_tokens(tokens, "recompute", 0, self.spec))
 
     @property
     def recompute_tail(self) -> int:
@@ -251,45 +233,19 @@ class PromptCache(Registration, Serving):
 
     @recompute_tail.setter
     def recompute_tail(self, tokens: int) -> None:
-        self.recovery = replace(self.recovery, tail=recovery_mod.recovery_tokens(tokens, "recompute_tail", 0, self.spec))
+        self.recovery = replace(self.recovery, tail=recovery_tokens(tokens, "recompute_tail", 0, self.spec))
 
-    # -- facts about the model (see ModelSpec) ----------------------------------------------------
-    @property
-    def position_kind(self) -> str:
-        return self.spec.position_kind
-
-    @property
-    def movable(self) -> bool:
-        """Whether cached modules can be placed at positions other than those they were encoded at."""
-        return self.spec.movable
-
-    @property
-    def rotator(self) -> RopeRotator | None:
-        return self.spec.rotator
-
-    @property
-    def split(self) -> bool:
-        return self.spec.split
-
-    @property
-    def markers(self) -> Any:
-        return self.spec.markers
-
-    @property
-    def device(self) -> torch.device:
-        return self.spec.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.spec.dtype
-
-    @property
-    def context_window(self) -> int | None:
-        return self.spec.context_window
-
-    @property
-    def separator_ids(self) -> list[int]:
-        return list(self.spec.separator_ids)
+    # -- facts about the model (see ModelSpec) --------------------------------------------------
+    position_kind = property(lambda self: self.spec.position_kind, doc="How the model encodes positions (measured).")
+    movable = property(lambda self: self.spec.movable,
+                       doc="Whether cached modules can be placed at positions other than those they were encoded at.")
+    rotator: RopeRotator | None = property(lambda self: self.spec.rotator)  # type: ignore[assignment]
+    split = property(lambda self: self.spec.split, doc="Whether attention reads shared KV in place (split attention).")
+    markers = property(lambda self: self.spec.markers, doc="The chat template's role markers.")
+    device: torch.device = property(lambda self: self.spec.device)  # type: ignore[assignment]
+    dtype: torch.dtype = property(lambda self: self.spec.dtype)  # type: ignore[assignment]
+    context_window: int | None = property(lambda self: self.spec.context_window)  # type: ignore[assignment]
+    separator_ids = property(lambda self: list(self.spec.separator_ids), doc="The tokens between documents.")
 
     @property
     def schemas(self) -> Mapping[str, Schema]:
@@ -321,12 +277,14 @@ class PromptCache(Registration, Serving):
 _ENGINE_ARGUMENTS = frozenset(inspect.signature(PromptCache.__init__).parameters) - {"self", "model", "tokenizer"}
 
 
-def _kv_dir(kv_dir: Any, cache_dir: Any) -> Any:
-    """``kv_dir``, or the deprecated ``cache_dir`` (the same folder under its old name)."""
-    if cache_dir is None:
-        return kv_dir
-    if kv_dir is not None:
-        raise PromptCacheError("give kv_dir (the module KV folder), not both kv_dir and its deprecated name cache_dir")
-    warnings.warn("cache_dir= is deprecated: the module KV folder is now kv_dir= (transformers' cache_dir means the "
-                  "download cache)", DeprecationWarning, stacklevel=3)
-    return cache_dir
+def _checked(encoding: Any, memory_budget: Any, kv_location: Any, remote_sync_interval_s: Any) -> Encoding:
+    """The options checked before any work (a typed error naming the option); the encoding."""
+    if encoding not in ENCODINGS:
+        raise PromptCacheError(f"unknown encoding {encoding!r}; choose one of {', '.join(ENCODINGS)}")
+    if memory_budget is not None and memory_budget < 0:
+        raise PromptCacheError(f"memory_budget must be a number of bytes >= 0, got {memory_budget!r}")
+    if kv_location not in ("device", "cpu"):
+        raise PromptCacheError(f"kv_location must be 'device' or 'cpu', got {kv_location!r}")
+    if remote_sync_interval_s is not None and not remote_sync_interval_s >= 0:
+        raise PromptCacheError(f"remote_sync_interval_s must be a number of seconds >= 0 or None, got {remote_sync_interval_s!r}")
+    return encoding

@@ -9,10 +9,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .background import BackgroundEncoder
-from .prompt.documents import DEFAULT_SCHEMA, check_name, default_name, normalize
+from .prompt.documents import DEFAULT_SCHEMA, DocumentRecord, check_name, normalize
 from .errors import PromptCacheError
 from .prompt.neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, check_context, reorder
 from .registry import Registry, Schema
+from .registry_sync import RegistrySync
 from .kv.remote import RemoteTier
 from .kv.store import ModuleStore
 
@@ -23,6 +24,7 @@ class Registration:
     registry: Registry
     background: BackgroundEncoder
     remote: RemoteTier | None
+    registry_sync: RegistrySync | None
     store: ModuleStore
     remote_sync_interval_s: float | None
     _synced_at: float
@@ -75,25 +77,23 @@ class Registration:
         if background and context is not None:
             raise PromptCacheError("context= is not available with background=True: add the documents with background=False")
         if context is not None and neighbours:
-            return self._add_with_neighbours(texts, ids=ids, metadatas=metadatas, schema=schema, system=system, progress=progress,
+            return self._add_with_neighbours(normalize(texts, ids, metadatas), schema=schema, system=system, progress=progress,
                                              batch_tokens=batch_tokens, replace_changed=replace_changed, context=context,
                                              neighbours=neighbours, embedding=embedding)
+        records = normalize(texts, ids, metadatas)
         if background:
-            records = normalize(texts, ids, metadatas)
             check_name(schema, "schema name")
-            named = [(doc_id or default_name(text), text, meta) for doc_id, text, meta in records]
-            self.background.submit(schema, system, named, replace_changed=replace_changed)
-            return [name for name, _, _ in named]
-        return self.registry.add_documents(texts, ids=ids, metadatas=metadatas, schema=schema, system=system,
-                                           progress=progress, batch_tokens=batch_tokens, replace_changed=replace_changed)
+            self.background.submit(schema, system, records, replace_changed=replace_changed)
+            return [record.name for record in records]
+        return self.registry.add_documents(records, schema=schema, system=system, progress=progress, batch_tokens=batch_tokens,
+                                           replace_changed=replace_changed)
 
-    def _add_with_neighbours(self, texts: Sequence[Any], *, schema: str, context: str, neighbours: int | Mapping[str, Sequence[str]],
-                             embedding: Any, **kwargs: Any) -> list[str]:
+    def _add_with_neighbours(self, records: list[DocumentRecord], *, schema: str, context: str,
+                             neighbours: int | Mapping[str, Sequence[str]], embedding: Any, **kwargs: Any) -> list[str]:
         """:meth:`add_documents` with a neighbour context: each new document's neighbours found
         (by embedding, or as given), then the registry encodes it behind them."""
-        records = normalize(texts, kwargs.pop("ids"), kwargs.pop("metadatas"))
         check_name(schema, "schema name")
-        named = {doc_id or default_name(text): text for doc_id, text, _ in records}
+        named = {record.name: record.text for record in records}
         if isinstance(neighbours, Mapping):
             unknown = [n for n in neighbours if n not in named]
             if unknown:
@@ -108,9 +108,7 @@ class Registration:
                 index.add({n: r.text for n, r in documents.items() if n not in named})
                 index.add(named)  # only texts new to it are embedded (a text replaced under its id: again)
                 chosen = index.neighbours(list(named), neighbours)
-        return self.registry.add_documents([text for _, text, _ in records], ids=[doc_id or default_name(text) for doc_id, text, _ in records],
-                                           metadatas=[meta for _, _, meta in records], schema=schema, context=context,
-                                           neighbours_of=chosen, **kwargs)
+        return self.registry.add_documents(records, schema=schema, context=context, neighbours_of=chosen, **kwargs)
 
     def _neighbour_index(self, schema: str, embedding: Any) -> NeighbourIndex:
         """The embeddings of collection ``schema``'s documents under ``embedding`` (kept per
@@ -169,7 +167,7 @@ class Registration:
         remote until a prompt needs it. Returns the number of documents and schemas changed here
         (0 without a remote tier)."""
         self._synced_at = time.monotonic()
-        return self.registry.sync_remote()
+        return self.registry_sync.sync() if self.registry_sync is not None else 0
 
     def remote_backlog(self) -> int:
         """Module entries and registry records the remote tier has not taken yet (the registry's
@@ -177,7 +175,7 @@ class Registration:
         checks it before reporting success."""
         if self.remote is None:
             return 0
-        return self.registry.flush_unpublished() + self.store.write_back()
+        return (self.registry_sync.flush_unpublished() if self.registry_sync is not None else 0) + self.store.write_back()
 
     def sync_if_due(self) -> None:
         """:meth:`sync_documents` when ``remote_sync_interval_s`` has passed since the last one
@@ -186,4 +184,4 @@ class Registration:
         interval = self.remote_sync_interval_s
         if self.remote is not None and interval is not None and time.monotonic() - self._synced_at >= interval:
             self._synced_at = time.monotonic()
-            self.registry.sync_remote(wait=False)
+            self.registry_sync.sync(wait=False)  # type: ignore[union-attr]

@@ -13,16 +13,16 @@ import hashlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property, partial
+from functools import cached_property
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
 from .prompt import documents as docs_mod
-from .prompt.documents import DEFAULT_SCHEMA, DocumentRecord
+from .prompt.documents import DEFAULT_SCHEMA, DocumentRecord, check_name
 from .prompt.dropin import IndexSnapshot, ModuleTextIndex
 from .prefill.encode import ModuleEncoder
 from .errors import PromptCacheError
@@ -81,6 +81,25 @@ class _Joint:
     context_key: str
 
 
+class Publisher(Protocol):
+    """Who hears of every change the registry makes (:class:`pc_rag.registry_sync.RegistrySync`
+    tells the other replicas); called under the registry's lock, so changes arrive in order."""
+
+    def schema_added(self, name: str, pml: str) -> None: ...
+
+    def documents_added(self, collection: str, system: str, records: list[dict[str, Any]]) -> None: ...
+
+    def documents_deleted(self, collection: str, names: list[str]) -> None: ...
+
+
+def _shared_record(record: DocumentRecord, context: DocumentContext | None) -> dict[str, Any]:
+    """A new document as the shared registry records it (:mod:`pc_rag.kv.replication`)."""
+    entry: dict[str, Any] = {"name": record.name, "text": record.text, "metadata": record.metadata}
+    if context is not None:
+        entry["context"] = {"form": context.form, "names": list(context.names)}
+    return entry
+
+
 def _context_key(base: str | None, context: DocumentContext | None) -> str | None:
     """What a document's store key says it was encoded behind: the prefix and lead (``base``),
     and its neighbour context's tokens (an entry is never served for another context)."""
@@ -100,8 +119,7 @@ class Snapshot:
 class Registry:
     """Schemas and documents behind one lock, published as immutable snapshots (module docstring)."""
 
-    def __init__(self, spec: ModelSpec, encoder: ModuleEncoder, *, encoding: str, drop_in: bool, remote: Any = None,
-                 remote_collections: Sequence[str] | None = None) -> None:
+    def __init__(self, spec: ModelSpec, encoder: ModuleEncoder, *, encoding: str, drop_in: bool) -> None:
         self.spec = spec
         self.encoder = encoder
         self.encoding = encoding
@@ -110,13 +128,8 @@ class Registry:
         self._schemas: dict[str, Schema] = {}
         self._snapshot = Snapshot(MappingProxyType({}), IndexSnapshot())
         self._lock = threading.RLock()
-        self.remote = remote  # pc_rag.kv.remote.RemoteTier: document records shared with other processes
-        self.remote_collections = remote_collections  # None: every collection published there
-        self._remote_seen: dict[str, int] = {}  # log entries of each remote collection read so far
-        self._remote_epoch: dict[str, str | None] = {}  # ... in the log of this epoch
-        self._remote_meta: dict[str, dict[str, Any]] = {}  # what each remote collection is (read once)
-        self._unpublished: list[Callable[[], bool]] = []  # registry writes the remote tier has not taken yet, in order
-        self._sync_lock = threading.Lock()
+        # who hears of every change (pc_rag.registry_sync.RegistrySync: other replicas), None: nobody
+        self.publisher: Publisher | None = None
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()  # indexes to tell about deletions
 
     def snapshot(self) -> Snapshot:
@@ -179,18 +192,16 @@ class Registry:
                     if info.text is not None and not info.anonymous and name in keys:
                         self.index.add(doc.name, name, info.text)
             self._publish(schema)
-            if self.remote is not None and publish:
-                self._publish_remote(partial(self.remote.log.publish_schema, doc.name, pml))
+            if publish and self.publisher is not None:
+                self.publisher.schema_added(doc.name, pml)
             logger.info("schema %r: %d modules, %d tokens, %d encoded", doc.name, len(schema.modules), layout.length, len(missing))
             return schema
 
     # -----------------------------------------------------------------------------------------
     def add_documents(
         self,
-        texts: Sequence[Any],
+        records: Sequence[DocumentRecord],
         *,
-        ids: Sequence[str] | None = None,
-        metadatas: Sequence[dict[str, Any] | None] | None = None,
         schema: str = DEFAULT_SCHEMA,
         system: str | None = None,
         progress: bool = True,
@@ -202,88 +213,109 @@ class Registry:
         neighbours_of: Mapping[str, Sequence[str]] | None = None,
         context_texts: Mapping[str, str] | None = None,
     ) -> list[str]:
-        """Store documents as movable modules of the document schema ``schema`` (see
-        :meth:`pc_rag.PromptCache.add_documents`); returns their names. With a remote tier, the
-        new documents' records are published to it (once per call) after their KV is stored
-        there; ``publish=False`` when they come from it. ``encode=False`` registers them
-        without looking for their KV: a prompt that imports one finds it in a tier or encodes
-        it then (records taken in from the remote tier, whose KV is there).
-        ``replace_changed=True``: a name that holds another text or metadata (a document edited
-        under the same id) is deleted first (:meth:`delete_documents`) and added anew; without
-        it, another text is an error (and other metadata is ignored).
+        """Store ``records`` (:func:`pc_rag.prompt.documents.normalize` makes them from any input)
+        as movable modules of the document collection ``schema`` (see
+        :meth:`pc_rag.PromptCache.add_documents`); returns their names. ``publish=False`` when they
+        come from the other replicas (:mod:`pc_rag.registry_sync`). ``encode=False`` registers them
+        without looking for their KV: a prompt that imports one finds it in a tier or encodes it then.
+        ``replace_changed=True``: a name that holds another text or metadata is deleted first and
+        added anew; without it, another text is an error (and other metadata is ignored).
 
         ``context`` (``"neighbours"`` or ``"neighbour_sentences"``, :mod:`pc_rag.prompt.neighbours`) with
         ``neighbours_of`` (a new document's name -> the names it is encoded behind, the farthest
         first): each new document is encoded behind those documents' texts (or first sentences),
         found among this call's documents, the collection's and ``context_texts`` (name -> text,
         for documents held elsewhere: an encoding worker's batch)."""
-        records = docs_mod.normalize(texts, ids, metadatas)
-        spec = self.spec
-        if not spec.movable:
-            raise PromptCacheError(
-                f"documents are movable modules, and this model has {spec.pinned_reason}, which cannot move; "
-                "declare the documents in a PML schema (add_schema) instead"
-            )
-        docs_mod.check_name(schema, "schema name")
+        self._check_movable()
+        check_name(schema, "schema name")
         with self._lock:
             target = self._document_schema(schema, system)
             if replace_changed:
-                held = target.documents
-                changed = [name for doc_id, text, meta in records
-                           if (name := doc_id or docs_mod.default_name(text)) in held and (held[name].text, held[name].metadata) != (text, meta)]
-                if changed:
-                    self.delete_documents(changed, schema=schema, publish=publish)
-                    target = self._document_schema(schema, system)
-            layout = target.layout
-            names: list[str] = []
-            new: dict[str, tuple[str, dict[str, Any]]] = {}
-            for doc_id, text, meta in records:  # validate everything before changing anything
-                name = doc_id or docs_mod.default_name(text)
-                known = target.documents.get(name)
-                held = known.text if known is not None else new[name][0] if name in new else None
-                if held is not None and held != text:
-                    raise PromptCacheError(f"document id {name!r} already holds a different text in schema {schema!r}")
-                if held is None:
-                    new[name] = (text, meta)
-                names.append(name)
-            fresh: dict[str, tuple[str, list[int], dict[str, Any]]] = {}
-            for (name, (text, meta)), text_ids in zip(new.items(), spec.tokenize_many([text for text, _ in new.values()])):
-                self._check_window(layout.document_start + len(text_ids) + len(spec.separator_ids), f"document {name!r}")
-                fresh[name] = (text, text_ids, meta)
-            context_key = self._documents_key(target)
+                target = self._without_changed(target, records, system, publish)
+            fresh = self._tokenised(target, self._new_documents(target, records))
             contexts = self._document_contexts(target, fresh, context, neighbours_of, context_texts) if context else {}
-            built = {name: document_module(layout, name, text, text_ids, spec.separator_ids,
-                                           len(contexts[name].token_ids) if name in contexts else 0)
-                     for name, (text, text_ids, _) in fresh.items()}
-            keys = {name: self.encoder.key(schema, info.token_ids, info.positions, _context_key(context_key, contexts.get(name)))
-                    for name, info in built.items()}
-            if batch_tokens is None:
-                # on CPU a 2-core machine is compute-bound at batch 1 and padding only adds work
-                batch_tokens = 512 if spec.device.type == "cpu" else 8192
+            built = self._document_modules(target, fresh, contexts)
             # encode first, publish after: a prompt served meanwhile never sees a document whose
             # KV is not stored yet (it would encode it a second time)
             if encode:
-                self.encoder.encode_documents(target, [(keys[n], built[n]) for n in built], progress=progress, batch_tokens=batch_tokens,
-                                              contexts=contexts)
+                self.encoder.encode_documents(target, list(built.values()), progress=progress,
+                                              batch_tokens=batch_tokens or self._batch_tokens(), contexts=contexts)
             if built:
-                # copy on write: plans made against the old Schema keep reading it unchanged
-                new_layout = replace(layout, modules=dict(layout.modules), pieces=list(layout.pieces))
-                documents = dict(target.documents)
-                for name, info in built.items():
-                    documents[name] = DocumentRecord(name, fresh[name][0], fresh[name][2])
-                    add_document(new_layout, info)
-                    if self.drop_in:
-                        self.index.add(schema, name, info.text or "")
-                target = replace(target, layout=new_layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents),
-                                 contexts=MappingProxyType({**target.contexts, **contexts}) if contexts else target.contexts)
-                self._publish(target)
-            if self.remote is not None and publish and fresh:
-                self._publish_remote(partial(self.remote.log.publish_documents, schema, target.system, [
-                    {"name": name, "text": text, "metadata": meta,
-                     **({"context": {"form": contexts[name].form, "names": list(contexts[name].names)}} if name in contexts else {})}
-                    for name, (text, _, meta) in fresh.items()]))
-            logger.info("documents %r: %d added (%d new), %d held", schema, len(names), len(fresh), len(target.documents))
-            return names
+                target = self._with_documents(target, fresh, built, contexts)
+            if publish and fresh and self.publisher is not None:
+                self.publisher.documents_added(schema, target.system, [_shared_record(r, contexts.get(r.name)) for r, _ in fresh.values()])
+            logger.info("documents %r: %d added (%d new), %d held", schema, len(records), len(fresh), len(target.documents))
+            return [record.name for record in records]
+
+    def _check_movable(self) -> None:
+        if not self.spec.movable:
+            raise PromptCacheError(
+                f"documents are movable modules, and this model has {self.spec.pinned_reason}, which cannot move; "
+                "declare the documents in a PML schema (add_schema) instead"
+            )
+
+    def _without_changed(self, target: Schema, records: Sequence[DocumentRecord], system: str | None, publish: bool) -> Schema:
+        """``target`` without the documents ``records`` give another text or metadata under their name."""
+        held = target.documents
+        changed = [r.name for r in records if r.name in held and (held[r.name].text, held[r.name].metadata) != (r.text, r.metadata)]
+        if not changed:
+            return target
+        self.delete_documents(changed, schema=target.name, publish=publish)
+        return self._document_schema(target.name, system)
+
+    @staticmethod
+    def _new_documents(target: Schema, records: Sequence[DocumentRecord]) -> list[DocumentRecord]:
+        """The records ``target`` does not hold yet (each name once); an id that holds another text is an error."""
+        new: dict[str, DocumentRecord] = {}
+        for record in records:  # validate everything before changing anything
+            known = target.documents.get(record.name)
+            if known is not None and known.text != record.text:
+                raise PromptCacheError(f"document id {record.name!r} already holds a different text in schema {target.name!r}")
+            if known is None:
+                new.setdefault(record.name, record)
+        return list(new.values())
+
+    def _tokenised(self, target: Schema, records: list[DocumentRecord]) -> dict[str, tuple[DocumentRecord, list[int]]]:
+        """Each new record with its tokens, refused when it would not fit the model's context window."""
+        spec = self.spec
+        fresh = {}
+        for record, text_ids in zip(records, spec.tokenize_many([r.text for r in records])):
+            self._check_window(target.layout.document_start + len(text_ids) + len(spec.separator_ids), f"document {record.name!r}")
+            fresh[record.name] = (record, text_ids)
+        return fresh
+
+    def _document_modules(self, target: Schema, fresh: Mapping[str, tuple[DocumentRecord, list[int]]],
+                          contexts: Mapping[str, DocumentContext]) -> dict[str, tuple[str, Any]]:
+        """Each new document's module (its tokens and positions behind its context) and its store key."""
+        base = self._documents_key(target)
+        built = {}
+        for name, (record, text_ids) in fresh.items():
+            context = contexts.get(name)
+            info = document_module(target.layout, name, record.text, text_ids, self.spec.separator_ids,
+                                   len(context.token_ids) if context is not None else 0)
+            built[name] = (self.encoder.key(target.name, info.token_ids, info.positions, _context_key(base, context)), info)
+        return built
+
+    def _batch_tokens(self) -> int:
+        # on CPU a 2-core machine is compute-bound at batch 1 and padding only adds work
+        return 512 if self.spec.device.type == "cpu" else 8192
+
+    def _with_documents(self, target: Schema, fresh: Mapping[str, tuple[DocumentRecord, list[int]]],
+                        built: Mapping[str, tuple[str, Any]], contexts: Mapping[str, DocumentContext]) -> Schema:
+        """``target`` with the new documents, published (copy on write: plans made against the old
+        Schema keep reading it unchanged)."""
+        layout = replace(target.layout, modules=dict(target.layout.modules), pieces=list(target.layout.pieces))
+        documents = dict(target.documents)
+        for name, (_, info) in built.items():
+            documents[name] = fresh[name][0]
+            add_document(layout, info)
+            if self.drop_in:
+                self.index.add(target.name, name, info.text or "")
+        keys = {name: key for name, (key, _) in built.items()}
+        target = replace(target, layout=layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents),
+                         contexts=MappingProxyType({**target.contexts, **contexts}) if contexts else target.contexts)
+        self._publish(target)
+        return target
 
     def _documents_key(self, target: Schema) -> str | None:
         """What a collection's documents are encoded behind, as their keys say: the prefix and
@@ -293,7 +325,7 @@ class Registry:
             return None
         return f"{target.keys[layout.prefix]}+{layout.lead}"
 
-    def _document_contexts(self, target: Schema, fresh: Mapping[str, tuple[str, list[int], dict[str, Any]]], form: str,
+    def _document_contexts(self, target: Schema, fresh: Mapping[str, tuple[DocumentRecord, list[int]]], form: str,
                            neighbours_of: Mapping[str, Sequence[str]] | None, extra: Mapping[str, str] | None) -> dict[str, DocumentContext]:
         """What each new document is encoded behind (see :meth:`add_documents`): its neighbours'
         tokens as a prompt places them (text, separator), the farthest dropped first where the
@@ -327,7 +359,7 @@ class Registry:
         return out
 
     def _context_tokens(self, layout: SchemaLayout, held: Mapping[str, DocumentRecord], names: Iterable[str], form: str,
-                        fresh: Mapping[str, tuple[str, list[int], dict[str, Any]]] | None = None,
+                        fresh: Mapping[str, tuple[DocumentRecord, list[int]]] | None = None,
                         extra: Mapping[str, str] | None = None) -> dict[str, list[int]]:
         """Each of ``names`` as a context places it (text, separator): whole neighbours from their
         stored or fresh tokens, first sentences (and texts held elsewhere, ``extra``) tokenised in
@@ -343,7 +375,7 @@ class Registry:
             else:
                 todo.append(name)
         if todo:
-            texts = [held[n].text if n in held else fresh[n][0] if n in fresh else extra[n] for n in todo]
+            texts = [held[n].text if n in held else fresh[n][0].text if n in fresh else extra[n] for n in todo]
             if form == "neighbour_sentences":
                 texts = [first_sentence(t) for t in texts]
             for name, ids in zip(todo, spec.tokenize_many(texts)):
@@ -399,8 +431,8 @@ class Registry:
             # a replica replaying a deletion leaves the shared entries to the replica that deleted
             # them (the log may add the same text again after it)
             self.encoder.store.delete(dead, remote=publish)
-            if self.remote is not None and publish:
-                self._publish_remote(partial(self.remote.log.publish_deletion, schema, removed))
+            if publish and self.publisher is not None:
+                self.publisher.documents_deleted(schema, removed)
             listeners = list(self._listeners)
         for listener in listeners:
             listener.forget(schema, removed)
@@ -411,141 +443,6 @@ class Registry:
     def watch(self, listener: Any) -> None:
         """Tell ``listener.forget(schema, names)`` about every deletion (held weakly)."""
         self._listeners.add(listener)
-
-    # -- the remote registry ------------------------------------------------------------------
-    def _publish_remote(self, write: Callable[[], bool]) -> None:
-        """Queue one registry write (a call that says whether Redis took it) and send the queue in
-        order (a later deletion never overtakes the addition it deletes); what Redis does not
-        take now is sent at the next sync."""
-        with self._lock:
-            self._unpublished.append(write)
-        self.flush_unpublished()
-
-    def flush_unpublished(self) -> int:
-        """Send the registry writes the remote tier has not taken yet; returns how many are left."""
-        with self._lock:
-            while self._unpublished and self._unpublished[0]():
-                self._unpublished.pop(0)
-            return len(self._unpublished)
-
-    def sync_remote(self, *, wait: bool = True) -> int:
-        """Take in what other processes published to the remote tier since the last call: PML
-        schemas, document additions (registered; their KV stays remote until a prompt needs it)
-        and deletions, in log order. Every record is validated on its own: a bad one is skipped
-        with a warning and the rest is taken. Returns how many documents and schemas changed here.
-        ``wait=False`` returns 0 at once when another thread is syncing."""
-        if self.remote is None:
-            return 0
-        if not self._sync_lock.acquire(blocking=wait):
-            return 0
-        try:
-            if self._unpublished:
-                self.flush_unpublished()
-            names = list(self.remote_collections) if self.remote_collections is not None else self.remote.log.collection_names()
-            if not names:
-                return 0
-            unknown = [n for n in names if n not in self._remote_meta]
-            if unknown:
-                self._remote_meta.update(self.remote.log.collection_meta(unknown))
-            lengths = self.remote.log.log_lengths([n for n in names if self._remote_meta.get(n, {}).get("kind") == "documents"])
-            changed = 0
-            for name in names:
-                meta = self._remote_meta.get(name)
-                if meta is None:
-                    continue
-                if meta["kind"] == "pml":
-                    changed += self._take_schema(name, meta["source"])
-                    continue
-                length, epoch = lengths.get(name, (0, None))
-                if epoch != self._remote_epoch.get(name):  # a log begun again: replay it from its start
-                    self._remote_epoch[name] = epoch
-                    self._remote_seen[name] = 0
-                if length > self._remote_seen.get(name, 0):
-                    read = self.remote.log.read_log(name, self._remote_seen.get(name, 0))
-                    changed += self._replay(name, meta.get("system"), read.entries)
-                    self._remote_seen[name] = read.next
-            if changed:
-                logger.info("took in %d changes from the remote store", changed)
-            return changed
-        finally:
-            self._sync_lock.release()
-
-    def _take_schema(self, name: str, source: str) -> int:
-        held = self._schemas.get(name)
-        if held is None:
-            try:
-                self.add_schema(source, progress=False, publish=False)
-                return 1
-            except PromptCacheError as err:
-                logger.warning("remote schema %r not taken in: %s", name, err)
-                self._remote_meta[name] = {"kind": "skipped"}  # not tried again by this process
-        elif held.source != source and self._remote_meta.get(name, {}).get("warned") is None:
-            logger.warning("remote schema %r differs from the one this process holds; keeping this process's", name)
-            self._remote_meta[name] = {**self._remote_meta[name], "warned": True}
-        return 0
-
-    def _replay(self, collection: str, system: str | None, entries: list[dict[str, Any]]) -> int:
-        """Apply a collection's log entries in order (runs of additions together)."""
-        changed = 0
-        run: list[dict[str, Any]] = []
-        for entry in [*entries, None]:
-            if entry is not None and entry["op"] == "add":
-                run.append(entry)
-                continue
-            if run:
-                changed += self._take_documents(collection, system, run)
-                run = []
-            if entry is not None:
-                changed += len(self.delete_documents(entry["names"], schema=collection, publish=False))
-        return changed
-
-    def _take_documents(self, collection: str, system: str | None, records: list[dict[str, Any]]) -> int:
-        """Register remote document records (their KV stays remote); one that contradicts what is
-        held here, or that cannot be a document here, is logged and skipped, the rest taken."""
-        if not self.spec.movable:
-            logger.warning("remote collection %r: %d documents not taken in: documents are movable modules, and this model has %s",
-                           collection, len(records), self.spec.pinned_reason)
-            return 0
-        held = self._schemas.get(collection)
-        if held is not None and (not held.layout.documents or held.system != (docs_mod.DEFAULT_SYSTEM if system is None else system)):
-            logger.warning("remote collection %r: %d documents not taken in: this process holds %r as %s", collection, len(records),
-                           collection, "a PML schema" if not held.layout.documents else "documents behind another system prompt")
-            return 0
-        known = held.documents if held is not None else {}
-        todo: dict[str, dict[str, Any]] = {}
-        for record in records:
-            name, text = record["name"], record["text"]
-            have = known[name].text if name in known else todo[name]["text"] if name in todo else None
-            if have is not None and have != text:
-                logger.warning("remote document %r in %r holds another text than this process; skipped", name, collection)
-            elif have is None:
-                todo[name] = record
-        # one call per context form (the records say what their publisher encoded them behind)
-        forms: dict[str | None, list[dict[str, Any]]] = {}
-        for record in todo.values():
-            forms.setdefault((record.get("context") or {}).get("form"), []).append(record)
-        # plain documents first: the others may be encoded behind them
-        batches = sorted(forms.values(), key=lambda batch: batch[0].get("context") is not None)
-        taken = 0
-        while batches:
-            batch = batches.pop(0)
-            form = (batch[0].get("context") or {}).get("form")
-            try:
-                self.add_documents([r["text"] for r in batch], ids=[r["name"] for r in batch], metadatas=[r["metadata"] for r in batch],
-                                   schema=collection, system=system, progress=False, publish=False, encode=False, context=form,
-                                   neighbours_of={r["name"]: r["context"]["names"] for r in batch if r.get("context")} if form else None)
-                taken += len(batch)
-            except PromptCacheError as err:
-                if len(batch) == 1 and form is not None:
-                    # its context names documents this process lacks: taken as a plain document
-                    # (another key: the publisher's entry, encoded behind them, is never read for it)
-                    logger.warning("remote document %r of %r taken without its context: %s", batch[0]["name"], collection, err)
-                    batches.append([{k: v for k, v in batch[0].items() if k != "context"}])
-                elif len(batch) == 1:
-                    logger.warning("remote document %r of %r not taken in: %s", batch[0]["name"], collection, err)
-                else:  # find the bad ones by halving: the good ones are taken
-                    batches.extend([batch[: len(batch) // 2], batch[len(batch) // 2 :]])
-        return taken
 
     @staticmethod
     def _joint_paths(layout: SchemaLayout, compact: bool) -> dict[str, "_Joint"]:

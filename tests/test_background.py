@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pc_rag import PromptCacheError, build_prompt
-from pc_rag.prompt.documents import default_name, document_id, module_name
+from pc_rag.prompt.documents import DocumentRecord, default_name, document_id, module_name
 
 
 def test_ids_become_module_names_and_back():
@@ -52,9 +52,9 @@ def test_a_document_that_cannot_be_encoded_is_logged_and_not_retried(make_engine
     engine.add_documents(["Cannot go into a PML schema."], schema="pml", background=True)
     assert engine.wait_for_documents(timeout=120)
     assert "not encoded in the background" in caplog.text
-    assert engine.background.submit("pml", None, [("doc-x", "Cannot go into a PML schema.", {})]) == 1  # other name: queued
+    assert engine.background.submit("pml", None, [DocumentRecord("doc-x", "Cannot go into a PML schema.")]) == 1  # other name: queued
     engine.wait_for_documents(timeout=120)
-    again = [(default_name("Cannot go into a PML schema."), "Cannot go into a PML schema.", {})]
+    again = [DocumentRecord(default_name("Cannot go into a PML schema."), "Cannot go into a PML schema.")]
     assert engine.background.submit("pml", None, again) == 0  # refused before: not queued again
 
 

@@ -51,7 +51,7 @@ def test_documents_added_later_by_another_replica_are_found_on_demand(make_engin
     (name,) = writer.add_documents(DOCS[3:4], progress=False)
     result = replica.generate(build_prompt(QUESTION, [name]), max_new_tokens=4)  # unknown here: registry read again
     assert result.stats.cached_tokens > 0 and replica.store_stats()["encoded"] == 0
-    assert replica.registry._remote_seen == {"docs": 1}  # a later read starts after the records already taken in
+    assert replica.registry_sync.seen == {"docs": 1}  # a later read starts after the records already taken in
     assert replica.sync_documents() == 0
 
 

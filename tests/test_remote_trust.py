@@ -218,7 +218,7 @@ def test_a_redis_acl_confines_a_tenants_replica_to_its_collections(make_engine, 
     url = redis_server.url.replace("redis://", "redis://acme:acme-password@")
     tenant = make_engine(remote_store=url, remote_collections=["acme"])
     names = tenant.add_documents(DOCS[:2], ids=["bell", "keepers"], schema="acme", progress=False)
-    assert tenant.remote.errors == 0 and not tenant.store.unshared() and not tenant.registry.flush_unpublished()
+    assert tenant.remote.errors == 0 and not tenant.store.unshared() and not tenant.registry_sync.flush_unpublished()
     peer = make_engine(remote_store=url, remote_collections=["acme"])  # another replica of the same tenant
     assert sorted(peer.schemas) == ["acme"] and peer.store_stats()["encoded"] == 0
     expected = [local.generate(build_prompt(QUESTION, [n]), max_new_tokens=6).token_ids for n in names]

@@ -138,13 +138,10 @@ def test_request_over_the_memory_budget_is_refused_before_any_work(make_tiny, to
     assert engine.generate(PROMPT, max_new_tokens=2, use_cache=False).stats.cached_tokens == 0  # the baseline needs no store
 
 
-def test_cache_dir_is_a_deprecated_alias_of_kv_dir(make_tiny, tokenizer, tmp_path):
-    """transformers' cache_dir means the download cache; pc-rag's KV folder is kv_dir, the old name still works."""
-    model = make_tiny("llama")
-    with pytest.warns(DeprecationWarning, match="kv_dir"):
-        engine = PromptCache(model, tokenizer, cache_dir=tmp_path / "old")
-    assert engine.kv_dir == tmp_path / "old"
-    engine.add_documents(["A document persisted under its old folder name."], progress=False)
-    assert any((tmp_path / "old").rglob("*.safetensors"))
-    with pytest.raises(PromptCacheError, match="not both"):
-        PromptCache(model, tokenizer, kv_dir=tmp_path / "a", cache_dir=tmp_path / "b")
+def test_cache_dir_is_transformers_download_cache_not_the_kv_folder(make_tiny, tokenizer, tmp_path):
+    """transformers' cache_dir means the download cache: from_pretrained hands it to transformers,
+    and the engine's module KV folder is kv_dir alone (the old alias is gone)."""
+    with pytest.raises(TypeError, match="cache_dir"):
+        PromptCache(make_tiny("llama"), tokenizer, cache_dir=tmp_path / "old")  # type: ignore[call-arg]
+    engine = PromptCache.from_pretrained(cache_dir=str(tmp_path / "downloads"))
+    assert engine.kv_dir is None and not (tmp_path / "downloads" / "modules").exists()

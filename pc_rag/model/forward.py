@@ -63,10 +63,6 @@ class Forward:
             self.passes += passes
             self.encoded += encoded
 
-    def reset_counts(self) -> None:
-        with self._count_lock:
-            self.passes = self.encoded = 0
-
     @torch.inference_mode()
     def __call__(
         self,

@@ -277,6 +277,7 @@ def split_attention(
 
     # the rows' own keys: each kv head's query heads stacked, [rows, kv_heads, groups * q, dim]
     grouped = query.reshape(rows, kv_heads, groups * q_len, dim)
+    # out [rows, kv_heads, groups * q, dim], lse [rows, kv_heads, groups * q]
     out, lse = _attend(grouped, key, value, scale, step.own_mask(attention_mask, q_len, groups, key.shape[2], query))
     if step.shared.groups:
         out = out.float()  # the merge accumulates in float32, in place for groups of some rows only
@@ -290,6 +291,7 @@ def split_attention(
         g_out: torch.Tensor | None = None
         g_lse: torch.Tensor | None = None
         for index, (q, part) in enumerate(zip(group.queries(stacked), group.parts)):
+            # q [kv_heads, n * groups * q, dim] against the part's keys [kv_heads, keys, dim]: o like q, l [kv_heads, n * groups * q]
             o, l = _attend(q[None], part.kv[layer, 0][None], part.kv[layer, 1][None], scale / part.temperature,
                            masks[index] if masks else None)
             if part.log_scale:
@@ -305,6 +307,7 @@ def split_attention(
         else:
             out[group.rows], lse[group.rows] = merged_out, merged_lse
 
+    # [rows, kv_heads, groups * q, dim] -> [rows, heads, q, dim] -> [rows, q, heads, dim]
     return out.to(query.dtype).reshape(rows, heads, q_len, dim).transpose(1, 2).contiguous()
 
 

@@ -95,16 +95,17 @@ class Assembler:
         for segment, (module, delta) in zip(segments, views):
             first, last = segment.offset, segment.offset + len(segment)
             if isinstance(module, QuantizedModuleKV):
-                dest = buffer.slice(at, at + len(segment), row)
+                dest = buffer.slice(at, at + len(segment), row)  # [layers, 2, kv_heads, len(segment), head_dim]
                 module.read_into(dest, first, last)
                 if delta:
-                    rotate_in_place(dest[:, 0], *table[delta])
+                    rotate_in_place(dest[:, 0], *table[delta])  # the keys [layers, kv_heads, tokens, head_dim]
                 at += len(segment)
                 continue
             rotate = None
             if delta:
                 cos, sin = table[delta]
                 rotate = lambda out, keys, cos=cos, sin=sin: rotate_with(out, keys, cos, sin)  # noqa: E731
+            # module.read: [layers, 2, kv_heads, last - first, head_dim], into the row at `at`
             buffer.write(module.read(first, last), at, row=row if buffer.batch > 1 else None, rotate=rotate)
             at += len(segment)
         return at
@@ -132,7 +133,7 @@ class Assembler:
         if len(segments) == 1:
             (segment,) = segments
             module, shift = self.segment_kv(plan, segment)
-            kv = module.read(segment.offset, segment.offset + len(segment), dtype=spec.dtype, device=spec.device)
+            kv = module.read(segment.offset, segment.offset + len(segment), dtype=spec.dtype, device=spec.device)  # [layers, 2, kv_heads, n, dim]
             return SharedPart(kv, _positions(segments, spec.device), rows, shift, temperature, log_scale)
         run = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, sum(len(s) for s in segments), dtype=spec.dtype, device=spec.device)
         self.write(run, 0, plan, segments)
@@ -149,62 +150,65 @@ class Assembler:
         queries to moved segments is adjusted (APE), wherever their KV is read from.
         """
         spec = self.spec
-        order = list(range(len(plans)))
-        parts: list[SharedPart] = []
         cached = [[s for s in p.segments if s.cached] if use_cache else [] for p in plans]
         moved = [[m for s, m in zip(p.segments, ape.moved[i]) if s.cached] if ape is not None else [False] * len(cached[i])
                  for i, p in enumerate(plans)] if use_cache else [[] for _ in plans]
-        if use_cache and len(plans) == 1 and assembly == "in_place":
-            parts = [part for s, m in zip(cached[0], moved[0]) for part in self._parts(plans[0], [s], [m], slice(0, 1), ape)]
-            own: list[list[Segment]] = [[]]
-            own_moved: list[list[bool]] = [[]]
-        elif use_cache and len(plans) > 1 and share:
-            # rows share a segment only when they read it alike: the same KV at the same position,
-            # moved (APE-adjusted) in both or in neither; a shared part has one adjustment for all its rows
-            signatures = [tuple((s.key, s.offset, len(s), s.position, s.source_position, m) for s, m in zip(segments, flags))
-                          for segments, flags in zip(cached, moved)]
-            order = sorted(order, key=lambda i: signatures[i])
-            runs, private_from = share_prefixes([signatures[i] for i in order])
-            for run in runs:
-                first = order[run.rows.start]
-                parts += self._parts(plans[first], cached[first][run.first : run.stop], moved[first][run.first : run.stop], run.rows, ape)
-            own = [cached[i][private_from[row] :] for row, i in enumerate(order)]
-            own_moved = [moved[i][private_from[row] :] for row, i in enumerate(order)]
-        else:
-            own = cached
-            own_moved = moved
+        order, parts, own, own_moved = self._split(plans, cached, moved, in_place=use_cache and assembly == "in_place",
+                                                   share=use_cache and share, ape=ape)
         computed = [_computed(plans[i], use_cache) for i in order]
         own_width = max(sum(len(s) for s in segments) for segments in own)
-        width = max(len(ids) for ids, _ in computed)
-        end = own_width + width
-        batch = len(plans)
-        capacity = end + new_tokens
-        if batch == 1:
-            buffer = self.buffers.acquire(capacity)
-        else:
-            # rounded up like the pool's buffers: a compiled decode step sees few shapes
-            capacity = batch_capacity(capacity)
-            buffer = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, capacity, dtype=spec.dtype, device=spec.device, batch=batch)
-            # masked entries still meet the values in a product (weight 0 x value): uninitialised
-            # memory can hold NaN, and 0 x NaN is NaN
-            buffer.storage.zero_()
-        key_positions = torch.zeros(batch, buffer.capacity, dtype=torch.long)
-        valid = torch.zeros(batch, buffer.capacity, dtype=torch.bool)
+        buffer = self._buffer(len(plans), own_width + max(len(ids) for ids, _ in computed) + new_tokens)
+        # each row's cache entries: the position its key was encoded for, and whether it holds one
+        key_positions = torch.zeros(len(plans), buffer.capacity, dtype=torch.long)  # [batch, capacity]
+        valid = torch.zeros(len(plans), buffer.capacity, dtype=torch.bool)  # [batch, capacity]
         for row, segments in enumerate(own):
-            plan = plans[order[row]]
-            filled = self.write(buffer, 0, plan, segments, row=row)
+            filled = self.write(buffer, 0, plans[order[row]], segments, row=row)  # KV [layers, 2, row, kv_heads, :filled, head_dim]
             if filled:
                 key_positions[row, :filled] = _positions(segments, torch.device("cpu"))
                 valid[row, :filled] = True
         buffer.grow_to(own_width)
-        device = spec.device
         shared = SharedKV(parts, heads_per_kv=spec.heads_per_kv, dtype=spec.dtype, rotator=spec.rotator) if parts else None
-        ordered = batch == 1 and own_width == 0 and shared is None
-        rows = Rows(buffer, key_positions.to(device), valid.to(device), shared, ordered)
-        inputs = Inputs.left_padded(computed, spec.placeholder_id, device)
+        ordered = len(plans) == 1 and own_width == 0 and shared is None
+        rows = Rows(buffer, key_positions.to(spec.device), valid.to(spec.device), shared, ordered)
+        inputs = Inputs.left_padded(computed, spec.placeholder_id, spec.device)  # ids and positions [batch, longest computed]
         if ape is not None and any(any(flags) for flags in own_moved):
             adjust_attention(rows, moved_entries(own, own_moved), ape.temperature, ape.scale)
         return Assembled(rows, inputs, order)
+
+    def _split(self, plans: Sequence[Plan], cached: list[list[Segment]], moved: list[list[bool]], *, in_place: bool, share: bool,
+               ape: Ape | None) -> tuple[list[int], list[SharedPart], list[list[Segment]], list[list[bool]]]:
+        """The rows' order, the parts read in place (shared by rows, or one request's in place), and
+        each row's own cached segments (with their APE flags), copied into its buffer."""
+        order = list(range(len(plans)))
+        if in_place and len(plans) == 1:
+            parts = [part for s, m in zip(cached[0], moved[0]) for part in self._parts(plans[0], [s], [m], slice(0, 1), ape)]
+            return order, parts, [[]], [[]]
+        if not share or len(plans) == 1:
+            return order, [], cached, moved
+        # rows share a segment only when they read it alike: the same KV at the same position,
+        # moved (APE-adjusted) in both or in neither; a shared part has one adjustment for all its rows
+        signatures = [tuple((s.key, s.offset, len(s), s.position, s.source_position, m) for s, m in zip(segments, flags))
+                      for segments, flags in zip(cached, moved)]
+        order = sorted(order, key=lambda i: signatures[i])
+        runs, private_from = share_prefixes([signatures[i] for i in order])
+        parts = []
+        for run in runs:
+            first = order[run.rows.start]
+            parts += self._parts(plans[first], cached[first][run.first : run.stop], moved[first][run.first : run.stop], run.rows, ape)
+        own = [cached[i][private_from[row] :] for row, i in enumerate(order)]
+        return order, parts, own, [moved[i][private_from[row] :] for row, i in enumerate(order)]
+
+    def _buffer(self, batch: int, capacity: int) -> KVBuffer:
+        """A KV buffer for ``batch`` rows of ``capacity`` entries: the pool's for one row."""
+        if batch == 1:
+            return self.buffers.acquire(capacity)
+        # rounded up like the pool's buffers: a compiled decode step sees few shapes
+        buffer = KVBuffer(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, batch_capacity(capacity), dtype=self.spec.dtype,
+                          device=self.spec.device, batch=batch)
+        # masked entries still meet the values in a product (weight 0 x value): uninitialised
+        # memory can hold NaN, and 0 x NaN is NaN
+        buffer.storage.zero_()
+        return buffer
 
     def empty_row(self, capacity: int) -> Rows:
         """One row with an empty cache, for segment-by-segment prefill."""

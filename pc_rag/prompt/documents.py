@@ -96,18 +96,22 @@ def normalize(
     items: Sequence[Any] | Any,
     ids: Sequence[str] | None = None,
     metadatas: Sequence[Mapping[str, Any] | None] | None = None,
-) -> list[tuple[str | None, str, dict[str, Any]]]:
-    """``(name or None, text, metadata)`` for strings, LangChain ``Document``s and LlamaIndex nodes.
+) -> list[DocumentRecord]:
+    """Input documents (strings, LangChain ``Document``s, LlamaIndex nodes) as records: the one
+    place every entry point reads them.
 
-    ``ids`` must be module names; a Document's or node's own id may be anything (a vector store's
-    UUID): it becomes a name through :func:`module_name`."""
+    A document's name is its id: ``ids`` (module names), else the Document's or node's own id,
+    which may be anything (a vector store's UUID) and becomes a name through :func:`module_name`;
+    without one, a name derived from its text (:func:`default_name`). ``metadatas`` update each
+    document's own metadata. A name given twice with two different texts is an error."""
     if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
         raise PromptCacheError(f"documents must be a list (of str, LangChain Documents or LlamaIndex nodes), got {type(items).__name__}")
     items = list(items)
     for arg, label in ((ids, "ids"), (metadatas, "metadatas")):
         if arg is not None and len(arg) != len(items):
             raise PromptCacheError(f"{label} has {len(arg)} entries for {len(items)} documents")
-    out: list[tuple[str | None, str, dict[str, Any]]] = []
+    out: list[DocumentRecord] = []
+    texts: dict[str, str] = {}
     for index, item in enumerate(items):
         text, own_id, own_meta = _unpack(item, index)
         if not text:
@@ -116,7 +120,10 @@ def normalize(
         meta = dict(own_meta or {})
         if metadatas is not None and metadatas[index]:
             meta.update(metadatas[index])  # type: ignore[arg-type]
-        out.append((check_name(doc_id) if doc_id is not None else None, text, meta))
+        name = check_name(doc_id) if doc_id is not None else default_name(text)
+        if texts.setdefault(name, text) != text:
+            raise PromptCacheError(f"document id {name!r} is given two different texts")
+        out.append(DocumentRecord(name, text, meta))
     return out
 
 

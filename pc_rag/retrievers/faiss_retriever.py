@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..atomic import atomic_write
-from ..prompt.documents import DEFAULT_SCHEMA, check_name, default_name, normalize
+from ..prompt.documents import DEFAULT_SCHEMA, check_name, normalize
 from ..embedding import embed_texts, load_embedder, normalised
 from ..errors import PromptCacheError
 from ..prompt.neighbours import DEFAULT_NEIGHBOURS, check_context, nearest
@@ -194,22 +194,22 @@ class FaissModuleRetriever:
         check_context(context, neighbours)
         schema = check_name(schema if schema is not None else self.schema, "schema name")
         records = normalize(texts, ids, metadatas)
-        names = [doc_id or default_name(text) for doc_id, text, _ in records]
+        names = [record.name for record in records]
         if context is not None and self.engine is None:
             raise PromptCacheError("context= encodes documents: bind the retriever to an engine (engine= or from_engine)")
         embedded: dict[str, np.ndarray] = {}
         if self.engine is not None:
             chosen: dict[str, list[str]] | int = 0
             if context is not None and neighbours:
-                chosen, embedded = self._neighbours(schema, dict(zip(names, (text for _, text, _ in records))), neighbours)
-            names = self.engine.add_documents([text for _, text, _ in records], ids=names, metadatas=[meta for _, _, meta in records],
+                chosen, embedded = self._neighbours(schema, {r.name: r.text for r in records}, neighbours)
+            names = self.engine.add_documents([r.text for r in records], ids=names, metadatas=[r.metadata for r in records],
                                               schema=schema, progress=progress, replace_changed=replace_changed,
                                               context=context if chosen else None, neighbours=chosen)
         elif replace_changed:
             with self._lock:
                 held = {n: self._records[self._ids[(schema, n)]] for n in names if (schema, n) in self._ids}
-            self.forget(schema, [n for n, (_, text, meta) in zip(names, records) if n in held and (held[n].text, held[n].metadata) != (text, meta)])
-        self._index_records(schema, [(name, text, meta) for name, (_, text, meta) in zip(names, records)], progress, embedded)
+            self.forget(schema, [r.name for r in records if r.name in held and (held[r.name].text, held[r.name].metadata) != (r.text, r.metadata)])
+        self._index_records(schema, [(r.name, r.text, r.metadata) for r in records], progress, embedded)
         return names
 
     def _neighbours(self, schema: str, named: dict[str, str], k: int) -> tuple[dict[str, list[str]], dict[str, np.ndarray]]:
