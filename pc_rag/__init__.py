@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from .engine import DEFAULT_ENCODING, PromptCache
     from .errors import PromptCacheError, QueueFull
     from .decode.request import CacheStats, Generation
-    from .prompt.layout import Plan, Segment
+    from .prompt.plan import Plan, Segment
     from .prompt.pml import PML, escape, parse_prompt, parse_schema
     from .registry import Schema
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry", "DocumentRecord": "prompt.documents",
     "build_prompt": "prompt.documents", "module_reference": "prompt.documents", "PromptCacheError": "errors", "QueueFull": "errors",
-    "CacheStats": "decode.request", "Generation": "decode.request", "Plan": "prompt.layout", "Segment": "prompt.layout",
+    "CacheStats": "decode.request", "Generation": "decode.request", "Plan": "prompt.plan", "Segment": "prompt.plan",
     "PML": "prompt.pml", "escape": "prompt.pml", "parse_prompt": "prompt.pml", "parse_schema": "prompt.pml",
 }
 

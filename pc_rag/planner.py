@@ -1,4 +1,4 @@
-"""Planning: a prompt and a registry snapshot -> a :class:`~pc_rag.prompt.layout.Plan`; recovery; admission.
+"""Planning: a prompt and a registry snapshot -> a :class:`~pc_rag.prompt.plan.Plan`; recovery; admission.
 
 Pure functions of their arguments. A plan lists the prompt's tokens as segments at explicit
 positions; each cached segment carries the store key of the KV it reads and its schema, pinned
@@ -21,7 +21,7 @@ from typing import Any
 
 from .prompt.documents import split_references
 from .errors import PromptCacheError
-from .prompt.layout import ModuleSpan, Plan, Segment, close_names, compute_last, plan_prompt
+from .prompt.plan import ModuleSpan, Plan, Segment, close_names, compute_last, plan_prompt
 from .model.spec import ModelSpec
 from .prompt.pml import PML, parse_prompt
 from .registry import Schema, Snapshot

@@ -44,7 +44,7 @@ from .decode.loop import RunningBatch
 from .prefill.passes import prefill_chunks
 from .decode.request import Generation, RequestState
 from .kv.buffers import BufferPool, batch_capacity
-from .prompt.layout import Plan
+from .prompt.plan import Plan
 from .model.spec import ModelSpec
 from .prefill.rows import Prefilled
 

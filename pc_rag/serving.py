@@ -31,7 +31,7 @@ from .prefill.encode import ModuleEncoder
 from .errors import PromptCacheError
 from .decode.request import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
 from .kv.buffers import BufferPool
-from .prompt.layout import Plan
+from .prompt.plan import Plan
 from .model.spec import ModelSpec
 from .prefill.recovery import Recovery
 from .registry import Registry

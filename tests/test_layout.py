@@ -3,7 +3,8 @@
 import pytest
 
 from pc_rag import PromptCacheError, parse_prompt, parse_schema
-from pc_rag.prompt.layout import ChatMarkers, layout_schema, plan_prompt
+from pc_rag.prompt.layout import ChatMarkers, layout_schema
+from pc_rag.prompt.plan import plan_prompt
 
 MARKERS = ChatMarkers({"system": "[S]", "user": "[U]", "assistant": "[A]"}, {"system": "[/S]", "user": "[/U]", "assistant": "[/A]"}, "[A]")
 

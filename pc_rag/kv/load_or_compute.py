@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..prompt.layout import Plan
+from ..prompt.plan import Plan
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from .ape import Ape, adjust_attention, moved_entries
 from .encode import ModuleEncoder
 from ..errors import PromptCacheError
 from ..kv.buffers import BufferPool, KVBuffer, batch_capacity
-from ..prompt.layout import Plan, Segment
+from ..prompt.plan import Plan, Segment
 from ..model.spec import ModelSpec
 from ..kv.quantize import QuantizedModuleKV
 from ..kv.records import StoredKV

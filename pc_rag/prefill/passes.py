@@ -20,7 +20,7 @@ import torch
 from ..model.attention import attention_mask
 from ..model.forward import Forward
 from ..kv.buffers import KVBuffer
-from ..prompt.layout import Plan, Segment
+from ..prompt.plan import Plan, Segment
 from ..model.spec import ModelSpec
 from .rows import Inputs, Rows
 
@@ -88,6 +88,6 @@ def prefill_in_order(
             rows.valid[0, first : first + len(ids)] = True
             logits = forward(rows.buffer, ids, positions, logits=index == last)
             ids, positions = [], []
-    assert logits is not None  # a plan's last segment is computed (layout.compute_last)
+    assert logits is not None  # a plan's last segment is computed (plan.compute_last)
     return logits[None]
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from .ape import Ape
 from .passes import prefill, prefill_in_order
-from ..prompt.layout import Plan
+from ..prompt.plan import Plan
 from .rows import Prefilled
 from .scored import entries, prefill_recovered
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import PromptCacheError
-from ..prompt.layout import Plan, PlanSource, Segment
+from ..prompt.plan import Plan, PlanSource, Segment
 
 if TYPE_CHECKING:
     from ..model.spec import ModelSpec

@@ -17,7 +17,7 @@ from .ape import adjust_attention, moved_entries
 from ..model.forward import Forward
 from .passes import place_inputs, prefill
 from ..kv.buffers import BufferPool
-from ..prompt.layout import Plan
+from ..prompt.plan import Plan
 from ..model.spec import ModelSpec
 from ..model.probe import Probe
 from .rows import Inputs, Rows

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PromptCacheError
-from .layout import ModuleSpan
+from .plan import ModuleSpan
 from .pml import PML, ROLES, escape
 
 DEFAULT_SCHEMA = "docs"
