@@ -143,8 +143,7 @@ class Registration:
             raise PromptCacheError(f"no document collection {schema!r}")
         records = list(held.documents.values())
         self.registry.delete_documents([r.name for r in records], schema=schema)
-        return self.add_documents([r.text for r in records], ids=[r.name for r in records], metadatas=[r.metadata for r in records],
-                                  schema=schema, context=context, neighbours=neighbours, embedding=embedding, progress=progress)
+        return self.add_documents(records, schema=schema, context=context, neighbours=neighbours, embedding=embedding, progress=progress)
 
     def wait_for_documents(self, timeout: float | None = None) -> bool:
         """Encode the documents queued by ``add_documents(background=True)`` now (still between

@@ -196,6 +196,34 @@ async def test_a_cancelled_task_frees_its_row(engine):
     await keeper.aclose()
 
 
+async def test_cancelled_llama_index_and_langchain_calls_free_their_rows(engine):
+    """LlamaIndex's acomplete/achat and LangChain's ainvoke run on the engine's asyncio path: a task
+    cancelled mid-answer frees its row (on a worker thread, LlamaIndex's decoded on to its 400th token)."""
+    from llama_index.core.llms import ChatMessage
+
+    from pc_rag.integrations.langchain import ChatPromptCache
+    from pc_rag.integrations.llama_index import PromptCacheLLM
+
+    engine.stop_token_ids.clear()
+    llm = PromptCacheLLM(engine=engine, max_new_tokens=400)
+    keeper = engine.astream(build_prompt("Keep going.", engine.names[:2]), max_new_tokens=400)
+    await keeper.__anext__()
+    chat = ChatPromptCache(engine=engine, max_new_tokens=400)
+    for call in (lambda: llm.acomplete("Stop soon, please."), lambda: llm.achat([ChatMessage(role="user", content="Stop soon.")]),
+                 lambda: chat.ainvoke("Stop soon.")):
+        task = asyncio.create_task(call())
+        while engine.scheduler.running < 2:  # its row admitted beside the keeper's (a condition, not a timing)
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(2):  # the second is admitted at a step that began after the cancel was seen
+            await engine.agenerate("After the cancel.", max_new_tokens=1)
+        assert engine.scheduler.running == 1
+    assert (await llm.acomplete("A short one.", max_new_tokens=2)).text == llm.complete("A short one.", max_new_tokens=2).text
+    await keeper.aclose()
+
+
 def test_a_failing_request_leaves_the_others_unchanged(engine):
     """A module whose stored KV is gone and cannot be encoded again fails at prefill, inside the
     loop; the requests batched with it are prefilled again without it and answer as alone.

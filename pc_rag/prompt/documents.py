@@ -97,8 +97,8 @@ def normalize(
     ids: Sequence[str] | None = None,
     metadatas: Sequence[Mapping[str, Any] | None] | None = None,
 ) -> list[DocumentRecord]:
-    """Input documents (strings, LangChain ``Document``s, LlamaIndex nodes) as records: the one
-    place every entry point reads them.
+    """Input documents (strings, LangChain ``Document``s, LlamaIndex nodes, or records it made
+    before) as records: the one place every entry point reads them.
 
     A document's name is its id: ``ids`` (module names), else the Document's or node's own id,
     which may be anything (a vector store's UUID) and becomes a name through :func:`module_name`;
@@ -130,6 +130,8 @@ def normalize(
 def _unpack(item: Any, index: int) -> tuple[str, str | None, Mapping[str, Any] | None]:
     if isinstance(item, str):
         return item, None, None
+    if isinstance(item, DocumentRecord):  # read once already (normalize's own output)
+        return item.text, item.name, item.metadata
     if hasattr(item, "page_content"):  # langchain_core.documents.Document
         doc_id = getattr(item, "id", None)
         return item.page_content, module_name(doc_id, item.page_content) if doc_id else None, getattr(item, "metadata", None)

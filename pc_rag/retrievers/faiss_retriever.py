@@ -202,8 +202,7 @@ class FaissModuleRetriever:
             chosen: dict[str, list[str]] | int = 0
             if context is not None and neighbours:
                 chosen, embedded = self._neighbours(schema, {r.name: r.text for r in records}, neighbours)
-            names = self.engine.add_documents([r.text for r in records], ids=names, metadatas=[r.metadata for r in records],
-                                              schema=schema, progress=progress, replace_changed=replace_changed,
+            names = self.engine.add_documents(records, schema=schema, progress=progress, replace_changed=replace_changed,
                                               context=context if chosen else None, neighbours=chosen)
         elif replace_changed:
             with self._lock:

@@ -1,10 +1,5 @@
-"""LlamaIndex adapters: a function-calling LLM and a retriever over a :class:`~pc_rag.PromptCache`.
-
-The retriever's nodes render, for the LLM, as references to their pre-encoded modules (a node
-``text_template``), so a query engine's synthesizer stuffs references, not text, into its
-prompt; for embedding and display they are their plain text. Nodes from any other retriever
-still benefit: their verbatim text is found by the engine's drop-in index.
-"""
+"""``PromptCacheLLM``: pc-rag as a LlamaIndex ``FunctionCallingLLM`` (completion, chat, tools,
+structured prediction; sync and async)."""
 
 from __future__ import annotations
 
@@ -13,7 +8,6 @@ import json
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
 
-from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -33,36 +27,26 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 from llama_index.core.program.streaming_utils import process_streaming_content_incremental
 from llama_index.core.prompts import BasePromptTemplate
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import PydanticProgramMode
-from llama_index.core.vector_stores.types import MetadataFilters
 from pydantic import Field
 
-from ..prompt.schemas import closed
-from ..prompt.documents import document_id, module_reference
-from ..engine import PromptCache
-from ..errors import PromptCacheError
-from ..decode.request import StreamingGeneration
-from ..prompt.pml import is_pml_prompt
-from ..retrievers.faiss_retriever import FaissModuleRetriever
-from ..prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
-from ._shared import (
-    Encode,
-    as_modules,
+from ...prompt.schemas import closed
+from ...engine import PromptCache
+from ...errors import PromptCacheError
+from ...decode.request import StreamingGeneration
+from ...prompt.pml import is_pml_prompt
+from ...prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
+from .._shared import (
     as_prompt,
     check_document,
-    check_encode,
     engine_kwargs,
     generation_info,
     iterate_in_thread,
     model_name,
-    reordered,
     shared_engine,
-    target_collection,
     usage,
 )
 
-__all__ = ["PromptCacheLLM", "PromptCacheRetriever"]
 
 dispatcher = get_dispatcher(__name__)
 
@@ -150,6 +134,15 @@ class PromptCacheLLM(FunctionCallingLLM):
         check_document(result, self.engine, params)
         return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine), raw={"usage": usage(result)})
 
+    async def _acomplete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
+        """:meth:`_complete` through the engine's asyncio path: the event loop never waits on a
+        forward pass, and cancelling the awaiting task frees the request's row at the scheduler's
+        next step (a worker thread would decode on to the end)."""
+        params = self._engine_kwargs(kwargs)
+        result = await self.engine.agenerate(prompt, **params)
+        check_document(result, self.engine, params)
+        return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine), raw={"usage": usage(result)})
+
     def _stream_complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseGen:
         params = self._engine_kwargs(kwargs)
         stream: StreamingGeneration = self.engine.stream(prompt, **params)
@@ -211,10 +204,10 @@ class PromptCacheLLM(FunctionCallingLLM):
         prompt, kwargs, tools = self._chat_request(messages, kwargs)
         return _stream_as_chat(self._stream_complete(prompt, kwargs), tools)
 
-    # async: decoding runs on a worker thread, the event loop never waits on a forward pass
+    # async: the event loop never waits on a forward pass; a cancelled call frees its row
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(self._complete, self._prepare(prompt, formatted), kwargs)
+        return await self._acomplete(self._prepare(prompt, formatted), kwargs)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -223,7 +216,7 @@ class PromptCacheLLM(FunctionCallingLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         prompt, kwargs, tools = self._chat_request(messages, kwargs)
-        return _as_chat(await asyncio.to_thread(self._complete, prompt, kwargs), tools)
+        return _as_chat(await self._acomplete(prompt, kwargs), tools)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -358,31 +351,6 @@ def _arguments(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-_OPERATORS = {"==": "$eq", "!=": "$ne", ">": "$gt", ">=": "$gte", "<": "$lt", "<=": "$lte", "in": "$in", "nin": "$nin"}
-
-
-def as_filter(filters: Any) -> Any:
-    """LlamaIndex's ``MetadataFilters`` as the filter :meth:`FaissModuleRetriever.search` takes
-    (``==``, ``!=``, ``>``, ``>=``, ``<``, ``<=``, ``in``, ``nin``; ``and``/``or``, nested);
-    anything else is passed on as it is (a dict of conditions or a callable)."""
-    if not isinstance(filters, MetadataFilters):
-        return filters
-    parts = []
-    for item in filters.filters:
-        if isinstance(item, MetadataFilters):
-            parts.append(as_filter(item))
-            continue
-        op = _OPERATORS.get(getattr(item.operator, "value", item.operator))
-        if op is None:
-            raise PromptCacheError(f"metadata filter on {item.key!r}: operator {item.operator!r} is not supported "
-                                   f"(supported: {', '.join(_OPERATORS)})")
-        parts.append({item.key: {op: item.value}})
-    condition = getattr(filters.condition, "value", filters.condition) or "and"
-    if condition not in ("and", "or"):
-        raise PromptCacheError(f"metadata filters: condition {condition!r} is not supported (and, or)")
-    return {f"${condition}": parts} if parts else None
-
-
 def _as_chat(response: CompletionResponse, tools: Sequence[dict[str, Any]] = ()) -> ChatResponse:
     """A completion as the assistant's message: its tool calls as ``ToolCallBlock``s (and in
     ``additional_kwargs["tool_calls"]``, OpenAI's shape) when, with tools bound, the reply is one."""
@@ -417,102 +385,3 @@ def _stream_as_chat(completions: CompletionResponseGen, tools: Sequence[dict[str
         response = _as_chat(last, tools)
         response.delta = response.message.content or ""
         yield response
-
-
-class PromptCacheRetriever(BaseRetriever):
-    """A LlamaIndex retriever whose nodes are pre-encoded modules, returning ``NodeWithScore``.
-
-    Over pc-rag's own index (a :class:`~pc_rag.retrievers.FaissModuleRetriever`, the default:
-    one over the shared default engine's documents), or over any LlamaIndex retriever the user
-    already has: ``PromptCacheRetriever(index.as_retriever(similarity_top_k=4))`` for a
-    ``VectorStoreIndex`` over any vector store. A node of a user's retriever becomes a module of
-    ``collection`` named by its node id; one the engine has not encoded yet (or whose text changed
-    under its id) is encoded ``encode="background"`` after the request (the default),
-    ``"eager"`` before returning, or ``"off"`` never, and read as text until then.
-
-    Nodes carry ``metadata["module"]`` and ``"schema"``; with ``references=True`` (default) the
-    LLM rendering of a node the engine holds is a reference to its module, so the synthesizer's
-    prompt imports the KV instead of the text. ``collections`` limits what is read; ``k`` and
-    ``filter`` (LlamaIndex's ``MetadataFilters``, or the conditions of
-    :func:`pc_rag.retrievers.metadata_filter`) apply to pc-rag's own index (a user's retriever
-    keeps its own settings).
-    """
-
-    def __init__(self, retriever: Any = None, k: int = 4, *, engine: PromptCache | None = None, references: bool = True,
-                 collections: Sequence[str] | None = None, collection: str | None = None, filter: Any = None,  # noqa: A002 - the name users know
-                 encode: Encode = "background", reorder: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if engine is not None and not isinstance(engine, PromptCache):
-            raise PromptCacheError(f"engine must be a pc_rag.PromptCache, got {type(engine).__name__}")
-        if retriever is None:
-            retriever = FaissModuleRetriever.from_engine(engine or shared_engine())
-        if isinstance(retriever, FaissModuleRetriever):
-            if engine is not None and retriever.engine is not None and retriever.engine is not engine:
-                raise PromptCacheError("engine= is not the engine the FaissModuleRetriever is bound to")
-            engine = engine or retriever.engine
-        elif isinstance(retriever, BaseRetriever):
-            if filter is not None or k != 4:
-                raise PromptCacheError("k and filter apply to pc-rag's own index; set them on your retriever "
-                                       "(e.g. index.as_retriever(similarity_top_k=4, filters=...))")
-            engine = engine or shared_engine()
-        else:
-            raise PromptCacheError(f"retriever must be a LlamaIndex BaseRetriever or a pc_rag.retrievers.FaissModuleRetriever, "
-                                   f"got {type(retriever).__name__}")
-        if not isinstance(k, int) or k < 1:
-            raise PromptCacheError(f"k must be a positive int, got {k!r}")
-        self.retriever = retriever
-        self.engine = engine
-        self.k = k
-        self.references = references
-        self.collections = list(collections) if collections is not None else None
-        self.collection = collection
-        self.encode = check_encode(encode)
-        # each node after the neighbour it was encoded behind, where the ranking allows (pc_rag.prompt.neighbours)
-        self.reorder = bool(reorder)
-        # metadata conditions, as FaissModuleRetriever.search takes them, or LlamaIndex's MetadataFilters
-        self.filter = as_filter(filter)
-
-    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        if isinstance(self.retriever, FaissModuleRetriever):
-            hits = self.retriever.search(query_bundle.query_str, k=self.k, filter=self.filter, collections=self.collections)
-            return self._ordered([self._node(hit.text, document_id(hit.module), hit.metadata, hit.module, hit.schema, True, hit.score)
-                                  for hit in hits])
-        return self._ordered(self._as_modules(self.retriever.retrieve(query_bundle)))
-
-    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        if isinstance(self.retriever, FaissModuleRetriever):
-            return await asyncio.to_thread(self._retrieve, query_bundle)
-        found = await self.retriever.aretrieve(query_bundle)
-        return self._ordered(await asyncio.to_thread(self._as_modules, found))
-
-    def _ordered(self, nodes: list[NodeWithScore]) -> list[NodeWithScore]:
-        """``nodes`` as retrieved, or (``reorder=True``) each after the neighbour it was encoded behind."""
-        if not self.reorder:
-            return nodes
-        return reordered(self.engine, nodes, lambda n: (n.node.metadata["schema"], n.node.metadata["module"]))
-
-    def _as_modules(self, found: list[NodeWithScore]) -> list[NodeWithScore]:
-        """A user's retriever's nodes, named as modules of the target collection (see :func:`as_modules`)."""
-        collection = target_collection(self.collection, self.collections)
-        hits = [(n.node.node_id, n.node.get_content(metadata_mode="none"), n.node.metadata) for n in found]
-        modules = as_modules(self.engine, collection, hits, self.encode)
-        return [self._node(text, node_id, metadata, name, collection, reference is not None, hit.score)
-                for (node_id, text, metadata), (name, reference), hit in zip(hits, modules, found)]
-
-    def _node(self, text: str, node_id: str, metadata: dict[str, Any], name: str, collection: str, held: bool,
-              score: float | None) -> NodeWithScore:
-        # "reference" is ours alone: one in a vector store's metadata was written by someone else
-        metadata = {**{k: v for k, v in metadata.items() if k != "reference"}, "module": name, "schema": collection}
-        reference = self.references and held
-        node = TextNode(
-            text=text,
-            id_=node_id,
-            metadata=metadata,
-            # the LLM sees the reference (template below) and no metadata header; embedders see only the text
-            excluded_llm_metadata_keys=[k for k in metadata if k != "module"] if reference else list(metadata),
-            excluded_embed_metadata_keys=list(metadata),
-        )
-        if reference:
-            # the template replaces the text only when the LLM rendering has metadata (``module``)
-            node.text_template = module_reference(name, collection).replace("{", "{{").replace("}", "}}")
-        return NodeWithScore(node=node, score=score)
