@@ -187,13 +187,18 @@ async def test_a_cancelled_task_frees_its_row(engine):
     await keeper.__anext__()
     await asyncio.wait_for(first_piece.wait(), timeout=60)
     assert engine.scheduler.running == 2
+    await _cancel_and_count_rows(engine, task)
+    await keeper.aclose()
+
+
+async def _cancel_and_count_rows(engine, task: asyncio.Task) -> None:
+    """Cancel ``task`` (one of two running rows) and check that its row is gone."""
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     for _ in range(2):  # the second is admitted at a step that began after the cancel was seen
         await engine.agenerate("After the cancel.", max_new_tokens=1)
     assert engine.scheduler.running == 1
-    await keeper.aclose()
 
 
 async def test_cancelled_llama_index_and_langchain_calls_free_their_rows(engine):
@@ -214,12 +219,7 @@ async def test_cancelled_llama_index_and_langchain_calls_free_their_rows(engine)
         task = asyncio.create_task(call())
         while engine.scheduler.running < 2:  # its row admitted beside the keeper's (a condition, not a timing)
             await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        for _ in range(2):  # the second is admitted at a step that began after the cancel was seen
-            await engine.agenerate("After the cancel.", max_new_tokens=1)
-        assert engine.scheduler.running == 1
+        await _cancel_and_count_rows(engine, task)
     assert (await llm.acomplete("A short one.", max_new_tokens=2)).text == llm.complete("A short one.", max_new_tokens=2).text
     await keeper.aclose()
 
