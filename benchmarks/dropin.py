@@ -21,8 +21,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from pc_rag.corpus import stdlib_corpus
-from pc_rag.prompt.dropin import ModuleTextIndex
 from pc_rag.model.loading import default_model_dir
+from pc_rag.prompt.dropin import ModuleTextIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -49,8 +49,7 @@ def synthetic_8b(device: str, tokenizer: Any) -> Any:
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
     from transformers import AutoTokenizer
 
-    from pc_rag.model.loading import load_model
-    from pc_rag.model.loading import default_model_dir
+    from pc_rag.model.loading import default_model_dir, load_model
 
     if args.model == "synthetic-8b":
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model_dir())

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from quality import INSTRUCTION, load, margin  # noqa: E402
-from scaling import ttft  # noqa: E402 - the same TTFT timing as the tier table in README "Scaling out"
+from scaling import ttft  # noqa: E402 - the same TTFT timing as the tier table in docs/scaling.md
 
 import pc_rag.kv.load_or_compute  # noqa: E402
 from pc_rag import PromptCache, build_prompt  # noqa: E402

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
 from serving import records  # HotpotQA records as (question, passages), as the serving benchmark reads them
 

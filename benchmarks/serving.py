@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
 
 from pc_rag import PromptCache, build_prompt

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import redis
 import torch
+from scaling import hotpot_paragraphs  # benchmarks/ is on the path of a script run from it
 
 from pc_rag import PromptCache, build_prompt, parse_schema
-from scaling import hotpot_paragraphs  # benchmarks/ is on the path of a script run from it
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data"  # --data changes it

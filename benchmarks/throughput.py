@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
 
 from pc_rag import PromptCache, build_prompt

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
 
 from pc_rag import PromptCache

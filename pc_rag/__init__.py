@@ -8,10 +8,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .prompt.documents import DocumentRecord, build_prompt, module_reference
+    from .decode.request import CacheStats, Generation
     from .engine import DEFAULT_ENCODING, PromptCache
     from .errors import PromptCacheError, QueueFull
-    from .decode.request import CacheStats, Generation
+    from .prompt.documents import DocumentRecord, build_prompt, module_reference
     from .prompt.plan import Plan, Segment
     from .prompt.pml import PML, escape, parse_prompt, parse_schema
     from .registry import Schema

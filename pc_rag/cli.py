@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 # light imports only: `pc-rag --help` answers without loading torch; commands import what they run
 from .errors import PromptCacheError
+from .paths import expand
 from .prompt.layout import ENCODINGS
 from .prompt.neighbours import CONTEXTS, DEFAULT_NEIGHBOURS
-from .paths import expand
 from .prompt.pml import PML, is_pml_prompt
 
 if TYPE_CHECKING:
+    from .decode.request import Generation
     from .demo import DemoRAG
     from .engine import PromptCache
-    from .decode.request import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +175,8 @@ def cmd_encode(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server.tenants import Tenants
     from .server import serve
+    from .server.tenants import Tenants
 
     tenants = Tenants.from_file(expand(args.api_keys)) if args.api_keys else None  # a bad key file fails before the model loads
     limits = dict(max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued)

@@ -20,12 +20,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .errors import PromptCacheError
+from .kv.redis_link import redact_url
+from .kv.remote import RemoteTier
 from .prompt import documents as docs_mod
 from .prompt.documents import DEFAULT_SCHEMA
-from .errors import PromptCacheError
 from .prompt.neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, check_context
-from .kv.remote import RemoteTier
-from .kv.redis_link import redact_url
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from .prompt.documents import split_references
 from .errors import PromptCacheError
-from .prompt.plan import ModuleSpan, Plan, Segment, close_names, compute_last, plan_prompt
 from .model.spec import ModelSpec
+from .prompt.documents import split_references
+from .prompt.plan import ModuleSpan, Plan, Segment, close_names, compute_last, plan_prompt
 from .prompt.pml import PML, parse_prompt
 from .registry import Schema, Snapshot
 

@@ -9,13 +9,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .background import BackgroundEncoder
-from .prompt.documents import DEFAULT_SCHEMA, DocumentRecord, check_name, normalize
 from .errors import PromptCacheError
+from .kv.remote import RemoteTier
+from .kv.store import ModuleStore
+from .prompt.documents import DEFAULT_SCHEMA, DocumentRecord, check_name, normalize
 from .prompt.neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, check_context, reorder
 from .registry import Registry, Schema
 from .registry_sync import RegistrySync
-from .kv.remote import RemoteTier
-from .kv.store import ModuleStore
 
 
 class Registration:
@@ -76,11 +76,10 @@ class Registration:
             raise PromptCacheError(f"neighbours must be an int or a mapping of document ids to neighbour ids, got {type(neighbours).__name__}")
         if background and context is not None:
             raise PromptCacheError("context= is not available with background=True: add the documents with background=False")
-        if context is not None and neighbours:
-            return self._add_with_neighbours(normalize(texts, ids, metadatas), schema=schema, system=system, progress=progress,
-                                             batch_tokens=batch_tokens, replace_changed=replace_changed, context=context,
-                                             neighbours=neighbours, embedding=embedding)
         records = normalize(texts, ids, metadatas)
+        if context is not None and neighbours:
+            return self._add_with_neighbours(records, schema=schema, system=system, progress=progress, batch_tokens=batch_tokens,
+                                             replace_changed=replace_changed, context=context, neighbours=neighbours, embedding=embedding)
         if background:
             check_name(schema, "schema name")
             self.background.submit(schema, system, records, replace_changed=replace_changed)

@@ -21,13 +21,13 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+from .errors import PromptCacheError
+from .model.spec import ModelSpec
+from .prefill.encode import ModuleEncoder
 from .prompt import documents as docs_mod
 from .prompt.documents import DEFAULT_SCHEMA, DocumentRecord, check_name
 from .prompt.dropin import IndexSnapshot, ModuleTextIndex
-from .prefill.encode import ModuleEncoder
-from .errors import PromptCacheError
 from .prompt.layout import SchemaLayout, add_document, document_layout, document_module, layout_schema, remove_documents, scaffold_paths
-from .model.spec import ModelSpec
 from .prompt.neighbours import DocumentContext, first_sentence
 from .prompt.pml import parse_schema
 

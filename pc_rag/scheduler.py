@@ -39,14 +39,14 @@ from typing import Any
 
 import torch
 
-from .errors import PromptCacheError, QueueFull
 from .decode.loop import RunningBatch
-from .prefill.passes import prefill_chunks
 from .decode.request import Generation, RequestState
+from .errors import PromptCacheError, QueueFull
 from .kv.buffers import BufferPool, batch_capacity
-from .prompt.plan import Plan
 from .model.spec import ModelSpec
+from .prefill.passes import prefill_chunks
 from .prefill.rows import Prefilled
+from .prompt.plan import Plan
 
 logger = logging.getLogger(__name__)
 

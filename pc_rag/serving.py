@@ -19,26 +19,26 @@ from typing import Any
 import torch
 
 from . import planner
+from .background import BackgroundEncoder
+from .decode.constrained import Vocabulary
+from .decode.request import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
+from .errors import PromptCacheError
+from .kv.buffers import BufferPool
+from .kv.load_or_compute import CostModel, compute_in_prompt, load_or_compute, short_prefixes
+from .kv.remote import RemoteTier
+from .kv.store import ModuleStore
+from .model.forward import Forward
+from .model.spec import ModelSpec
 from .prefill import pipeline
 from .prefill import recovery as recovery_mod
 from .prefill.assemble import Assembler, Assembly
-from .background import BackgroundEncoder
-from .prompt.chat import render_chat
-from .decode.constrained import Vocabulary
-from .kv.load_or_compute import CostModel, compute_in_prompt, load_or_compute, short_prefixes
-from .model.forward import Forward
 from .prefill.encode import ModuleEncoder
-from .errors import PromptCacheError
-from .decode.request import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
-from .kv.buffers import BufferPool
-from .prompt.plan import Plan
-from .model.spec import ModelSpec
 from .prefill.recovery import Recovery
-from .registry import Registry
-from .kv.remote import RemoteTier
 from .prefill.rows import Prefilled
+from .prompt.chat import render_chat
+from .prompt.plan import Plan
+from .registry import Registry
 from .scheduler import AsyncStream, Scheduler, Ticket
-from .kv.store import ModuleStore
 
 logger = logging.getLogger(__name__)
 

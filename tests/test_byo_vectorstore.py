@@ -11,8 +11,8 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
 from pc_rag import PromptCache, PromptCacheError
-from pc_rag.prompt.documents import DEFAULT_SYSTEM
 from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheRetriever, SentenceTransformerEmbeddings, format_modules
+from pc_rag.prompt.documents import DEFAULT_SYSTEM
 
 QUESTION = "Which team won Super Bowl 50?"
 # the collection's own system prompt: the first document then sits exactly where it was encoded

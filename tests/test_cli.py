@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from pc_rag.cli import main
-from pc_rag.demo import DEMO_QUESTIONS
 from pc_rag.corpus import stdlib_corpus
+from pc_rag.demo import DEMO_QUESTIONS
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PAIRS = [("travel.xml", "travel_prompt.xml"), ("code_assistant.xml", "code_prompt.xml"), ("personalization.xml", "personalization_prompt.xml")]

@@ -11,8 +11,8 @@ import torch
 
 import pc_rag.kv.load_or_compute
 from pc_rag import PromptCache, build_prompt
-from pc_rag.kv.load_or_compute import CostModel
 from pc_rag.kv.buffers import ModuleKV
+from pc_rag.kv.load_or_compute import CostModel
 from pc_rag.kv.remote import RemoteTier
 
 from .conftest import SQUAD

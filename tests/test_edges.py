@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 from pc_rag import PML, PromptCache, PromptCacheError, build_prompt
 from pc_rag.model import spec as model_mod
-from pc_rag.prompt.documents import DEFAULT_SYSTEM
 from pc_rag.model.rope import RopeRotator
 from pc_rag.model.spec import model_fingerprint
+from pc_rag.prompt.documents import DEFAULT_SYSTEM
 
 DOCS = [
     "The lighthouse on the northern cape was automated in 1987 and still flashes every ten seconds.",

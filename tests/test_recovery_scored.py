@@ -15,8 +15,8 @@ from transformers import DynamicCache
 
 from pc_rag import PML, PromptCache, PromptCacheError, build_prompt
 from pc_rag.model.probe import Probe
-from pc_rag.prefill.recovery import Recovery
 from pc_rag.prefill.pipeline import prefill_plans
+from pc_rag.prefill.recovery import Recovery
 from pc_rag.prefill.scored import Entries, top_entries
 
 from .test_recovery import DOCS, QUESTION, SCHEMA

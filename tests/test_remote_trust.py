@@ -12,8 +12,8 @@ import torch
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
 from pc_rag.kv.buffers import ModuleKV
-from pc_rag.kv.remote import RemoteTier
 from pc_rag.kv.records import serialize
+from pc_rag.kv.remote import RemoteTier
 
 DOCS = [
     "The cathedral bell was cast in 1822 and rings every hour.",

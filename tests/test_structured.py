@@ -15,8 +15,8 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
 from pc_rag import PromptCacheError
-from pc_rag.prompt.schemas import closed
 from pc_rag.integrations.langchain import ChatPromptCache
+from pc_rag.prompt.schemas import closed
 from pc_rag.prompt.tools import TOOLS_SYSTEM_TEXT, call_schema, parse_calls
 
 # every value bounded, so even a random model finishes the document within the budget

@@ -6,7 +6,7 @@ tokens keep the output a valid prefix of some document of the schema; every othe
 logit is set to -inf, so greedy and sampled decoding alike can only write valid JSON, and the
 end-of-turn token is allowed only once the document is complete.
 
-Chosen by measurement (``benchmarks/structured_overhead.py``, README "Structured output"):
+Chosen by measurement (``benchmarks/structured_overhead.py``, docs/integrations.md "Structured output"):
 llguidance and xgrammar cost the same here (~0.2-0.3 ms per token, under 0.5% of a decode step
 of the embedded model on 2 CPU cores), and llguidance brings no dependencies where xgrammar
 pulls in triton (~1 GB) for a CPU wheel.

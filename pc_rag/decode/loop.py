@@ -13,15 +13,14 @@ from collections.abc import Generator, Sequence
 
 import torch
 
-from ..model.attention import attention_mask
-from .constrained import allowed_tokens
-from ..model.forward import Forward
-from .request import RequestState, TokenHistory
 from ..kv.buffers import KVBuffer, batch_capacity
+from ..model.attention import attention_mask
+from ..model.forward import Forward
+from ..model.shared_attention import SharedKV, SharedPart
 from ..model.spec import ModelSpec
 from ..prefill.rows import Rows
-from ..model.shared_attention import SharedKV, SharedPart
-
+from .constrained import allowed_tokens
+from .request import RequestState, TokenHistory
 
 
 class Cursor:

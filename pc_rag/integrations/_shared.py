@@ -9,12 +9,12 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_name, module_reference
+from ..decode.request import Generation
 from ..engine import PromptCache
 from ..errors import PromptCacheError
-from ..decode.request import Generation
-from ..prompt.neighbours import DocumentContext, reorder
 from ..planner import scope
+from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_name, module_reference
+from ..prompt.neighbours import DocumentContext, reorder
 from ..prompt.pml import PML, is_pml_prompt
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ and log entry is stored as ``<HMAC-SHA256> <JSON>``, the MAC covering the Redis 
 under, the JSON and, for KV, the whole payload; a value whose MAC does not verify under the
 current key or one of the previous keys (rotation) is rejected. Without a key the MAC is ``-``
 and only structure, checksums and shapes are checked (CRC is not authentication: anyone who can
-write to Redis can then poison the tier; README says to set a key in production).
+write to Redis can then poison the tier; docs/tenants.md says to set a key in production).
 
 Redis down, slow or full never fails a request: every command runs under a timeout of a few
 milliseconds (payload transfers, on their own connection, get room for their size too); an

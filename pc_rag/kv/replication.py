@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..prompt.documents import check_name
 from ..errors import PromptCacheError
+from ..prompt.documents import check_name
 from ..prompt.neighbours import CONTEXTS, MAX_NEIGHBOURS
 from .redis_link import RedisLink
 

@@ -34,8 +34,8 @@ import torch
 from safetensors import safe_open
 
 from ..atomic import atomic_write
-from .load_or_compute import CostModel
 from .buffers import ModuleKV
+from .load_or_compute import CostModel
 from .quantize import quantize
 from .records import KVShape, StoredKV, deserialize, new_record, payload_problem, record_problem, serialize, split_key
 

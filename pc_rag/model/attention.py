@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import shared_attention
 from ..errors import PromptCacheError
+from . import shared_attention
 from .probe import PROBE_KWARG
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import torch
 
 from ..prompt.chat import chat_markers
 from ..prompt.layout import ChatMarkers
-from .rope import PositionKind, RopeRotator, rope_windows, probe_position_kind
+from .rope import PositionKind, RopeRotator, probe_position_kind, rope_windows
 
 logger = logging.getLogger(__name__)
 
@@ -188,9 +188,9 @@ def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> Mod
 
     Runs a few tiny forward passes (the position probe), so build it once per model.
     """
+    from ..kv.buffers import kv_shape
     from . import attention
     from .forward import Forward
-    from ..kv.buffers import kv_shape
 
     attention.install(model)
     layers, kv_heads, head_dim = kv_shape(model)  # fails early on models without the usual config fields

@@ -26,17 +26,17 @@ from typing import Literal
 
 import torch
 
-from .ape import Ape, adjust_attention, moved_entries
-from .encode import ModuleEncoder
 from ..errors import PromptCacheError
 from ..kv.buffers import BufferPool, KVBuffer, batch_capacity
-from ..prompt.plan import Plan, Segment
-from ..model.spec import ModelSpec
 from ..kv.quantize import QuantizedModuleKV
 from ..kv.records import StoredKV
 from ..model.rope import rotate_in_place, rotate_with
-from .rows import Inputs, Rows
 from ..model.shared_attention import SharedKV, SharedPart, share_prefixes
+from ..model.spec import ModelSpec
+from ..prompt.plan import Plan, Segment
+from .ape import Ape, adjust_attention, moved_entries
+from .encode import ModuleEncoder
+from .rows import Inputs, Rows
 
 Assembly = Literal["copy", "in_place"]
 

@@ -19,8 +19,6 @@ from ..kv.buffers import KVBuffer, ModuleKV
 from ..model.forward import Forward
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Module encoding: what goes into the store, under which key, behind which context
 # ---------------------------------------------------------------------------------------------

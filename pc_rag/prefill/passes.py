@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from ..kv.buffers import KVBuffer
 from ..model.attention import attention_mask
 from ..model.forward import Forward
-from ..kv.buffers import KVBuffer
-from ..prompt.plan import Plan, Segment
 from ..model.spec import ModelSpec
+from ..prompt.plan import Plan, Segment
 from .rows import Inputs, Rows
 
 

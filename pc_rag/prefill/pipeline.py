@@ -8,17 +8,17 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ..prompt.plan import Plan
 from .ape import Ape
 from .passes import prefill, prefill_in_order
-from ..prompt.plan import Plan
 from .rows import Prefilled
 from .scored import entries, prefill_recovered
 
 if TYPE_CHECKING:
-    from .assemble import Assembled, Assembler, Assembly
-    from ..model.forward import Forward
     from ..kv.buffers import BufferPool
+    from ..model.forward import Forward
     from ..model.spec import ModelSpec
+    from .assemble import Assembled, Assembler, Assembly
 
 from .recovery import Recovery, moved
 

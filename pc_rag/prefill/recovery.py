@@ -49,12 +49,12 @@ SCORED: tuple[str, ...] = ("deviation", "query")
 
 # Recovery: tokens recomputed at the head (EPIC-style) and at the tail of every imported module
 # that was not encoded behind exactly what precedes it (benchmarks/quality.py measured the choice;
-# see README)
+# see docs/quality.md)
 DEFAULT_RECOMPUTE = 2
 DEFAULT_RECOMPUTE_TAIL = 1
 DEFAULT_RECOVERY: Strategy = "head_tail"
 # APE on top (RoPE models on sdpa/eager): computed queries read moved modules through a flatter
-# (temperature 1.1), lighter (scale 0.7) attention; chosen with the recovery above, see README
+# (temperature 1.1), lighter (scale 0.7) attention; chosen with the recovery above, see docs/quality.md
 DEFAULT_ATTENTION_TEMPERATURE = 1.1
 DEFAULT_ATTENTION_SCALE = 0.7
 # (head, tail) tokens per moved module when recompute=/recompute_tail= are not given, per strategy
@@ -174,7 +174,7 @@ def recover(planned: Plan, *, head: int, tail: int, encoding: str) -> Plan:
     token (for a document, the separator) has, in full prefill, read every module before it;
     encoded alone it read one. Recomputed, it carries the whole context to the tokens after
     it (on HotpotQA one tail token per document cut the first-token KL divergence from full
-    prefill by a third, see README). The tail is the end of the stored module: a document
+    prefill by a third, see docs/quality.md). The tail is the end of the stored module: a document
     quoted into plain text ends with its text, and the separator after it is computed anyway.
 
     Exact already, and left alone: a segment at the position it was encoded at, behind exactly

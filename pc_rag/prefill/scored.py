@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .ape import adjust_attention, moved_entries
-from ..model.forward import Forward
-from .passes import place_inputs, prefill
 from ..kv.buffers import BufferPool
-from ..prompt.plan import Plan
-from ..model.spec import ModelSpec
+from ..model.forward import Forward
 from ..model.probe import Probe
+from ..model.spec import ModelSpec
+from ..prompt.plan import Plan
+from .ape import adjust_attention, moved_entries
+from .passes import place_inputs, prefill
 from .rows import Inputs, Rows
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .schemas import closed
 from ..errors import PromptCacheError
+from .schemas import closed
 
 TOOLS_SYSTEM_TEXT = (
     "You can call the following tools. Their JSON schemas:\n{tools}\n"

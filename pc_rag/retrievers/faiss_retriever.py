@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..atomic import atomic_write
-from ..prompt.documents import DEFAULT_SCHEMA, check_name, normalize
 from ..embedding import embed_texts, load_embedder, normalised
 from ..errors import PromptCacheError
-from ..prompt.neighbours import DEFAULT_NEIGHBOURS, check_context, nearest
 from ..planner import scope
+from ..prompt.documents import DEFAULT_SCHEMA, check_name, normalize
+from ..prompt.neighbours import DEFAULT_NEIGHBOURS, check_context, nearest
 
 if TYPE_CHECKING:
     from ..engine import PromptCache

@@ -27,10 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_reference
-from ..errors import PromptCacheError, QueueFull
 from ..decode.request import Generation
+from ..errors import PromptCacheError, QueueFull
 from ..integrations._shared import model_name as engine_model_name
+from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_reference
 from .backend import LocalBackend, call_payload
 from .metrics import CONTENT_TYPE, Metrics
 from .tenants import SINGLE_USER, Tenant, Tenants

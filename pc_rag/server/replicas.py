@@ -126,8 +126,8 @@ class RayBackend:
     def __init__(self, handle: Any, model: str | None) -> None:
         from transformers import AutoTokenizer
 
-        from ..prompt.chat import chat_markers
         from ..model.loading import default_model_dir
+        from ..prompt.chat import chat_markers
 
         self.handle = handle
         self.tokenizer = AutoTokenizer.from_pretrained(model or default_model_dir())

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..prompt.documents import check_name
 from ..errors import PromptCacheError
+from ..prompt.documents import check_name
 from .wire import ApiError
 
 

@@ -22,9 +22,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..prompt.schemas import response_format_schema
-from ..errors import PromptCacheError
 from ..decode.request import Generation
+from ..errors import PromptCacheError
+from ..prompt.schemas import response_format_schema
 from ..prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
 
 logger = logging.getLogger(__name__)

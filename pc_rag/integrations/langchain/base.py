@@ -19,7 +19,6 @@ from .._shared import (
 )
 
 
-
 class EngineParams(BaseModel):
     """Fields and helpers shared by the LLM and the chat model."""
 

@@ -26,18 +26,17 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, SecretStr
 
-from ...prompt.schemas import closed, response_format_schema
-from ...engine import PromptCache
-from ...errors import PromptCacheError
 from ...decode.request import Generation as EngineGeneration
 from ...decode.request import StreamingGeneration
+from ...engine import PromptCache
+from ...errors import PromptCacheError
+from ...prompt.schemas import closed, response_format_schema
 from ...prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
 from .._shared import (
     check_document,
     generation_info,
     iterate_in_thread,
 )
-
 from .base import EngineParams, scoped
 
 

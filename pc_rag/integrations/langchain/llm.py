@@ -20,7 +20,6 @@ from .._shared import (
     generation_info,
     iterate_in_thread,
 )
-
 from .base import EngineParams, token_usage
 
 

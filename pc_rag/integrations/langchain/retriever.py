@@ -16,9 +16,9 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field
 
-from ...prompt.documents import document_id, is_reference, module_reference
 from ...engine import PromptCache
 from ...errors import PromptCacheError
+from ...prompt.documents import document_id, is_reference, module_reference
 from ...retrievers.faiss_retriever import FaissModuleRetriever
 from .._shared import (
     as_modules,
@@ -29,7 +29,6 @@ from .._shared import (
     target_collection,
 )
 from .base import scoped
-
 
 
 class PromptCacheRetriever(BaseRetriever):

@@ -20,11 +20,11 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 from langchain_core.vectorstores.utils import maximal_marginal_relevance
 
-from ...prompt.documents import DEFAULT_SCHEMA, check_name, document_id, module_name
+from ...embedding import load_embedder
 from ...engine import PromptCache
 from ...errors import PromptCacheError
+from ...prompt.documents import DEFAULT_SCHEMA, check_name, document_id, module_name
 from ...retrievers.faiss_retriever import FaissModuleRetriever, Hit
-from ...embedding import load_embedder
 from .._shared import shared_engine
 
 __all__ = ["PromptCacheVectorStore", "SentenceTransformerEmbeddings"]

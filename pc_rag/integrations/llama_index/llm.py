@@ -30,11 +30,11 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
 from pydantic import Field
 
-from ...prompt.schemas import closed
+from ...decode.request import StreamingGeneration
 from ...engine import PromptCache
 from ...errors import PromptCacheError
-from ...decode.request import StreamingGeneration
 from ...prompt.pml import is_pml_prompt
+from ...prompt.schemas import closed
 from ...prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
 from .._shared import (
     as_prompt,
@@ -46,7 +46,6 @@ from .._shared import (
     shared_engine,
     usage,
 )
-
 
 dispatcher = get_dispatcher(__name__)
 

@@ -11,9 +11,9 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.core.vector_stores.types import MetadataFilters
 
-from ...prompt.documents import document_id, module_reference
 from ...engine import PromptCache
 from ...errors import PromptCacheError
+from ...prompt.documents import document_id, module_reference
 from ...retrievers.faiss_retriever import FaissModuleRetriever
 from .._shared import (
     Encode,
@@ -23,7 +23,6 @@ from .._shared import (
     shared_engine,
     target_collection,
 )
-
 
 _OPERATORS = {"==": "$eq", "!=": "$ne", ">": "$gt", ">=": "$gte", "<": "$lt", "<=": "$lte", "in": "$in", "nin": "$nin"}
 
