@@ -48,7 +48,7 @@ class _Encoder:
         if not self.engine.remote.ping():  # type: ignore[union-attr]
             raise PromptCacheError(f"remote store {redact_url(remote_store)!r} is not reachable from this worker")
 
-    def encode(self, batch: list[tuple[str, str, dict[str, Any]]], schema: str, system: str | None,
+    def encode(self, batch: list[docs_mod.DocumentRecord], schema: str, system: str | None,
                context: tuple[str, dict[str, list[str]], dict[str, str]] | None = None) -> tuple[int, int]:
         """Encode one batch into the remote tier; a PromptCacheError unless every entry and the
         batch's records were written there (what the tier could not take would otherwise wait
@@ -56,7 +56,7 @@ class _Encoder:
         neighbours and the texts of those outside the batch (:mod:`pc_rag.prompt.neighbours`)."""
         before = self.engine.store_stats()["encoded"]
         form, neighbours_of, texts = context if context is not None else (None, None, None)
-        self.engine.registry.add_documents([docs_mod.DocumentRecord(*record) for record in batch], schema=schema, system=system,
+        self.engine.registry.add_documents(batch, schema=schema, system=system,
                                            progress=False, context=form, neighbours_of=neighbours_of, context_texts=texts)
         unwritten = self.engine.remote_backlog()
         if unwritten:
@@ -99,9 +99,9 @@ def encode_documents(
 
     records = docs_mod.normalize(texts, ids, metadatas)  # everything validated before any worker starts
     _check_job(batch_size, num_workers, remote_store)
-    named: dict[str, tuple[str, dict[str, Any]]] = {}
+    named: dict[str, docs_mod.DocumentRecord] = {}
     for record in records:
-        named.setdefault(record.name, (record.text, record.metadata))
+        named.setdefault(record.name, record)  # a name given twice: its first record (normalize checked the texts agree)
     batches, contexts = _batches(named, batch_size, context, neighbours, embedding)
     if not ray.is_initialized():
         # RAY_ADDRESS joins a cluster; without it a local runtime with this machine's CPUs
@@ -135,28 +135,28 @@ def _check_job(batch_size: Any, num_workers: Any, remote_store: str) -> None:
         raise PromptCacheError(f"remote store {redact_url(remote_store)!r} is not reachable")
 
 
-def _batches(named: dict[str, tuple[str, dict[str, Any]]], size: int, context: str | None, neighbours: int,
-             embedding: Any) -> tuple[list[list[tuple[str, str, dict[str, Any]]]], list[Any]]:
-    """The workers' batches of ``(name, text, metadata)``, and each batch's context: the form, each
-    document's neighbours and the texts of those outside the batch (None without a context)."""
-    unique = list(named.items())
-    batches = [[(name, text, meta) for name, (text, meta) in unique[i : i + size]] for i in range(0, len(unique), size)]
+def _batches(named: dict[str, docs_mod.DocumentRecord], size: int, context: str | None, neighbours: int,
+             embedding: Any) -> tuple[list[list[docs_mod.DocumentRecord]], list[Any]]:
+    """The workers' batches of records, and each batch's context: the form, each document's
+    neighbours and the texts of those outside the batch (None without a context)."""
+    unique = list(named.values())
+    batches = [unique[i : i + size] for i in range(0, len(unique), size)]
     contexts: list[Any] = [None] * len(batches)
     if context is not None and neighbours:
         chosen = _neighbours(named, neighbours, embedding)
         for i, batch in enumerate(batches):
-            inside = {name for name, _, _ in batch}
+            inside = {record.name for record in batch}
             wanted = {name: chosen[name] for name in inside}
             outside = {n for names in wanted.values() for n in names if n not in inside}
-            contexts[i] = (context, wanted, {n: named[n][0] for n in outside})
+            contexts[i] = (context, wanted, {n: named[n].text for n in outside})
     return batches, contexts
 
 
-def _neighbours(named: dict[str, tuple[str, dict[str, Any]]], k: int, embedding: Any) -> dict[str, list[str]]:
+def _neighbours(named: dict[str, docs_mod.DocumentRecord], k: int, embedding: Any) -> dict[str, list[str]]:
     """Each document's ``k`` nearest among ``named`` by ``embedding``, the farthest first."""
     from .embedding import embed_texts, load_embedder
 
     model, _ = load_embedder(embedding)
     index = NeighbourIndex(lambda texts: embed_texts(model, texts))
-    index.add({name: text for name, (text, _) in named.items()})
+    index.add({name: record.text for name, record in named.items()})
     return index.neighbours(list(named), k)

@@ -33,7 +33,6 @@ from .model.forward import Forward
 from .model.loading import load_model
 from .model.rope import RopeRotator
 from .model.spec import ModelSpec, inspect_model
-from .prefill import pipeline
 from .prefill.assemble import Assembler, Assembly, choose_assembly
 from .prefill.encode import ModuleEncoder
 from .prefill.recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, configure_recovery, recovery_tokens
@@ -195,10 +194,7 @@ class PromptCache(Registration, Serving):
         """The loop that runs every request: it prefills through this engine's prefill path."""
         return Scheduler(
             spec=self.spec, buffers=self.buffers, kv_bytes_per_token=self.spec.kv_bytes_per_token(self.spec.dtype), limits=limits,
-            prefill=lambda plans, new, use_cache, share: self._prefill(plans, new, use_cache, share=share),
-            assemble=lambda plans, new, use_cache, share: pipeline.assemble_plain(
-                plans, new, use_cache=use_cache, share=share, recovery=self.recovery, encoding=self.encoding,
-                assembler=self.assembler, assembly=self.assembly, spec=self.spec),
+            prefill=self._prefill, assemble=self._assemble_plain,
             serving=self.background.serving, observe_prefill=self.costs.observe_prefill, forward=self.forward)
 
     @classmethod

@@ -44,7 +44,7 @@ class Forward:
         return self._decode_step is not None
 
     @torch.inference_mode()
-    def time_prefill(self, tokens: int = 256) -> float:
+    def time_prefill(self, tokens: int) -> float:
         """Seconds one prefill of ``tokens`` takes now (after a short warm-up pass), not counted
         among the passes: what load-or-compute needs before any request was served (pc_rag.kv.load_or_compute)."""
         device = self.model.device
