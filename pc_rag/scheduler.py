@@ -11,8 +11,10 @@ They wait on its events: text as it is decoded, then the result. The loop, every
    prefills them: together in one pass, sharing the module KV they import alike, or, for a
    prompt longer than the budget while others decode, one chunk per iteration, so a long prompt
    never stalls the running rows for more than one budget;
-3. merges the newly prefilled rows into the running batch (:meth:`RunningBatch.combine`: one
-   buffer, one forward pass per step for every row), dropping finished rows on the way;
+3. merges the newly prefilled rows into the running batch: into finished rows' slots in place
+   where they fit (:meth:`RunningBatch.admit`: only the new rows' KV is written), else rebuilt
+   as one buffer with every row's live entries packed to the front (:meth:`RunningBatch.combine`),
+   dropping finished rows on the way; one forward pass per step for every row;
 4. takes every row's next token and hands each caller its text; a finished row's caller gets
    its result at once, and its slot is free for the next admission;
 5. runs one decode step for every row still going.
@@ -217,6 +219,7 @@ class SchedulerStats:
     refused: int = 0  # submissions refused for a full queue or a budget they alone exceed
     chunks: int = 0  # prefill chunks of long prompts
     merges: int = 0  # running batches rebuilt to take rows in or let rows go
+    in_place: int = 0  # admissions written into finished rows' slots of the running batch (no rebuild)
     buffer_bytes_peak: int = 0
     step_rows: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # rows of the last decode steps
 
@@ -314,7 +317,7 @@ class Scheduler:
             s = self._stats
             return {"queued": len(self._waiting), "running": self.running, "steps": s.steps, "admitted": s.admitted,
                     "finished": s.finished, "cancelled": s.cancelled, "failed": s.failed, "refused": s.refused,
-                    "chunks": s.chunks, "merges": s.merges, "buffer_bytes_peak": s.buffer_bytes_peak,
+                    "chunks": s.chunks, "merges": s.merges, "in_place": s.in_place, "buffer_bytes_peak": s.buffer_bytes_peak,
                     "buffer_bytes": self._held_bytes()}
 
     @property
@@ -571,6 +574,17 @@ class Scheduler:
             assert fresh is not None
             self._batch, self._owners = fresh, owners
             return
+        if fresh is not None:
+            slots = batch.admit(fresh)  # into finished rows' slots: the running rows are not copied
+            if slots is not None:
+                self._release(fresh.rows.buffer)
+                self._owners += [owners[0]] * (batch.batch - len(self._owners))  # rows taken from the reserve
+                for slot, owner in zip(slots, owners):
+                    self._owners[slot] = owner
+                self._track()
+                with self._cond:
+                    self._stats.in_place += 1
+                return
         keep = [row for row, request in enumerate(batch.requests) if not request.done]
         sources: list[tuple[RunningBatch, Sequence[int]]] = [(batch, keep)] if keep else []
         if fresh is not None:
@@ -581,7 +595,8 @@ class Scheduler:
         if len(sources) == 1 and fresh is not None:
             merged = fresh
         else:
-            merged = RunningBatch.combine(sources)
+            rows = sum(len(kept) for _, kept in sources)
+            merged = RunningBatch.combine(sources, reserve=self.limits.max_running - rows)
             self._track(merged.rows.buffer.storage.nbytes + (fresh.rows.buffer.storage.nbytes if fresh else 0))
             with self._cond:
                 self._stats.merges += 1

@@ -303,3 +303,65 @@ def test_limits_are_checked(make_engine):
     for bad in ({"max_running": 0}, {"max_step_tokens": -1}, {"max_queued": 1.5}, {"queue_timeout_s": -1}, {"buffer_budget": 0}):
         with pytest.raises(PromptCacheError, match=next(iter(bad))):
             make_engine("llama", **bad)
+
+
+def _running(engine, prompt: str, tokens: int):
+    """One prompt prefilled alone as a running batch of one row, as the scheduler admits it."""
+    from pc_rag.decode.loop import RunningBatch
+    from pc_rag.decode.request import SamplingParams
+
+    plans = engine._prepare([prompt], True)
+    ticket = engine._ticket(plans, SamplingParams(max_new_tokens=tokens), True, 0.0, share=False)
+    prefilled = engine._prefill(plans, tokens, True, share=False)
+    return RunningBatch(engine.forward, prefilled.rows, ticket.requests, prefilled.logits, engine.spec)
+
+
+def _step(batch, out: dict) -> bool:
+    """One take + feed; a row's request that finishes leaves its tokens in ``out``. Whether every row is done."""
+    batch.take()
+    for row, request in enumerate(batch.requests):
+        if batch.alive[row] and batch.fed[row] is None:
+            out[id(request)] = request.close()[1].token_ids
+    if not batch.finished:
+        batch.feed()
+    return batch.finished
+
+
+def test_arrivals_join_in_place_and_a_rebuild_packs_the_rows(engine):
+    """Rows that join a running batch are written into a finished row's slot or a reserved row
+    (the running rows are not copied, the write column jumps past a longer newcomer); a rebuild
+    packs each row's live entries to the front. Every row's tokens equal its lone call's."""
+    from pc_rag.decode.loop import RunningBatch, live_runs
+
+    engine.stop_token_ids.clear()
+    names = engine.names
+    budgets, documents = [6, 30, 20, 24, 4], [1, 2, 1, 2, 4]  # the last prompt, the longest, finishes first after joining
+    prompts = [(build_prompt(f"Tell me about harbour {i}.", names[i : i + d]), n) for i, (n, d) in enumerate(zip(budgets, documents))]
+    lone = [engine.generate(p, max_new_tokens=n).token_ids for p, n in prompts]
+    out: dict[int, list[int]] = {}
+    first, second = _running(engine, *prompts[0]), _running(engine, *prompts[1])
+    for _ in range(3):
+        _step(first, out)
+    batch = RunningBatch.combine([(first, [0]), (second, [0])], reserve=2)
+    assert batch.rows.buffer.reserved == 2 and batch.batch == 2
+    while not batch.requests[0].done:  # the first row finishes: its slot is free
+        _step(batch, out)
+    storage = batch.rows.buffer.storage.data_ptr()
+    longest = _running(engine, *prompts[4])  # the longest prompt: the column jumps to its length
+    column = batch.length
+    assert batch.admit(longest) == [0]  # the finished row's slot
+    assert batch.length == max(column, longest.length)
+    assert batch.admit(_running(engine, *prompts[2])) == [2]  # a reserved row
+    assert batch.admit(_running(engine, *prompts[3])) == [3]
+    assert batch.rows.buffer.storage.data_ptr() == storage and batch.batch == 4  # nothing rebuilt
+    assert batch.admit(_running(engine, *prompts[3])) is None  # no free row left: the caller rebuilds
+    while not batch.requests[0].done:  # the newcomer that made the column jump finishes
+        _step(batch, out)
+    keep = [row for row, request in enumerate(batch.requests) if not request.done]
+    live = [sum(b - a for a, b in live_runs(batch.rows.valid[row, : batch.length])) for row in keep]
+    packed = RunningBatch.combine([(batch, keep)])
+    assert packed.length == max(live) < batch.length  # the masked entries between are gone
+    while not _step(packed, out):
+        pass
+    requests = [first.requests[0], second.requests[0], *(batch.requests[row] for row in (2, 3, 0))]
+    assert [out.get(id(r)) for r in requests] == lone

@@ -140,25 +140,108 @@ class RunningBatch:
         for request in self.requests:
             request.next_position += 1
 
-    @classmethod
-    def combine(cls, sources: Sequence[tuple["RunningBatch", Sequence[int]]]) -> "RunningBatch":
-        """Rows ``rows`` (ascending) of each source batch, in that order, as one new batch.
+    def admit(self, fresh: "RunningBatch") -> list[int] | None:
+        """``fresh``'s rows written into this batch in place: into finished rows' slots first, then
+        into rows its buffer reserves (:meth:`KVBuffer.widen`). Only the new rows' entries are
+        copied; the running rows' caches stay where they are. Returns the rows taken (one per fresh
+        row, in order), or None where the rows do not fit that way (too few free rows, too little
+        capacity, rows that read shared parts or carry logits processors' history): then
+        :meth:`combine` rebuilds.
 
-        Every source waits between steps (its pending logits unread). Each row's own cache
-        entries are copied into one new buffer, up to the longest source's length (shorter rows
-        are padded with masked entries, which cost nothing but their place); what a row read in
-        place (shared parts) it still reads in place. Sources need a model whose attention
-        follows a position mask (``spec.one_pass``); their buffers are left to the caller.
+        The write column may jump forward to the longest new row: the entries a running row skips
+        stay masked (attention follows positions, not where an entry sits; ``spec.one_pass``).
+        """
+        rows = self.rows
+        if not self.cursor.fixed or fresh.rows.shared is not None or self.history is not None or fresh.history is not None:
+            return None
+        if fresh.rows.bias is not None and rows.bias is None:
+            return None
+        read_shared = {row for part in (rows.shared.parts if rows.shared is not None else ())
+                       for row in range(part.rows.start, part.rows.stop)}
+        slots = [row for row, request in enumerate(self.requests) if request.done and row not in read_shared][: fresh.batch]
+        widen = fresh.batch - len(slots)
+        if widen > rows.buffer.reserved:
+            return None
+        going = [r.budget - r.steps for r in self.requests if not r.done]
+        steps = max(going + [r.budget - r.steps for r in fresh.requests] + [0])
+        column = max(self.length, fresh.length)
+        end = max(self.cursor.end, column + steps)
+        if end > rows.buffer.capacity:
+            return None
+        if widen:  # outside inference mode: the new tensors are written in place by later steps
+            self._widen(widen, fresh.requests[0])
+            slots += range(self.batch - widen, self.batch)
+        with torch.inference_mode():
+            if end > self.cursor.end:  # attend further: the new entries masked and zeroed (0 x NaN is NaN)
+                rows.valid[:, self.cursor.end : end] = False
+                rows.buffer.fix(end, self.cursor.column)
+                self.cursor.end = end
+            if column > self.length:  # every row writes further on; the entries between stay masked
+                self.cursor.column.fill_(column)
+                self.length = column
+            for new, slot in enumerate(slots):
+                self._write_row(slot, fresh, new, end)
+            index = torch.tensor(slots, dtype=torch.long, device=self.logits.device)
+            self.logits = self.logits.index_copy(0, index, fresh.logits.to(self.logits.dtype))
+            self.cursor.positions.index_copy_(0, index, fresh.cursor.positions)
+        rows.holes = rows.holes or fresh.rows.holes
+        positions = [request.next_position for request in self.requests]
+        self.cursor.bounds = (min(positions), max(positions))
+        self.live = torch.tensor(self.alive, device=self.logits.device)[:, None]
+        return slots
+
+    def _widen(self, count: int, placeholder: RequestState) -> None:
+        """``count`` more rows from the buffer's reserve, each a copy of row 0's state until written."""
+        rows = self.rows
+        rows.buffer.widen(rows.batch + count)
+        more = lambda t: torch.cat([t, t[:1].expand(count, *t.shape[1:])])  # noqa: E731
+        rows.key_positions, rows.valid = more(rows.key_positions), more(rows.valid)
+        if rows.bias is not None:
+            rows.bias = more(rows.bias)
+        self.logits, self.cursor.positions = more(self.logits), more(self.cursor.positions)
+        self.requests += [placeholder] * count
+        self.alive += [False] * count
+
+    def _write_row(self, slot: int, fresh: "RunningBatch", new: int, end: int) -> None:
+        """Row ``new`` of ``fresh`` (its cache, positions, request) as this batch's row ``slot``."""
+        rows, filled = self.rows, fresh.length
+        # [layers, 2, rows, kv_heads, entries, head_dim]: the new row's entries, then zeros to the end it attends
+        rows.buffer.storage[:, :, slot, :, :filled] = fresh.rows.buffer.storage[:, :, new, :, :filled]
+        rows.buffer.storage[:, :, slot, :, filled:end] = 0
+        rows.key_positions[slot, :filled] = fresh.rows.key_positions[new, :filled]
+        rows.valid[slot] = False
+        rows.valid[slot, :filled] = fresh.rows.valid[new, :filled]
+        if rows.bias is not None:
+            rows.bias[slot] = 0
+            if fresh.rows.bias is not None:
+                rows.bias[slot, :filled] = fresh.rows.bias[new, :filled]
+        self.requests[slot] = fresh.requests[new]
+        self.alive[slot] = True
+
+    @classmethod
+    def combine(cls, sources: Sequence[tuple["RunningBatch", Sequence[int]]], *, reserve: int = 0) -> "RunningBatch":
+        """Rows ``rows`` (ascending) of each source batch, in that order, as one new batch whose
+        buffer reserves ``reserve`` more rows for later arrivals (:meth:`admit`).
+
+        Every source waits between steps (its pending logits unread). Each row's live entries
+        (its prompt and what it decoded, not the masked ones between) are packed to the front of
+        one new buffer, as runs of slices; rows shorter than the longest are padded with masked
+        entries, which cost nothing but their place. Packing keeps the batch's length that of its
+        longest row, however long the batch has been running. What a row read in place (shared
+        parts) it still reads in place. Sources need a model whose attention follows a position
+        mask (``spec.one_pass``); their buffers are left to the caller.
         """
         first = sources[0][0]
         spec, forward = first.spec, first.forward
         requests = [batch.requests[row] for batch, rows in sources for row in rows]
         count = len(requests)
-        length = max(batch.length for batch, _ in sources)
+        runs = [[live_runs(batch.rows.valid[row, : batch.length]) for row in rows] for batch, rows in sources]
+        length = max(sum(stop - start for start, stop in row_runs) for source in runs for row_runs in source)
         steps = max(request.budget - request.steps for request in requests)
         capacity = batch_capacity(length + max(steps, 0))
         device = first.logits.device
-        buffer = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, capacity, dtype=spec.dtype, device=spec.device, batch=count)
+        buffer = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, capacity, dtype=spec.dtype, device=spec.device, batch=count,
+                          reserve=max(reserve, 0))
         key_positions = torch.zeros(count, capacity, dtype=torch.long, device=device)
         valid = torch.zeros(count, capacity, dtype=torch.bool, device=device)
         biased = [batch.rows.bias for batch, _ in sources if batch.rows.bias is not None]
@@ -166,27 +249,38 @@ class RunningBatch:
         parts: list[SharedPart] = []
         logits = []
         at = 0
-        for batch, rows in sources:
-            index = torch.tensor(list(rows), dtype=torch.long, device=device)
-            end, taken = batch.length, slice(at, at + len(rows))
-            # [layers, 2, rows, kv_heads, entries, head_dim]: the rows' written entries, then zeros
-            # up to the common length (masked, but 0 x NaN of uninitialised memory is NaN)
-            buffer.storage[:, :, taken, :, :end] = batch.rows.buffer.storage[:, :, :, :, :end].index_select(2, index)
-            buffer.storage[:, :, taken, :, end:length] = 0
-            key_positions[taken, :end] = batch.rows.key_positions[index, :end]
-            valid[taken, :end] = batch.rows.valid[index, :end]
-            if bias is not None and batch.rows.bias is not None:
-                bias[taken, :end] = batch.rows.bias[index, :end]
-            if batch.rows.shared is not None:
-                parts += batch.rows.shared.select(rows, at)
-            logits.append(batch.logits.index_select(0, index))
-            at += len(rows)
+        for (batch, rows), source_runs in zip(sources, runs):
+            old = batch.rows
+            for row, row_runs in zip(rows, source_runs):
+                filled = 0
+                for start, stop in row_runs:
+                    # [layers, 2, rows, kv_heads, entries, head_dim]
+                    taken = slice(filled, filled + stop - start)
+                    buffer.storage[:, :, at, :, taken] = old.buffer.storage[:, :, row, :, start:stop]
+                    key_positions[at, taken] = old.key_positions[row, start:stop]
+                    if bias is not None and old.bias is not None:
+                        bias[at, taken] = old.bias[row, start:stop]
+                    filled = taken.stop
+                valid[at, :filled] = True
+                buffer.storage[:, :, at, :, filled:length] = 0  # masked, but 0 x NaN of uninitialised memory is NaN
+                at += 1
+            if old.shared is not None:
+                parts += old.shared.select(rows, at - len(rows))
+            logits.append(batch.logits.index_select(0, torch.tensor(list(rows), dtype=torch.long, device=device)))
         buffer.grow_to(length)
-        old = first.rows.shared or next((b.rows.shared for b, _ in sources if b.rows.shared is not None), None)
-        shared = SharedKV(parts, heads_per_kv=old.heads_per_kv, dtype=old.dtype, rotator=old.rotator) if parts and old else None
-        holes = any(batch.rows.holes for batch, _ in sources)
-        rows_ = Rows(buffer, key_positions, valid, shared, ordered=False, bias=bias, holes=holes)
+        old_shared = first.rows.shared or next((b.rows.shared for b, _ in sources if b.rows.shared is not None), None)
+        shared = SharedKV(parts, heads_per_kv=old_shared.heads_per_kv, dtype=old_shared.dtype, rotator=old_shared.rotator) \
+            if parts and old_shared else None
+        rows_ = Rows(buffer, key_positions, valid, shared, ordered=False, bias=bias)
         return cls(forward, rows_, requests, torch.cat(logits), spec)
+
+
+def live_runs(valid: torch.Tensor) -> list[tuple[int, int]]:
+    """The ranges ``[start, stop)`` where a row's ``valid [entries]`` is True, ascending (read on the host)."""
+    flags = valid.to("cpu", torch.int8)
+    edge = torch.zeros(1, dtype=torch.int8)
+    changes = torch.diff(flags, prepend=edge, append=edge).nonzero().flatten().tolist()
+    return list(zip(changes[0::2], changes[1::2]))
 
 
 def decode(

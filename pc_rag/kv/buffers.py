@@ -103,6 +103,12 @@ class _BufferLayer(DynamicLayer):
         self.values = self._values_all[..., :end, :]
         return self.keys, self.values
 
+    def rebase(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The same entries over other rows' storage (a widened buffer)."""
+        end = self.keys.shape[-2]
+        self._keys_all, self._values_all = keys, values
+        self.grow_to(end, self.column)
+
     def grow_to(self, end: int, column: torch.Tensor | None = None) -> None:
         self.keys = self._keys_all[..., :end, :]
         self.values = self._values_all[..., :end, :]
@@ -116,14 +122,38 @@ class KVBuffer:
     """A request's KV cache of fixed capacity, usable as ``past_key_values``."""
 
     def __init__(
-        self, layers: int, kv_heads: int, head_dim: int, capacity: int, *, dtype: torch.dtype, device: torch.device, batch: int = 1
+        self, layers: int, kv_heads: int, head_dim: int, capacity: int, *, dtype: torch.dtype, device: torch.device, batch: int = 1,
+        reserve: int = 0,
     ) -> None:
         self.capacity = capacity
         self.batch = batch
-        # [layers, 2, batch, kv_heads, capacity, head_dim]: layer views are [batch, heads, capacity, dim]
-        self.storage = torch.empty(layers, 2, batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self._layers = [_BufferLayer(self.storage[i, 0], self.storage[i, 1]) for i in range(layers)]
+        # [layers, 2, rows, kv_heads, capacity, head_dim]: layer views are [batch, heads, capacity, dim]
+        # over the first ``batch`` rows; ``reserve`` more rows are allocated for :meth:`widen` (never
+        # touched until then: the OS gives them pages only when a row is written)
+        self._all = torch.empty(layers, 2, batch + reserve, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.storage = self._all[:, :, :batch]
+        self._layers = [_BufferLayer(self._all[i, 0, :batch], self._all[i, 1, :batch]) for i in range(layers)]
         self.cache = Cache(layers=self._layers)
+
+    @property
+    def reserved(self) -> int:
+        """Rows allocated beyond ``batch`` (what :meth:`widen` can take)."""
+        return self._all.shape[2] - self.batch
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows in use (reserved rows hold no memory until written)."""
+        return self.storage.nbytes
+
+    def widen(self, batch: int) -> None:
+        """Use the first ``batch`` rows (more than now, within the reserve): the layers' views
+        keep their length and write column; the new rows' entries are the caller's to write."""
+        if not self.batch <= batch <= self._all.shape[2]:
+            raise PromptCacheError(f"cannot widen a KV buffer of {self.batch} rows (+{self.reserved} reserved) to {batch}")
+        self.batch = batch
+        self.storage = self._all[:, :, :batch]
+        for i, layer in enumerate(self._layers):
+            layer.rebase(self._all[i, 0, :batch], self._all[i, 1, :batch])
 
     @classmethod
     def for_model(cls, model: Any, capacity: int, batch: int = 1) -> "KVBuffer":
