@@ -19,7 +19,9 @@ decode steps through the scheduler against the bare decode loop (``generate.deco
 same prefilled rows: the time the scheduler adds per step.
 
 Part ``arrivals``: requests arriving as a Poisson process at ``--rates``; the sustainable rate
-(p95 latency within ``--p95-bound``) of the scheduler and of one-at-a-time serving.
+(p95 latency within ``--p95-bound``) of the scheduler, of one-at-a-time serving and of
+transformers' own continuous batching (``ContinuousBatchingManager``, paged attention over the
+full prompts' token ids) on the same model and prompts.
 
     python benchmarks/serving.py concurrency --callers 1 4 8 --repeats 3
     python benchmarks/serving.py arrivals
@@ -143,22 +145,81 @@ def concurrency(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+class TransformersBatching:
+    """transformers' own continuous batching (``ContinuousBatchingManager``: paged attention over
+    the full prompt's token ids, no module KV) on the same model, answering one request at a time
+    to threads: ``generate(token_ids)`` blocks until that request's last token."""
+
+    def __init__(self, new_tokens: int) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        from pc_rag.model.loading import default_model_dir
+
+        model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32, attn_implementation="sdpa").eval()
+        # no end-of-sequence token: every request decodes exactly new_tokens, as in the other modes
+        config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        self.manager = model.init_continuous_batching(generation_config=config)
+        self.manager.start()
+        self.new_tokens = new_tokens
+        self._done: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        self._count = 0
+        self._collector = threading.Thread(target=self._collect, daemon=True)
+        self._collector.start()
+
+    def _collect(self) -> None:
+        while self.manager.is_running():
+            result = self.manager.get_result(timeout=0.1)
+            if result is not None and result.is_finished():
+                assert result.error is None and len(result.generated_tokens) == self.new_tokens, result
+                with self._lock:
+                    self._done.pop(result.request_id).set()
+
+    def generate(self, token_ids: list[int]) -> None:
+        done = threading.Event()
+        with self._lock:
+            self._count += 1
+            request_id = f"r{self._count}"
+            self._done[request_id] = done
+        self.manager.add_request(list(token_ids), request_id=request_id, max_new_tokens=self.new_tokens)
+        done.wait()
+
+    def close(self) -> None:
+        self.manager.stop(block=True)
+
+
 def arrivals(args: argparse.Namespace) -> dict[str, Any]:
     """Requests arriving as a Poisson process at increasing rates: p95 latency (arrival to last
-    token) per rate, for the scheduler and for one-at-a-time serving (a lock around ``generate``:
-    each request waits for the one before it, as a server without batching serves them); the
-    sustainable rate is the highest whose p95 latency stays within ``--p95-bound``."""
+    token) per rate, for the scheduler, for one-at-a-time serving (a lock around ``generate``:
+    each request waits for the one before it, as a server without batching serves them) and for
+    transformers' continuous batching over the same prompts' full token ids; the sustainable rate
+    is the highest whose p95 latency stays within ``--p95-bound``."""
     import random
 
     engine = PromptCache.from_pretrained()
     engine.stop_token_ids.clear()
     pool = records(args.data, args.skip, args.requests, args.passages)
     prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
+    token_ids = [engine.plan(p).input_ids for p in prompts]  # what full prefill reads: the same tokens
     serve(engine, "sequential", prompts[:2], 4)  # warm-up
     one_at_a_time = threading.Lock()
     report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"),
-                              "settings": vars(args) | {"data": str(args.data)}, "modes": {}}
-    for mode in ("scheduler", "one at a time"):
+                              "settings": vars(args) | {"data": str(args.data)},
+                              "prompt_tokens_mean": statistics.mean(len(ids) for ids in token_ids), "modes": {}}
+    for mode in args.arrival_modes:
+        transformers_cb = TransformersBatching(args.new_tokens) if mode == "transformers CB" else None
+        if transformers_cb is not None:
+            transformers_cb.generate(token_ids[0])  # warm-up
+
+        def answer(index: int) -> None:
+            if transformers_cb is not None:
+                transformers_cb.generate(token_ids[index])
+            elif mode == "scheduler":
+                engine.generate(prompts[index], max_new_tokens=args.new_tokens)
+            else:
+                with one_at_a_time:
+                    engine.generate(prompts[index], max_new_tokens=args.new_tokens)
+
         rows = []
         for rate in args.rates:
             clock = random.Random(args.seed)
@@ -168,24 +229,23 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
                 offsets.append(at)
             start = time.perf_counter()
 
-            def call(item: tuple[float, str]) -> float:
-                offset, prompt = item
+            def call(item: tuple[float, int]) -> float:
+                offset, index = item
                 time.sleep(max(0.0, start + offset - time.perf_counter()))  # arrive on schedule
                 arrived = time.perf_counter()
-                if mode == "scheduler":
-                    engine.generate(prompt, max_new_tokens=args.new_tokens)
-                else:
-                    with one_at_a_time:
-                        engine.generate(prompt, max_new_tokens=args.new_tokens)
+                answer(index)
                 return time.perf_counter() - arrived
 
             with ThreadPoolExecutor(len(prompts)) as workers:
-                latencies = sorted(workers.map(call, zip(offsets, prompts)))
+                latencies = sorted(workers.map(call, zip(offsets, range(len(prompts)))))
             p95 = latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))]
             rows.append({"rate": rate, "p95_latency_s": p95, "mean_latency_s": statistics.mean(latencies)})
             print(json.dumps({"mode": mode, **rows[-1]}), flush=True)
+        if transformers_cb is not None:
+            transformers_cb.close()
         within = [r["rate"] for r in rows if r["p95_latency_s"] <= args.p95_bound]
         report["modes"][mode] = {"rows": rows, "sustainable_rate": max(within, default=0.0)}
+    report["scheduler"] = engine.scheduler.stats()
     return report
 
 
@@ -249,6 +309,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="overhead: decode steps per request")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0], help="arrivals: requests/s")
     parser.add_argument("--requests", type=int, default=16, help="arrivals: requests per rate")
+    parser.add_argument("--arrival-modes", nargs="+", default=["scheduler", "one at a time", "transformers CB"],
+                        help="arrivals: how requests are served")
     parser.add_argument("--p95-bound", type=float, default=6.0, help="arrivals: the p95 latency a sustainable rate keeps (s)")
     parser.add_argument("--seed", type=int, default=0, help="arrivals: the Poisson process's seed")
     parser.add_argument("--out", type=Path, default=None)
