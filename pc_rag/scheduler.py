@@ -11,8 +11,8 @@ They wait on its events: text as it is decoded, then the result. The loop, every
    prefills them: together in one pass, sharing the module KV they import alike, or, for a
    prompt longer than the budget while others decode, one chunk per iteration, so a long prompt
    never stalls the running rows for more than one budget;
-3. merges the newly prefilled rows into the running batch: into finished rows' slots in place
-   where they fit (:meth:`RunningBatch.admit`: only the new rows' KV is written), else rebuilt
+3. merges the newly prefilled rows into the running batch: in place, into finished rows' slots
+   or rows its buffer reserves, where they fit (:meth:`RunningBatch.admit`: only the new rows' KV is written), else rebuilt
    as one buffer with every row's live entries packed to the front (:meth:`RunningBatch.combine`),
    dropping finished rows on the way; one forward pass per step for every row;
 4. takes every row's next token and hands each caller its text; a finished row's caller gets
@@ -219,7 +219,7 @@ class SchedulerStats:
     refused: int = 0  # submissions refused for a full queue or a budget they alone exceed
     chunks: int = 0  # prefill chunks of long prompts
     merges: int = 0  # running batches rebuilt to take rows in or let rows go
-    in_place: int = 0  # admissions written into finished rows' slots of the running batch (no rebuild)
+    in_place: int = 0  # admissions written into the running batch's finished or reserved rows (no rebuild)
     buffer_bytes_peak: int = 0
     step_rows: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # rows of the last decode steps
 
@@ -575,7 +575,7 @@ class Scheduler:
             self._batch, self._owners = fresh, owners
             return
         if fresh is not None:
-            slots = batch.admit(fresh)  # into finished rows' slots: the running rows are not copied
+            slots = batch.admit(fresh)  # finished rows' slots or reserved rows: the running rows are not copied
             if slots is not None:
                 self._release(fresh.rows.buffer)
                 self._owners += [owners[0]] * (batch.batch - len(self._owners))  # rows taken from the reserve

@@ -140,11 +140,6 @@ class KVBuffer:
         """Rows allocated beyond ``batch`` (what :meth:`widen` can take)."""
         return self._all.shape[2] - self.batch
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the rows in use (reserved rows hold no memory until written)."""
-        return self.storage.nbytes
-
     def widen(self, batch: int) -> None:
         """Use the first ``batch`` rows (more than now, within the reserve): the layers' views
         keep their length and write column; the new rows' entries are the caller's to write."""
