@@ -578,9 +578,11 @@ class Scheduler:
             slots = batch.admit(fresh)  # finished rows' slots or reserved rows: the running rows are not copied
             if slots is not None:
                 self._release(fresh.rows.buffer)
-                self._owners += [owners[0]] * (batch.batch - len(self._owners))  # rows taken from the reserve
                 for slot, owner in zip(slots, owners):
-                    self._owners[slot] = owner
+                    if slot < len(self._owners):
+                        self._owners[slot] = owner  # a finished row's slot
+                    else:
+                        self._owners.append(owner)  # a row taken from the reserve (they come last, in order)
                 self._track()
                 with self._cond:
                     self._stats.in_place += 1

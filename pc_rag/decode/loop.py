@@ -205,9 +205,8 @@ class RunningBatch:
     def _write_row(self, slot: int, fresh: "RunningBatch", new: int, end: int) -> None:
         """Row ``new`` of ``fresh`` (its cache, positions, request) as this batch's row ``slot``."""
         rows, filled = self.rows, fresh.length
-        # [layers, 2, rows, kv_heads, entries, head_dim]: the new row's entries, then zeros to the end it attends
-        rows.buffer.storage[:, :, slot, :, :filled] = fresh.rows.buffer.storage[:, :, new, :, :filled]
-        rows.buffer.storage[:, :, slot, :, filled:end] = 0
+        rows.buffer.write(fresh.rows.buffer.slice(0, filled, new), 0, row=slot)
+        rows.buffer.storage[:, :, slot, :, filled:end] = 0  # to the end it attends: 0 x NaN is NaN
         rows.key_positions[slot, :filled] = fresh.rows.key_positions[new, :filled]
         rows.valid[slot] = False
         rows.valid[slot, :filled] = fresh.rows.valid[new, :filled]
@@ -254,9 +253,8 @@ class RunningBatch:
             for row, row_runs in zip(rows, source_runs):
                 filled = 0
                 for start, stop in row_runs:
-                    # [layers, 2, rows, kv_heads, entries, head_dim]
                     taken = slice(filled, filled + stop - start)
-                    buffer.storage[:, :, at, :, taken] = old.buffer.storage[:, :, row, :, start:stop]
+                    buffer.write(old.buffer.slice(start, stop, row), filled, row=at)
                     key_positions[at, taken] = old.key_positions[row, start:stop]
                     if bias is not None and old.bias is not None:
                         bias[at, taken] = old.bias[row, start:stop]
