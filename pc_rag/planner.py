@@ -21,6 +21,7 @@ from typing import Any
 
 from .errors import PromptCacheError
 from .model.spec import ModelSpec
+from .prefill.recovery import encoded_behind
 from .prompt.documents import split_references
 from .prompt.plan import ModuleSpan, Plan, Segment, close_names, compute_last, plan_prompt
 from .prompt.pml import PML, parse_prompt
@@ -63,7 +64,7 @@ def plan(prompt: str, snapshot: Snapshot, spec: ModelSpec, *, encoding: str, dro
         planned = _plan_pml(prompt, snapshot, spec, encoding)
     else:
         planned = _plan_plain(prompt, snapshot, spec, drop_in and spec.movable)
-    planned = _pin(planned, snapshot)
+    planned = _exact_variants(_pin(planned, snapshot), encoding)
     if not spec.movable:
         _check_increasing(planned, spec)
     return planned
@@ -202,6 +203,31 @@ def _pin(planned: Plan, snapshot: Snapshot) -> Plan:
                 segment = replace(segment, source_position=joint.positions[joint.index[segment.offset]])
         segments.append(segment)
     return replace(planned, segments=segments, sources=sources)
+
+
+def _exact_variants(planned: Plan, encoding: str) -> Plan:
+    """A document stored in two variants (behind its neighbours, and plain: behind the system turn
+    only, :mod:`pc_rag.prompt.neighbours`) is read through the one that is exact where the prompt
+    places it: the contextual one right after its context, the plain one right after the system
+    turn (the first document of a prompt). Anywhere else it reads the contextual one, which holds
+    more of what a neighbour-ordered prompt puts before it, and is recovered as a moved module."""
+    if not any(source.plain for source in planned.sources.values()):
+        return planned
+    segments: list[Segment] = []
+    preceding: list[int] = []  # the prompt's tokens before the segment at hand
+    for segment in planned.segments:
+        before = len(preceding)
+        preceding.extend(segment.token_ids)
+        source = planned.sources.get(segment.schema) if segment.cached else None  # type: ignore[arg-type]
+        plain_key = source.plain.get(segment.owner) if source is not None else None  # type: ignore[arg-type]
+        if plain_key is not None:
+            at = segment.source_position - len(source.contexts[segment.owner].token_ids)  # type: ignore[union-attr, index]
+            # (where the plain variant is exact the contextual one is not: their positions differ)
+            if segment.position == at and preceding[:before] == encoded_behind(source, segment.owner, segment.offset, encoding,  # type: ignore[arg-type]
+                                                                               plain=True):
+                segment = replace(segment, key=plain_key, source_position=at, plain=True)
+        segments.append(segment)
+    return replace(planned, segments=segments)
 
 
 def _check_increasing(planned: Plan, spec: ModelSpec) -> None:

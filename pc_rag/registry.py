@@ -65,6 +65,9 @@ class Schema:
     joint: Mapping[str, JointPath] = field(default_factory=dict, repr=False)
     # documents encoded behind neighbours (add_documents(context=...)): what each one read first
     contexts: Mapping[str, DocumentContext] = field(default_factory=dict, repr=False)
+    # the same documents' plain variants (behind the system turn only): their store keys, read
+    # where a prompt places a document first (pc_rag.planner)
+    plain: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def modules(self) -> list[str]:
@@ -235,13 +238,15 @@ class Registry:
             fresh = self._tokenised(target, self._new_documents(target, records))
             contexts = self._document_contexts(target, fresh, context, neighbours_of, context_texts) if context else {}
             built = self._document_modules(target, fresh, contexts)
+            plain = self._document_modules(target, {n: fresh[n] for n in contexts}, {})
             # encode first, publish after: a prompt served meanwhile never sees a document whose
             # KV is not stored yet (it would encode it a second time)
             if encode:
-                self.encoder.encode_documents(target, list(built.values()), progress=progress,
-                                              batch_tokens=batch_tokens or self._batch_tokens(), contexts=contexts)
+                for modules, behind in ((built, contexts), (plain, {})):
+                    self.encoder.encode_documents(target, list(modules.values()), progress=progress,
+                                                  batch_tokens=batch_tokens or self._batch_tokens(), contexts=behind)
             if built:
-                target = self._with_documents(target, fresh, built, contexts)
+                target = self._with_documents(target, fresh, built, contexts, {n: key for n, (key, _) in plain.items()})
             if publish and fresh and self.publisher is not None:
                 self.publisher.documents_added(schema, target.system, [_shared_record(r, contexts.get(r.name)) for r, _ in fresh.values()])
             logger.info("documents %r: %d added (%d new), %d held", schema, len(records), len(fresh), len(target.documents))
@@ -301,7 +306,7 @@ class Registry:
         return 512 if self.spec.device.type == "cpu" else 8192
 
     def _with_documents(self, target: Schema, fresh: Mapping[str, tuple[DocumentRecord, list[int]]],
-                        built: Mapping[str, tuple[str, Any]], contexts: Mapping[str, DocumentContext]) -> Schema:
+                        built: Mapping[str, tuple[str, Any]], contexts: Mapping[str, DocumentContext], plain: Mapping[str, str]) -> Schema:
         """``target`` with the new documents, published (copy on write: plans made against the old
         Schema keep reading it unchanged)."""
         layout = replace(target.layout, modules=dict(target.layout.modules), pieces=list(target.layout.pieces))
@@ -313,7 +318,8 @@ class Registry:
                 self.index.add(target.name, name, info.text or "")
         keys = {name: key for name, (key, _) in built.items()}
         target = replace(target, layout=layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents),
-                         contexts=MappingProxyType({**target.contexts, **contexts}) if contexts else target.contexts)
+                         contexts=MappingProxyType({**target.contexts, **contexts}) if contexts else target.contexts,
+                         plain=MappingProxyType({**target.plain, **plain}) if plain else target.plain)
         self._publish(target)
         return target
 
@@ -407,27 +413,15 @@ class Registry:
             dependents = [n for n, c in target.contexts.items() if n not in gone and gone & set(c.names)]
             layout = remove_documents(target.layout, [*removed, *dependents])
             contexts = {n: c for n, c in target.contexts.items() if n not in gone and n not in dependents}
-            base = self._documents_key(target)
-            left = {name: [n for n in target.contexts[name].names if n not in gone] for name in dependents}
-            by_form: dict[str, set[str]] = {}  # the neighbours left, tokenised once per context form
-            for name in dependents:
-                by_form.setdefault(target.contexts[name].form, set()).update(left[name])
-            tokens = {form: self._context_tokens(target.layout, documents, names, form) for form, names in by_form.items()}
-            for name in dependents:
-                old = target.layout.modules[name]
-                context = None
-                if left[name]:
-                    form = target.contexts[name].form
-                    ids = tuple(t for n in left[name] for t in tokens[form][n])
-                    context = contexts[name] = DocumentContext(tuple(left[name]), ids, form)
-                info = document_module(layout, name, old.text or "", old.token_ids[: old.text_tokens], old.token_ids[old.text_tokens :],
-                                       len(context.token_ids) if context is not None else 0)
-                add_document(layout, info)
-                keys[name] = self.encoder.key(schema, info.token_ids, info.positions, _context_key(base, context))
-            dead = sorted({target.keys[n] for n in [*removed, *dependents]} - set(keys.values()))  # two ids may share one text's entry
+            plain = {n: k for n, k in target.plain.items() if n not in gone}
+            self._recontext(target, layout, documents, {n: [m for m in target.contexts[n].names if m not in gone] for n in dependents},
+                            keys, contexts, plain)
+            # two ids may share one text's entry, and a plain variant a plain document's
+            held = {target.keys[n] for n in [*removed, *dependents]} | {target.plain[n] for n in removed if n in target.plain}
+            dead = sorted(held - set(keys.values()) - set(plain.values()))
             self.index.remove(schema, removed)
             self._publish(replace(target, layout=layout, keys=MappingProxyType(keys), documents=MappingProxyType(documents),
-                                  contexts=MappingProxyType(contexts)))
+                                  contexts=MappingProxyType(contexts), plain=MappingProxyType(plain)))
             # a replica replaying a deletion leaves the shared entries to the replica that deleted
             # them (the log may add the same text again after it)
             self.encoder.store.delete(dead, remote=publish)
@@ -439,6 +433,30 @@ class Registry:
         logger.info("documents %r: %d deleted, %d held (%d lost a neighbour from their context)", schema, len(removed), len(documents),
                     len(dependents))
         return removed
+
+    def _recontext(self, target: Schema, layout: SchemaLayout, documents: Mapping[str, DocumentRecord], left: Mapping[str, list[str]],
+                   keys: dict[str, str], contexts: dict[str, DocumentContext], plain: dict[str, str]) -> None:
+        """The documents ``left`` names (dependents of deleted ones, each with the neighbours it
+        keeps) added to ``layout`` anew, behind those neighbours: their store keys, contexts and
+        plain variants updated in place. One that keeps no neighbour is a plain document (its
+        plain variant is now its only one)."""
+        base = self._documents_key(target)
+        by_form: dict[str, set[str]] = {}  # the neighbours left, tokenised once per context form
+        for name, names in left.items():
+            by_form.setdefault(target.contexts[name].form, set()).update(names)
+        tokens = {form: self._context_tokens(target.layout, documents, names, form) for form, names in by_form.items()}
+        for name, names in left.items():
+            old = target.layout.modules[name]
+            context = None
+            if names:
+                form = target.contexts[name].form
+                context = contexts[name] = DocumentContext(tuple(names), tuple(t for n in names for t in tokens[form][n]), form)
+            else:
+                plain.pop(name, None)
+            info = document_module(layout, name, old.text or "", old.token_ids[: old.text_tokens], old.token_ids[old.text_tokens :],
+                                   len(context.token_ids) if context is not None else 0)
+            add_document(layout, info)
+            keys[name] = self.encoder.key(target.name, info.token_ids, info.positions, _context_key(base, context))
 
     def watch(self, listener: Any) -> None:
         """Tell ``listener.forget(schema, names)`` about every deletion (held weakly)."""

@@ -119,6 +119,62 @@ def test_deleting_a_neighbour_takes_it_out_of_the_context_of_the_documents_behin
     assert exact(engine, ["louvre", "fuji"]) <= 1e-4  # louvre now plain and first, fuji behind louvre
 
 
+def test_a_document_placed_first_reads_its_plain_variant_exactly_with_no_extra_computed_token(make_tiny, tokenizer):
+    engine = tiny(make_tiny, tokenizer, "llama")
+    add_chain(engine)
+    schema = engine.schemas["docs"]
+    assert set(schema.plain) == {"louvre", "fuji"} and all(schema.plain[n] in engine.store for n in schema.plain)
+    for names in (["louvre"], ["fuji", "eiffel"], ["louvre", "fuji"]):
+        plan = engine.plan(build_prompt(QUESTION, names))
+        first = next(s for s in plan.segments if s.owner == names[0])
+        assert first.plain and first.key == schema.plain[names[0]] and first.source_position == first.position
+        assert not plan.moved[plan.segments.index(first)]  # type: ignore[index]
+    assert exact(engine, ["louvre"]) <= 1e-4 and exact(engine, ["fuji"]) <= 1e-4
+    assert exact(engine, ["eiffel", "louvre", "fuji"]) <= 1e-4  # behind its context: the contextual variant still
+    assert not any(s.plain for s in engine.plan(build_prompt(QUESTION, ["eiffel", "louvre", "fuji"])).segments)
+    # with the default recovery a first document computes no token more than a plain collection's
+    model = make_tiny("llama", seed=5)
+    contextual, plain = PromptCache(model, tokenizer), PromptCache(model, tokenizer)
+    add_chain(contextual)
+    plain.add_documents([DOCS[n] for n in ("eiffel", "louvre", "fuji")], ids=["eiffel", "louvre", "fuji"], progress=False)
+    for names in (["louvre"], ["fuji", "louvre"]):
+        prompt = build_prompt(QUESTION, names)
+        assert contextual.plan(prompt).computed_tokens == plain.plan(prompt).computed_tokens
+
+
+def test_both_variants_live_in_memory_disk_and_after_a_loss(make_tiny, tokenizer, tmp_path):
+    model = make_tiny("llama", seed=5)
+
+    def engine() -> PromptCache:
+        return PromptCache(model, tokenizer, kv_dir=tmp_path, recompute=0, attention_temperature=1.0, attention_scale=1.0)
+
+    first = engine()
+    add_chain(first)
+    again = engine()
+    add_chain(again)
+    assert dict(again.schemas["docs"].plain) == dict(first.schemas["docs"].plain)
+    assert again.store_stats()["encoded"] == 0  # both variants read back from kv_dir
+    assert exact(again, ["louvre"]) <= 1e-4 and exact(again, ["eiffel", "louvre", "fuji"]) <= 1e-4
+    lost = tiny(make_tiny, tokenizer, "llama")  # no disk tier: a variant the memory lost is encoded again, plain
+    add_chain(lost)
+    lost.store.clear_memory()
+    assert exact(lost, ["fuji"]) <= 1e-4 and exact(lost, ["eiffel", "louvre", "fuji"]) <= 1e-4
+
+
+def test_deleting_documents_deletes_their_plain_variants_and_a_dependent_left_alone_is_plain(make_tiny, tokenizer):
+    engine = tiny(make_tiny, tokenizer, "llama")
+    add_chain(engine)
+    old = dict(engine.schemas["docs"].plain)
+    engine.delete_documents(["eiffel"])
+    schema = engine.schemas["docs"]
+    # louvre lost its only neighbour: plain now, under its plain variant's key (nothing encoded again)
+    assert "louvre" not in schema.plain and schema.keys["louvre"] == old["louvre"] and old["louvre"] in engine.store
+    assert schema.plain["fuji"] == old["fuji"] and old["fuji"] in engine.store  # behind louvre still
+    assert exact(engine, ["fuji"]) <= 1e-4
+    engine.delete_documents(["fuji"])
+    assert old["fuji"] not in engine.store and "fuji" not in engine.schemas["docs"].plain
+
+
 def test_reorder_follows_the_nearest_neighbour_where_the_ranking_allows():
     def ctx(*names: str) -> DocumentContext:
         return DocumentContext(tuple(names), ())
@@ -214,9 +270,10 @@ def test_the_remote_tier_carries_the_context(make_engine, redis_server):
     replica = make_engine(remote_store=redis_server.url)  # takes the records in at start
     assert replica.schemas["docs"].contexts["fuji"].names == ("eiffel", "louvre")
     assert dict(replica.schemas["docs"].keys) == dict(writer.schemas["docs"].keys)
-    assert exact(replica, ["eiffel", "louvre", "fuji"]) <= 1e-4
+    assert dict(replica.schemas["docs"].plain) == dict(writer.schemas["docs"].plain)
+    assert exact(replica, ["eiffel", "louvre", "fuji"]) <= 1e-4 and exact(replica, ["louvre"]) <= 1e-4
     stats = replica.store_stats()
-    assert stats["encoded"] == 0 and stats["hits_remote"] >= 3
+    assert stats["encoded"] == 0 and stats["hits_remote"] >= 4  # the contextual variants and a plain one
 
 
 def test_the_engine_finds_neighbours_by_embedding_and_reencodes_a_collection(make_tiny, tokenizer):

@@ -74,7 +74,7 @@ class Assembler:
     def segment_kv(self, plan: Plan, segment: Segment) -> tuple[StoredKV, int]:
         """The stored module a cached segment reads (its tokens ``[offset, offset + len)``) and how far it moved."""
         schema = plan.sources[segment.schema]  # type: ignore[index]
-        module = self.encoder.fetch(schema, segment.owner, segment.key)  # type: ignore[arg-type]
+        module = self.encoder.fetch(schema, segment.owner, segment.key, plain=segment.plain)  # type: ignore[arg-type]
         delta = segment.position - segment.source_position
         if delta and not self.spec.movable:
             raise PromptCacheError(f"module {segment.owner!r} cannot move on a model with {self.spec.pinned_reason}")

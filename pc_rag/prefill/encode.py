@@ -101,12 +101,16 @@ class ModuleEncoder:
                     self._contexts[key] = module
         return module
 
-    def fetch(self, schema: Any, name: str, key: str) -> ModuleKV:
-        """A planned segment's KV: from the store, or encoded again from the schema the plan pinned."""
+    def fetch(self, schema: Any, name: str, key: str, *, plain: bool = False) -> ModuleKV:
+        """A planned segment's KV: from the store, or encoded again from the schema the plan pinned
+        (``plain``: a document's plain variant, behind the system turn and not its neighbours)."""
         info = schema.layout.modules[name]
-        module = self.store.get(key, schema.joint[name].module_positions if name in schema.joint else info.positions)
+        module = self.store.get(key, stored_positions(schema, name, plain))
         if module is not None:
             return module
+        if plain:
+            positions = stored_positions(schema, name, plain)
+            return self.ensure(key, info.token_ids, positions, self.context(schema), _info(schema, name), count=False)
         if name in schema.joint:
             return self._encode_joint(schema, name, key)
         if name in schema.contexts:
@@ -135,9 +139,7 @@ class ModuleEncoder:
         for plan in plans:
             for segment in plan.segments:
                 if segment.cached and segment.key in wanted and segment.key not in jobs:
-                    schema = plan.sources[segment.schema]
-                    joint = schema.joint.get(segment.owner)
-                    jobs[segment.key] = joint.module_positions if joint is not None else schema.layout.modules[segment.owner].positions
+                    jobs[segment.key] = stored_positions(plan.sources[segment.schema], segment.owner, segment.plain)
         if deadline is None and len(jobs) == 1:
             ((key, positions),) = jobs.items()
             self.store.get(key, positions, count=False)
@@ -227,6 +229,19 @@ class ModuleEncoder:
                 self.store.put(key, module, {"schema": schema.name, "module": info.name, "tokens": len(module)})
             bar.update(len(batch))
         bar.close()
+
+
+def stored_positions(schema: Any, name: str, plain: bool = False) -> Sequence[int]:
+    """The positions module ``name``'s stored KV was encoded at: on its path (``scaffold``), else
+    its own; a document's ``plain`` variant sits right after the system turn, not behind its
+    neighbour context."""
+    if name in schema.joint:
+        return schema.joint[name].module_positions
+    positions = schema.layout.modules[name].positions
+    if plain:
+        start = schema.layout.document_start
+        return range(start, start + len(positions))
+    return positions
 
 
 _READERS: ThreadPoolExecutor | None = None

@@ -231,17 +231,17 @@ def moved(planned: Plan, encoding: str) -> list[bool]:
         exact = False
         if segment.position == segment.source_position:
             schema = planned.sources[segment.schema]  # type: ignore[index]
-            context = encoded_behind(schema, segment.owner, segment.offset, encoding)  # type: ignore[arg-type]
+            context = encoded_behind(schema, segment.owner, segment.offset, encoding, plain=segment.plain)  # type: ignore[arg-type]
             exact = len(context) == before and preceding[:before] == context
         flags.append(not exact)
     return flags
 
 
-def encoded_behind(schema: PlanSource, name: str, offset: int, encoding: str) -> list[int]:
+def encoded_behind(schema: PlanSource, name: str, offset: int, encoding: str, *, plain: bool = False) -> list[int]:
     """The tokens that token ``offset`` of module ``name`` was encoded behind: the path before it
     (``scaffold``), else what the schema's modules are encoded behind (nothing for ``isolated``;
-    the prefix and lead for ``shared_prefix``), a document's neighbour context, and the module's
-    own tokens before it."""
+    the prefix and lead for ``shared_prefix``), a document's neighbour context (not in its
+    ``plain`` variant), and the module's own tokens before it."""
     joint = schema.joint.get(name)
     if joint is not None:
         return list(joint.token_ids[: joint.index[offset]])
@@ -250,7 +250,7 @@ def encoded_behind(schema: PlanSource, name: str, offset: int, encoding: str) ->
     before: list[int] = []
     if encoding != "isolated" and layout.prefix is not None and name != layout.prefix:
         before = list(layout.modules[layout.prefix].token_ids) + list(layout.lead)
-    context = schema.contexts.get(name)
+    context = None if plain else schema.contexts.get(name)
     if context is not None:  # a document encoded behind its neighbours (pc_rag.prompt.neighbours)
         before += context.token_ids
     return before + list(module.token_ids[:offset])

@@ -47,6 +47,9 @@ class Segment:
     source_position: int = 0
     schema: str | None = None  # the owner's schema (the planner sets it on every cached segment)
     key: str | None = None  # the store key of the owner's KV, pinned when the prompt is planned
+    # a document with a neighbour context read through its plain variant (encoded behind the
+    # system turn only), where that one is exact (pc_rag.planner)
+    plain: bool = False
 
     @property
     def cached(self) -> bool:
@@ -63,6 +66,7 @@ class PlanSource(Protocol):
     layout: SchemaLayout
     joint: Mapping[str, Any]  # scaffold paths by module name
     contexts: Mapping[str, Any]  # documents' neighbour contexts by name
+    plain: Mapping[str, str]  # documents with a context: the store key of their plain variant
 
 
 @dataclass
