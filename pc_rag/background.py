@@ -48,6 +48,7 @@ class _Job:
     text: str
     metadata: dict[str, Any]
     replace_changed: bool
+    options: dict[str, Any]  # add_documents' neighbour context options (context=, neighbours=, ...)
     served: int  # requests the engine had finished when the job was queued
     deadline: float  # ... and when it may start even if no request finishes
     key: tuple[str, str, str] = field(init=False)
@@ -59,8 +60,8 @@ class _Job:
 class BackgroundEncoder:
     """A queue of documents to add, drained by one daemon thread between requests.
 
-    ``add`` is the registry's ``add_documents``; the engine wraps every request in
-    :meth:`serving`, which is how the worker knows when it may run.
+    ``add`` adds records now (the engine's, with a neighbour context when a job asks for one);
+    the engine wraps every request in :meth:`serving`, which is how the worker knows when it may run.
     """
 
     def __init__(self, add: Callable[..., list[str]], *, grace_s: float = DEFAULT_GRACE_S) -> None:
@@ -95,17 +96,18 @@ class BackgroundEncoder:
 
     # -- work ------------------------------------------------------------------------------------
     def submit(self, schema: str, system: str | None, records: list[DocumentRecord], *,
-               replace_changed: bool = False) -> int:
+               replace_changed: bool = False, options: dict[str, Any] | None = None) -> int:
         """Queue ``records`` for ``schema``; returns how many were queued
         (a record already queued, or refused before, is not queued again). ``replace_changed``
-        as :meth:`pc_rag.registry.Registry.add_documents` takes it."""
+        and ``options`` (a neighbour context) as :meth:`pc_rag.PromptCache.add_documents` takes them."""
         with self._cond:
             if self._closed:
                 raise PromptCacheError("this engine's background queue is closed")
             deadline = time.monotonic() + self.grace_s
             queued = 0
             for record in records:
-                job = _Job(schema, system, record.name, record.text, dict(record.metadata), replace_changed, self._served, deadline)
+                job = _Job(schema, system, record.name, record.text, dict(record.metadata), replace_changed, dict(options or {}),
+                           self._served, deadline)
                 if job.key in self._queued or job.key in self._failed:
                     continue
                 self._queue.append(job)
@@ -192,7 +194,7 @@ class BackgroundEncoder:
                 self._running += 1
             try:
                 self._add([DocumentRecord(job.name, job.text, job.metadata)], schema=job.schema, system=job.system,
-                          progress=False, replace_changed=job.replace_changed)
+                          progress=False, replace_changed=job.replace_changed, **job.options)
                 self.encoded += 1
             except PromptCacheError as err:
                 logger.warning("document %r of %r not encoded in the background: %s", job.name, job.schema, err)

@@ -13,7 +13,7 @@ from .errors import PromptCacheError
 from .kv.remote import RemoteTier
 from .kv.store import ModuleStore
 from .prompt.documents import DEFAULT_SCHEMA, DocumentRecord, check_name, normalize
-from .prompt.neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, check_context, reorder
+from .prompt.neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, NeighbourSearch, check_context, reorder, searched_neighbours
 from .registry import Registry, Schema
 from .registry_sync import RegistrySync
 
@@ -38,7 +38,8 @@ class Registration:
                       metadatas: Sequence[dict[str, Any] | None] | None = None, schema: str = DEFAULT_SCHEMA,
                       system: str | None = None, progress: bool = True, batch_tokens: int | None = None,
                       replace_changed: bool = False, background: bool = False, context: str | None = None,
-                      neighbours: int | Mapping[str, Sequence[str]] = DEFAULT_NEIGHBOURS, embedding: Any = None) -> list[str]:
+                      neighbours: int | Mapping[str, Sequence[str]] = DEFAULT_NEIGHBOURS, embedding: Any = None,
+                      neighbour_search: NeighbourSearch | None = None) -> list[str]:
         """Store documents as movable modules of the document schema ``schema``; return their names.
 
         ``texts`` holds strings, LangChain ``Document``s or LlamaIndex nodes. A document's name is
@@ -69,30 +70,47 @@ class Registration:
         document's id to the ids it is to be encoded behind, in order (your own choice: what a
         retriever returns together). Documents added later are encoded against the collection
         as it is then; to encode a corpus that changed a lot against itself again, delete and
-        add it again (:meth:`reencode_documents`).
+        add it again (:meth:`reencode_documents`). ``neighbour_search`` finds the neighbours in a
+        store of your own instead (:data:`~pc_rag.prompt.neighbours.NeighbourSearch`: a vector
+        store's similarity search by the document's text); a search that fails leaves the
+        documents plain, never unencoded. With ``background=True`` the neighbours are found and
+        encoded in the background too.
         """
         check_context(context, neighbours if isinstance(neighbours, int) else 0)
         if context is not None and not isinstance(neighbours, (int, Mapping)):
             raise PromptCacheError(f"neighbours must be an int or a mapping of document ids to neighbour ids, got {type(neighbours).__name__}")
-        if background and context is not None:
-            raise PromptCacheError("context= is not available with background=True: add the documents with background=False")
+        if neighbour_search is not None and (not callable(neighbour_search) or not isinstance(neighbours, int)):
+            raise PromptCacheError("neighbour_search must be a callable (text -> [(name, text), ...], nearest first), "
+                                   "with neighbours= the number to keep")
         records = normalize(texts, ids, metadatas)
-        if context is not None and neighbours:
-            return self._add_with_neighbours(records, schema=schema, system=system, progress=progress, batch_tokens=batch_tokens,
-                                             replace_changed=replace_changed, context=context, neighbours=neighbours, embedding=embedding)
+        options = {"context": context, "neighbours": neighbours, "embedding": embedding, "neighbour_search": neighbour_search}
         if background:
             check_name(schema, "schema name")
-            self.background.submit(schema, system, records, replace_changed=replace_changed)
+            self.background.submit(schema, system, records, replace_changed=replace_changed, options=options)
             return [record.name for record in records]
-        return self.registry.add_documents(records, schema=schema, system=system, progress=progress, batch_tokens=batch_tokens,
-                                           replace_changed=replace_changed)
+        return self._add_records(records, schema=schema, system=system, progress=progress, batch_tokens=batch_tokens,
+                                 replace_changed=replace_changed, **options)
+
+    def _add_records(self, records: list[DocumentRecord], *, context: str | None = None,
+                     neighbours: int | Mapping[str, Sequence[str]] = DEFAULT_NEIGHBOURS, embedding: Any = None,
+                     neighbour_search: NeighbourSearch | None = None, **kwargs: Any) -> list[str]:
+        """:meth:`add_documents` now (the background encoder calls it too): with a neighbour
+        context when one is asked for, else plain."""
+        if context is not None and neighbours:
+            return self._add_with_neighbours(records, context=context, neighbours=neighbours, embedding=embedding,
+                                             neighbour_search=neighbour_search, **kwargs)
+        return self.registry.add_documents(records, **kwargs)
 
     def _add_with_neighbours(self, records: list[DocumentRecord], *, schema: str, context: str,
-                             neighbours: int | Mapping[str, Sequence[str]], embedding: Any, **kwargs: Any) -> list[str]:
+                             neighbours: int | Mapping[str, Sequence[str]], embedding: Any,
+                             neighbour_search: NeighbourSearch | None = None, **kwargs: Any) -> list[str]:
         """:meth:`add_documents` with a neighbour context: each new document's neighbours found
-        (by embedding, or as given), then the registry encodes it behind them."""
+        (by embedding, by ``neighbour_search``, or as given), then the registry encodes it behind them."""
         check_name(schema, "schema name")
         named = {record.name: record.text for record in records}
+        if neighbour_search is not None:
+            chosen, texts = searched_neighbours(records, neighbours, neighbour_search)  # type: ignore[arg-type]
+            return self.registry.add_documents(records, schema=schema, context=context, neighbours_of=chosen, context_texts=texts, **kwargs)
         if isinstance(neighbours, Mapping):
             unknown = [n for n in neighbours if n not in named]
             if unknown:

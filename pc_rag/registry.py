@@ -68,6 +68,9 @@ class Schema:
     # the same documents' plain variants (behind the system turn only): their store keys, read
     # where a prompt places a document first (pc_rag.planner)
     plain: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # neighbours found in a store of the user's own (neighbour_search), not in this collection:
+    # their texts, by name (a deletion re-encodes their dependents without them)
+    outside: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def modules(self) -> list[str]:
@@ -95,11 +98,15 @@ class Publisher(Protocol):
     def documents_deleted(self, collection: str, names: list[str]) -> None: ...
 
 
-def _shared_record(record: DocumentRecord, context: DocumentContext | None) -> dict[str, Any]:
-    """A new document as the shared registry records it (:mod:`pc_rag.kv.replication`)."""
+def _shared_record(record: DocumentRecord, context: DocumentContext | None, outside: Mapping[str, str]) -> dict[str, Any]:
+    """A new document as the shared registry records it (:mod:`pc_rag.kv.replication`), with the
+    texts of its neighbours that are ``outside`` the collection (a replica has no other source)."""
     entry: dict[str, Any] = {"name": record.name, "text": record.text, "metadata": record.metadata}
     if context is not None:
         entry["context"] = {"form": context.form, "names": list(context.names)}
+        texts = {n: outside[n] for n in context.names if n in outside}
+        if texts:
+            entry["context"]["texts"] = texts
     return entry
 
 
@@ -245,10 +252,13 @@ class Registry:
                 for modules, behind in ((built, contexts), (plain, {})):
                     self.encoder.encode_documents(target, list(modules.values()), progress=progress,
                                                   batch_tokens=batch_tokens or self._batch_tokens(), contexts=behind)
+            outside = {n: context_texts[n] for c in contexts.values() for n in c.names
+                       if context_texts and n in context_texts and n not in fresh and n not in target.documents}
             if built:
-                target = self._with_documents(target, fresh, built, contexts, {n: key for n, (key, _) in plain.items()})
+                target = self._with_documents(target, fresh, built, contexts, {n: key for n, (key, _) in plain.items()}, outside)
             if publish and fresh and self.publisher is not None:
-                self.publisher.documents_added(schema, target.system, [_shared_record(r, contexts.get(r.name)) for r, _ in fresh.values()])
+                self.publisher.documents_added(schema, target.system,
+                                               [_shared_record(r, contexts.get(r.name), target.outside) for r, _ in fresh.values()])
             logger.info("documents %r: %d added (%d new), %d held", schema, len(records), len(fresh), len(target.documents))
             return [record.name for record in records]
 
@@ -306,7 +316,8 @@ class Registry:
         return 512 if self.spec.device.type == "cpu" else 8192
 
     def _with_documents(self, target: Schema, fresh: Mapping[str, tuple[DocumentRecord, list[int]]],
-                        built: Mapping[str, tuple[str, Any]], contexts: Mapping[str, DocumentContext], plain: Mapping[str, str]) -> Schema:
+                        built: Mapping[str, tuple[str, Any]], contexts: Mapping[str, DocumentContext], plain: Mapping[str, str],
+                        outside: Mapping[str, str]) -> Schema:
         """``target`` with the new documents, published (copy on write: plans made against the old
         Schema keep reading it unchanged)."""
         layout = replace(target.layout, modules=dict(target.layout.modules), pieces=list(target.layout.pieces))
@@ -319,7 +330,8 @@ class Registry:
         keys = {name: key for name, (key, _) in built.items()}
         target = replace(target, layout=layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents),
                          contexts=MappingProxyType({**target.contexts, **contexts}) if contexts else target.contexts,
-                         plain=MappingProxyType({**target.plain, **plain}) if plain else target.plain)
+                         plain=MappingProxyType({**target.plain, **plain}) if plain else target.plain,
+                         outside=MappingProxyType({**target.outside, **outside}) if outside else target.outside)
         self._publish(target)
         return target
 
@@ -403,9 +415,9 @@ class Registry:
             if not target.layout.documents:
                 raise PromptCacheError(f"schema {schema!r} is a PML schema, not a document collection: documents are deleted from collections")
             removed = [n for n in dict.fromkeys(wanted) if n in target.documents]
-            if not removed:
+            gone = set(removed) | {n for n in wanted if n in target.outside}  # a neighbour of the user's store, deleted there
+            if not gone:
                 return []
-            gone = set(removed)
             keys = {n: k for n, k in target.keys.items() if n not in gone}
             documents = {n: r for n, r in target.documents.items() if n not in gone}
             # documents encoded behind a deleted one read its text: they lose it from their
@@ -414,19 +426,20 @@ class Registry:
             layout = remove_documents(target.layout, [*removed, *dependents])
             contexts = {n: c for n, c in target.contexts.items() if n not in gone and n not in dependents}
             plain = {n: k for n, k in target.plain.items() if n not in gone}
-            self._recontext(target, layout, documents, {n: [m for m in target.contexts[n].names if m not in gone] for n in dependents},
+            outside = {n: t for n, t in target.outside.items() if n not in gone}
+            self._recontext(target, layout, documents, outside, {n: [m for m in target.contexts[n].names if m not in gone] for n in dependents},
                             keys, contexts, plain)
             # two ids may share one text's entry, and a plain variant a plain document's
             held = {target.keys[n] for n in [*removed, *dependents]} | {target.plain[n] for n in removed if n in target.plain}
             dead = sorted(held - set(keys.values()) - set(plain.values()))
             self.index.remove(schema, removed)
             self._publish(replace(target, layout=layout, keys=MappingProxyType(keys), documents=MappingProxyType(documents),
-                                  contexts=MappingProxyType(contexts), plain=MappingProxyType(plain)))
+                                  contexts=MappingProxyType(contexts), plain=MappingProxyType(plain), outside=MappingProxyType(outside)))
             # a replica replaying a deletion leaves the shared entries to the replica that deleted
             # them (the log may add the same text again after it)
             self.encoder.store.delete(dead, remote=publish)
             if publish and self.publisher is not None:
-                self.publisher.documents_deleted(schema, removed)
+                self.publisher.documents_deleted(schema, [n for n in dict.fromkeys(wanted) if n in gone])
             listeners = list(self._listeners)
         for listener in listeners:
             listener.forget(schema, removed)
@@ -434,17 +447,17 @@ class Registry:
                     len(dependents))
         return removed
 
-    def _recontext(self, target: Schema, layout: SchemaLayout, documents: Mapping[str, DocumentRecord], left: Mapping[str, list[str]],
-                   keys: dict[str, str], contexts: dict[str, DocumentContext], plain: dict[str, str]) -> None:
+    def _recontext(self, target: Schema, layout: SchemaLayout, documents: Mapping[str, DocumentRecord], outside: Mapping[str, str],
+                   left: Mapping[str, list[str]], keys: dict[str, str], contexts: dict[str, DocumentContext], plain: dict[str, str]) -> None:
         """The documents ``left`` names (dependents of deleted ones, each with the neighbours it
-        keeps) added to ``layout`` anew, behind those neighbours: their store keys, contexts and
-        plain variants updated in place. One that keeps no neighbour is a plain document (its
-        plain variant is now its only one)."""
+        keeps, in the collection or ``outside`` it) added to ``layout`` anew, behind those
+        neighbours: their store keys, contexts and plain variants updated in place. One that keeps
+        no neighbour is a plain document (its plain variant is now its only one)."""
         base = self._documents_key(target)
         by_form: dict[str, set[str]] = {}  # the neighbours left, tokenised once per context form
         for name, names in left.items():
             by_form.setdefault(target.contexts[name].form, set()).update(names)
-        tokens = {form: self._context_tokens(target.layout, documents, names, form) for form, names in by_form.items()}
+        tokens = {form: self._context_tokens(target.layout, documents, names, form, extra=outside) for form, names in by_form.items()}
         for name, names in left.items():
             old = target.layout.modules[name]
             context = None

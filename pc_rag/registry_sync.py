@@ -151,7 +151,8 @@ class RegistrySync:
                 self.registry.add_documents(
                     [DocumentRecord(r["name"], r["text"], r["metadata"]) for r in batch], schema=collection, system=system,
                     progress=False, publish=False, encode=False, context=form,
-                    neighbours_of={r["name"]: r["context"]["names"] for r in batch if r.get("context")} if form else None)
+                    neighbours_of={r["name"]: r["context"]["names"] for r in batch if r.get("context")} if form else None,
+                    context_texts={n: t for r in batch for n, t in (r.get("context") or {}).get("texts", {}).items()})
                 taken += len(batch)
             except PromptCacheError as err:
                 if len(batch) == 1 and form is not None:

@@ -107,6 +107,49 @@ def test_every_document_is_reused_from_the_second_request_and_an_edit_is_never_s
     assert "reference" in next(d for d in retriever.invoke(QUESTION) if d.id == top.id).metadata
 
 
+@pytest.mark.parametrize("kind", ["chroma", "in-memory"])
+def test_hits_are_encoded_behind_store_neighbours_by_default(exact, embeddings, squad_paragraphs, kind, request):
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from pc_rag.prompt.documents import module_name, module_reference
+
+    if kind == "chroma":
+        store = request.getfixturevalue("chroma")
+    else:
+        store = InMemoryVectorStore(embeddings)
+        store.add_texts([p["context"] for p in squad_paragraphs[40:46]])
+    retriever = PromptCacheRetriever.from_vectorstore(store, engine=exact, collection=f"nb-{kind}", k=2)
+    docs = retriever.invoke(QUESTION)
+    assert exact.wait_for_documents(timeout=300)
+    schema = exact.schemas[f"nb-{kind}"]
+    for doc in docs:  # behind the store's own two nearest other documents, the nearest last; and a plain copy
+        nearest = [module_name(h.id, h.page_content) for h in store.similarity_search(doc.page_content, k=3)
+                   if h.page_content != doc.page_content][:2]
+        assert schema.contexts[doc.metadata["module"]].names == tuple(reversed(nearest))
+        assert doc.metadata["module"] in schema.plain
+    docs = retriever.invoke(QUESTION)
+    # the chain's prompt: its first document reads the plain copy, exact there (nothing recomputed for it)
+    prompt = exact.render_chat([{"role": "system", "content": DEFAULT_SYSTEM},
+                                {"role": "user", "content": f"{format_modules(docs)}\n\nQuestion: {QUESTION}"}])
+    plan = exact.plan(prompt)
+    first = next(i for i, seg in enumerate(plan.segments) if seg.owner == docs[0].metadata["module"])
+    assert plan.segments[first].plain and plan.segments[first].key == schema.plain[docs[0].metadata["module"]]
+    assert not plan.moved[first]  # type: ignore[index]
+
+    # context=None: each hit alone, as before neighbour context was the default, token for token
+    alone = PromptCacheRetriever.from_vectorstore(store, engine=exact, collection=f"alone-{kind}", k=2, context=None)
+    hits = alone.invoke(QUESTION)
+    assert exact.wait_for_documents(timeout=300)
+    held = exact.schemas[f"alone-{kind}"]
+    assert not held.contexts and not held.plain
+    exact.add_documents([d.page_content for d in hits], ids=[d.metadata["module"] for d in hits], schema=f"added-{kind}", progress=False)
+    answers = []
+    for collection in (f"alone-{kind}", f"added-{kind}"):
+        refs = "\n\n".join(module_reference(d.metadata["module"], collection) for d in hits)
+        answers.append(exact.generate(f"{refs}\n\nQuestion: {QUESTION}", max_new_tokens=8, collections=[collection]).token_ids)
+    assert answers[0] == answers[1]
+
+
 def test_in_memory_vector_store_with_eager_encoding_and_mmr(smollm, embeddings, squad_paragraphs):
     from langchain_core.vectorstores import InMemoryVectorStore
 
@@ -206,3 +249,6 @@ def test_llama_index_query_engine_over_a_vector_store_index(smollm, embed_model,
     held = smollm.schemas[f"llama-{backend}"].layout.modules
     recovered = len(names) * (smollm.recompute + smollm.recompute_tail)  # recovery computes each document's head and tail
     assert smollm_streams[1].result.stats.cached_tokens >= sum(held[n].text_tokens for n in names) - recovered
+    # by default each node is encoded behind its nearest other node by the user's retriever, and a plain copy kept
+    schema = smollm.schemas[f"llama-{backend}"]
+    assert all(len(schema.contexts[n].names) == 1 and n in schema.plain for n in names)

@@ -228,7 +228,7 @@ def test_build_prompt_reorders_with_the_engine(make_tiny, tokenizer):
     ({"context": "neighbours", "neighbours": 1.5}, "neighbours must be"),
     ({"context": "neighbours", "neighbours": {"ghost": ["eiffel"]}}, "not among the documents added"),
     ({"context": "neighbours", "neighbours": {"louvre": ["ghost"]}}, "neither in collection"),
-    ({"context": "neighbours", "background": True}, "background"),
+    ({"context": "neighbours", "neighbour_search": "chroma"}, "neighbour_search must be a callable"),
 ])
 def test_bad_arguments_are_typed_errors(make_tiny, tokenizer, kwargs, match):
     engine = tiny(make_tiny, tokenizer, "llama")
@@ -293,3 +293,61 @@ def test_the_engine_finds_neighbours_by_embedding_and_reencodes_a_collection(mak
     assert {n: len(c.names) for n, c in engine.schemas["docs"].contexts.items()} == {n: 1 for n in DOCS}
     with pytest.raises(PromptCacheError, match="no document collection"):
         engine.reencode_documents(schema="nothing")
+
+
+# -- neighbours from a store of the user's own (neighbour_search) ------------------------------------
+OUTSIDE = {  # documents of the user's store that the collection does not hold
+    "id.seine": "The Seine flows through Paris, past the Louvre and the Eiffel Tower, to the English Channel.",
+    "id.alps": "The Alps are the highest mountain range in Europe, stretching across eight countries.",
+}
+
+
+def store_search(text: str) -> list[tuple[str, str]]:
+    """A user's store, searched by text: the document itself first, then its nearest (fixed here)."""
+    nearest = ["id.seine", "id.alps"] if "Paris" in text else ["id.alps", "id.seine"]
+    own = [(n, t) for n, t in DOCS.items() if t == text]
+    return own + [(n, OUTSIDE[n]) for n in nearest]
+
+
+def test_neighbours_found_in_the_users_store_are_encoded_behind_now_or_in_the_background(make_tiny, tokenizer):
+    for background in (False, True):
+        engine = tiny(make_tiny, tokenizer, "llama")
+        engine.add_documents([DOCS["louvre"]], ids=["louvre"], progress=False, context="neighbours", neighbours=2,
+                             neighbour_search=store_search, background=background)
+        assert engine.wait_for_documents(timeout=60)
+        schema = engine.schemas["docs"]
+        # the nearest right before it, never itself; the texts kept for the collection's replicas and deletions
+        assert schema.contexts["louvre"].names == ("id.alps", "id.seine") and dict(schema.outside) == OUTSIDE
+        assert "louvre" in schema.plain and exact(engine, ["louvre"]) <= 1e-4  # first: its plain variant
+
+
+def test_a_failing_store_leaves_documents_plain_and_encoded(make_tiny, tokenizer, caplog):
+    def broken(text: str) -> list[tuple[str, str]]:
+        raise ConnectionError("vector store unreachable")
+
+    engine = tiny(make_tiny, tokenizer, "llama")
+    for search in (broken, lambda text: [("id.x", 42)]):  # unreachable; an answer that is not (name, text) pairs
+        engine.add_documents([DOCS["fuji"]], ids=["fuji"], progress=False, context="neighbours", neighbour_search=search)
+        schema = engine.schemas["docs"]
+        assert "fuji" in schema.documents and "fuji" not in schema.contexts and exact(engine, ["fuji"]) <= 1e-4
+        engine.delete_documents(["fuji"])
+    assert "encoded plain" in caplog.text
+
+
+def test_a_store_neighbour_deleted_leaves_its_dependents_contexts_and_replicas_carry_the_texts(make_engine, redis_server):
+    writer = make_engine(remote_store=redis_server.url)
+    writer.add_documents([DOCS["louvre"], DOCS["fuji"]], ids=["louvre", "fuji"], progress=False, context="neighbours",
+                         neighbour_search=store_search)
+    replica = make_engine(remote_store=redis_server.url)  # has no access to the user's store: the record carries the texts
+    assert dict(replica.schemas["docs"].keys) == dict(writer.schemas["docs"].keys)
+    assert dict(replica.schemas["docs"].outside) == OUTSIDE
+    assert exact(replica, ["louvre"]) <= 1e-4 and replica.store_stats()["encoded"] == 0  # its plain variant, read remotely
+    old = dict(writer.schemas["docs"].keys)
+    assert writer.delete_documents(["id.seine"]) == []  # not a document of the collection: none removed ...
+    schema = writer.schemas["docs"]
+    # ... but gone from the contexts of the documents behind it, which are encoded behind the rest
+    assert schema.contexts["louvre"].names == ("id.alps",) and schema.contexts["fuji"].names == ("id.alps",)
+    assert "id.seine" not in schema.outside and schema.keys["louvre"] != old["louvre"] and old["louvre"] not in writer.store
+    assert exact(writer, ["louvre"]) <= 1e-4
+    replica.sync_documents()
+    assert replica.schemas["docs"].contexts["louvre"].names == ("id.alps",)

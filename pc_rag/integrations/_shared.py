@@ -14,7 +14,7 @@ from ..engine import PromptCache
 from ..errors import PromptCacheError
 from ..planner import scope
 from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_name, module_reference
-from ..prompt.neighbours import DocumentContext, reorder
+from ..prompt.neighbours import DEFAULT_NEIGHBOURS, DocumentContext, NeighbourSearch, reorder
 from ..prompt.pml import PML, is_pml_prompt
 
 logger = logging.getLogger(__name__)
@@ -205,13 +205,16 @@ def _held_text(engine: PromptCache, collection: str) -> Callable[[str], str | No
 
 
 def as_modules(engine: PromptCache, collection: str, hits: Sequence[tuple[Any, str, Mapping[str, Any]]],
-               encode: Encode) -> list[tuple[str, str | None]]:
+               encode: Encode, context: str | None = None, neighbours: int = DEFAULT_NEIGHBOURS,
+               neighbour_search: NeighbourSearch | None = None) -> list[tuple[str, str | None]]:
     """``(module name, reference or None)`` for each hit ``(id, text, metadata)`` of a user's own
     retriever. A hit is named by its id (:func:`pc_rag.prompt.documents.module_name`), else by its text.
     The reference is set when ``collection`` holds exactly this text under that name (so an
     edited document is never served from its old KV); the others are encoded, ``"eager"`` now,
-    ``"background"`` after the request (:mod:`pc_rag.background`), and read as text meanwhile. A
-    document that cannot be encoded is logged and read as text: retrieval never fails for it."""
+    ``"background"`` after the request (:mod:`pc_rag.background`), and read as text meanwhile,
+    each behind its ``neighbours`` nearest documents by ``neighbour_search`` (the user's own
+    store) when ``context`` is set. A document that cannot be encoded is logged and read as
+    text: retrieval never fails for it."""
     names = [module_name(doc_id, text) for doc_id, text, _ in hits]
     held = _held_text(engine, collection)
     missing = {name: (text, dict(meta or {})) for name, (_, text, meta) in zip(names, hits) if text and held(name) != text}
@@ -222,7 +225,8 @@ def as_modules(engine: PromptCache, collection: str, hits: Sequence[tuple[Any, s
             try:
                 engine.add_documents([text for _, (text, _) in batch], ids=[name for name, _ in batch],
                                      metadatas=[meta for _, (_, meta) in batch], schema=collection, progress=False,
-                                     replace_changed=True, background=encode == "background")
+                                     replace_changed=True, background=encode == "background",
+                                     **neighbour_options(context, neighbours, neighbour_search))
             except PromptCacheError as err:
                 if len(batch) == 1:
                     logger.warning("retrieved document %r not stored in %r (read as text): %s", batch[0][0], collection, err)
@@ -231,6 +235,14 @@ def as_modules(engine: PromptCache, collection: str, hits: Sequence[tuple[Any, s
         if encode == "eager":
             held = _held_text(engine, collection)
     return [(name, module_reference(name, collection) if held(name) == text else None) for name, (_, text, _) in zip(names, hits)]
+
+
+def neighbour_options(context: str | None, neighbours: int, search: NeighbourSearch | None) -> dict[str, Any]:
+    """``add_documents`` arguments for documents of a user's store encoded behind their
+    neighbours in that store (none without a context or a search)."""
+    if context is None or search is None or not neighbours:
+        return {}
+    return {"context": context, "neighbours": neighbours, "neighbour_search": search}
 
 
 def reordered(engine: PromptCache, items: Sequence[T], where: Callable[[T], tuple[str, str] | None]) -> list[T]:

@@ -188,6 +188,11 @@ class RegistryLog:
                         or not 0 < len(names) <= MAX_NEIGHBOURS:
                     raise PromptCacheError("a document record with a malformed context")
                 out["context"] = {"form": context["form"], "names": [check_name(n, "neighbour id") for n in names]}
+                texts = context.get("texts", {})  # neighbours held in the user's own store, not the collection
+                if not isinstance(texts, dict) or not all(k in names and isinstance(v, str) and v for k, v in texts.items()):
+                    raise PromptCacheError("a document record with a malformed context")
+                if texts:
+                    out["context"]["texts"] = dict(texts)
             return out
         if op == "delete":
             names = entry.get("names")

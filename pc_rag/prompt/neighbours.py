@@ -15,6 +15,7 @@ a moved module like any other and recovered as configured (:mod:`pc_rag.prefill.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import PromptCacheError
+
+logger = logging.getLogger(__name__)
 
 # what context= takes: each neighbour's whole text, or only its first sentence (a shorter
 # context: cheaper to encode, never exact)
@@ -126,6 +129,35 @@ class NeighbourIndex:
         rows = [self._rows[n] for n in names]
         found = nearest(self.vectors[rows], self.vectors, k, exclude=rows)
         return {name: [self.names[i] for i in reversed(hits)] for name, hits in zip(names, found)}
+
+
+NeighbourSearch = Callable[[str], Sequence[tuple[str, str]]]
+"""A store of the user's own as a neighbour source: a document's text -> the store's documents
+nearest to it, nearest first, as ``(module name, text)`` (a vector store's similarity search by
+text; the document itself may be among them)."""
+
+
+def searched_neighbours(records: Sequence[Any], k: int, search: NeighbourSearch) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Each record's ``k`` nearest other documents by ``search``, the farthest first, and their
+    texts. The store is someone else's: a search that fails, or answers with something that is
+    not ``(name, text)`` pairs, leaves that record with no neighbours (it is encoded plain)."""
+    chosen: dict[str, list[str]] = {}
+    texts: dict[str, str] = {}
+    for record in records:
+        try:
+            hits = [(name, text) for name, text in search(record.text)]
+            if not all(isinstance(name, str) and isinstance(text, str) and text for name, text in hits):
+                raise TypeError("a hit is not a (name, text) pair of non-empty strings")
+        except Exception as err:  # noqa: BLE001 - a neighbour source that fails degrades to a plain document
+            logger.warning("neighbours of document %r not found (encoded plain): %s: %s", record.name, type(err).__name__, err)
+            continue
+        kept: list[str] = []
+        for name, text in hits:
+            if name != record.name and text != record.text and name not in kept and len(kept) < k:
+                kept.append(name)
+                texts.setdefault(name, text)
+        chosen[record.name] = kept[::-1]
+    return chosen, texts
 
 
 def reorder(names: Sequence[str], contexts: Mapping[str, DocumentContext]) -> list[str]:

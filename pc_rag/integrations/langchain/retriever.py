@@ -18,7 +18,8 @@ from pydantic import ConfigDict, Field
 
 from ...engine import PromptCache
 from ...errors import PromptCacheError
-from ...prompt.documents import document_id, is_reference, module_reference
+from ...prompt.documents import document_id, is_reference, module_name, module_reference
+from ...prompt.neighbours import DEFAULT_NEIGHBOURS, MAX_NEIGHBOURS
 from ...retrievers.faiss_retriever import FaissModuleRetriever
 from .._shared import (
     as_modules,
@@ -71,6 +72,13 @@ class PromptCacheRetriever(BaseRetriever):
     collection, else ``"docs"``)."""
     encode: Literal["background", "eager", "off"] = "background"
     """A user's retriever: when hits the engine has not encoded are encoded (see the class docstring)."""
+    context: Literal["neighbours", "neighbour_sentences"] | None = "neighbours"
+    """A user's retriever: each hit it returns is encoded behind the ``neighbours`` documents
+    nearest to it in the same store (its vector store's similarity search by the hit's text,
+    else the retriever itself), whole (``"neighbours"``) or their first sentences; a prompt that
+    places it first reads a plain copy. ``None``: each hit encoded alone (pc_rag.prompt.neighbours)."""
+    neighbours: int = Field(default=DEFAULT_NEIGHBOURS, ge=0, le=MAX_NEIGHBOURS)
+    """How many neighbours a hit is encoded behind (0: none)."""
     reorder: bool = False
     """Place each returned document after the neighbour it was encoded behind where the ranking
     allows (documents added with ``context="neighbours"``; :func:`pc_rag.prompt.neighbours.reorder`),
@@ -101,11 +109,13 @@ class PromptCacheRetriever(BaseRetriever):
     @classmethod
     def from_vectorstore(cls, vectorstore: VectorStore, *, engine: PromptCache | None = None, collection: str | None = None,
                          collections: list[str] | None = None, encode: Literal["background", "eager", "off"] = "background",
+                         context: Literal["neighbours", "neighbour_sentences"] | None = "neighbours", neighbours: int = DEFAULT_NEIGHBOURS,
                          **search_kwargs: Any) -> "PromptCacheRetriever":
         """Over any LangChain ``VectorStore`` (Chroma, FAISS, Qdrant, pgvector, ...): ``search_kwargs``
         go to ``vectorstore.as_retriever`` as you would write them there (``search_type="mmr"``,
         ``search_kwargs={"k": 4, "filter": {...}}``); ``k``, ``filter`` and ``fetch_k`` given
-        directly are put into its ``search_kwargs``."""
+        directly are put into its ``search_kwargs``. ``context``/``neighbours``: the hits' neighbour
+        context, found in this vector store (see the fields)."""
         if not isinstance(vectorstore, VectorStore):
             raise PromptCacheError(f"from_vectorstore takes a LangChain VectorStore, got {type(vectorstore).__name__}")
         inner = dict(search_kwargs.pop("search_kwargs", None) or {})
@@ -113,7 +123,8 @@ class PromptCacheRetriever(BaseRetriever):
             if key in search_kwargs:
                 inner[key] = search_kwargs.pop(key)
         retriever = vectorstore.as_retriever(search_kwargs=inner, **search_kwargs)
-        return cls(retriever=retriever, engine=engine, collection=collection, collections=collections, encode=encode)
+        return cls(retriever=retriever, engine=engine, collection=collection, collections=collections, encode=encode,
+                   context=context, neighbours=neighbours)
 
     def invoke(self, input: str, config: Any = None, **kwargs: Any) -> list[Document]:  # noqa: A002 - LangChain's name
         return super().invoke(input, config, **scoped(config, kwargs))
@@ -149,7 +160,8 @@ class PromptCacheRetriever(BaseRetriever):
 
     def _as_modules(self, found: list[Document], collection: str) -> list[Document]:
         """A user's retriever's documents, named as modules of ``collection`` (see :func:`as_modules`)."""
-        modules = as_modules(self.engine, collection, [(d.id, d.page_content, d.metadata) for d in found], self.encode)
+        modules = as_modules(self.engine, collection, [(d.id, d.page_content, d.metadata) for d in found], self.encode,
+                             self.context, self.neighbours, self._neighbour_search)
         out = []
         for doc, (name, reference) in zip(found, modules):
             # "reference" is ours alone: one in a vector store's metadata was written by someone else
@@ -159,6 +171,17 @@ class PromptCacheRetriever(BaseRetriever):
                 metadata["reference"] = reference
             out.append(Document(page_content=doc.page_content, metadata=metadata, id=doc.id))
         return out
+
+    def _neighbour_search(self, text: str) -> list[tuple[str, str]]:
+        """The user's documents nearest to ``text``, nearest first, as ``(module name, text)``:
+        its vector store's similarity search (under the retriever's filter), else its retriever."""
+        store = getattr(self.retriever, "vectorstore", None)
+        if isinstance(store, VectorStore):
+            where = {"filter": self.retriever.search_kwargs["filter"]} if "filter" in (self.retriever.search_kwargs or {}) else {}
+            found = store.similarity_search(text, k=self.neighbours + 1, **where)
+        else:
+            found = self.retriever.invoke(text)
+        return [(module_name(d.id, d.page_content), d.page_content) for d in found]
 
     def _search_index(self, query: str, allowed: list[str] | None, kwargs: dict[str, Any]) -> list[Document]:
         unknown = set(kwargs) - {"k", "filter"}

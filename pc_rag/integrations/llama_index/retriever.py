@@ -13,7 +13,8 @@ from llama_index.core.vector_stores.types import MetadataFilters
 
 from ...engine import PromptCache
 from ...errors import PromptCacheError
-from ...prompt.documents import document_id, module_reference
+from ...prompt.documents import document_id, module_name, module_reference
+from ...prompt.neighbours import DEFAULT_NEIGHBOURS, check_context
 from ...retrievers.faiss_retriever import FaissModuleRetriever
 from .._shared import (
     Encode,
@@ -58,7 +59,10 @@ class PromptCacheRetriever(BaseRetriever):
     ``VectorStoreIndex`` over any vector store. A node of a user's retriever becomes a module of
     ``collection`` named by its node id; one the engine has not encoded yet (or whose text changed
     under its id) is encoded ``encode="background"`` after the request (the default),
-    ``"eager"`` before returning, or ``"off"`` never, and read as text until then.
+    ``"eager"`` before returning, or ``"off"`` never, and read as text until then; by default
+    (``context="neighbours"``) each is encoded behind the ``neighbours`` nodes nearest to it by
+    that retriever's own search, plus a plain copy a prompt reads where it comes first
+    (``context=None``: alone).
 
     Nodes carry ``metadata["module"]`` and ``"schema"``; with ``references=True`` (default) the
     LLM rendering of a node the engine holds is a reference to its module, so the synthesizer's
@@ -70,7 +74,8 @@ class PromptCacheRetriever(BaseRetriever):
 
     def __init__(self, retriever: Any = None, k: int = 4, *, engine: PromptCache | None = None, references: bool = True,
                  collections: Sequence[str] | None = None, collection: str | None = None, filter: Any = None,  # noqa: A002 - the name users know
-                 encode: Encode = "background", reorder: bool = False, **kwargs: Any) -> None:
+                 encode: Encode = "background", reorder: bool = False, context: str | None = "neighbours",
+                 neighbours: int = DEFAULT_NEIGHBOURS, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if engine is not None and not isinstance(engine, PromptCache):
             raise PromptCacheError(f"engine must be a pc_rag.PromptCache, got {type(engine).__name__}")
@@ -97,6 +102,9 @@ class PromptCacheRetriever(BaseRetriever):
         self.collections = list(collections) if collections is not None else None
         self.collection = collection
         self.encode = check_encode(encode)
+        # a user's retriever: each new node encoded behind its nearest nodes by that retriever
+        # (searching by the node's text), a plain copy read where it comes first; None: alone
+        self.context, self.neighbours = check_context(context, neighbours)
         # each node after the neighbour it was encoded behind, where the ranking allows (pc_rag.prompt.neighbours)
         self.reorder = bool(reorder)
         # metadata conditions, as FaissModuleRetriever.search takes them, or LlamaIndex's MetadataFilters
@@ -125,9 +133,14 @@ class PromptCacheRetriever(BaseRetriever):
         """A user's retriever's nodes, named as modules of the target collection (see :func:`as_modules`)."""
         collection = target_collection(self.collection, self.collections)
         hits = [(n.node.node_id, n.node.get_content(metadata_mode="none"), n.node.metadata) for n in found]
-        modules = as_modules(self.engine, collection, hits, self.encode)
+        modules = as_modules(self.engine, collection, hits, self.encode, self.context, self.neighbours, self._neighbour_search)
         return [self._node(text, node_id, metadata, name, collection, reference is not None, hit.score)
                 for (node_id, text, metadata), (name, reference), hit in zip(hits, modules, found)]
+
+    def _neighbour_search(self, text: str) -> list[tuple[str, str]]:
+        """The user's nodes nearest to ``text``, nearest first, as ``(module name, text)``: its retriever's own search."""
+        found = self.retriever.retrieve(QueryBundle(text))
+        return [(module_name(n.node.node_id, content), content) for n in found if (content := n.node.get_content(metadata_mode="none"))]
 
     def _node(self, text: str, node_id: str, metadata: dict[str, Any], name: str, collection: str, held: bool,
               score: float | None) -> NodeWithScore:
