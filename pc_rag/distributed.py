@@ -78,7 +78,7 @@ def encode_documents(
     system: str | None = None,
     batch_size: int = 16,
     progress: bool = True,
-    context: str | None = None,
+    context: str | None = "neighbours",
     neighbours: int = DEFAULT_NEIGHBOURS,
     embedding: Any = None,
     **engine_kwargs: Any,
@@ -90,8 +90,10 @@ def encode_documents(
     serves ``build_prompt(question, names)`` at once, encoding nothing. ``num_workers`` actors
     (default: the cluster's CPUs), each with one CPU and ``engine_kwargs`` for
     :meth:`PromptCache.from_pretrained`; ``batch_size`` documents per task. ``context`` and
-    ``neighbours`` as :meth:`PromptCache.add_documents` takes them: neighbours are found here, among
-    the documents of this call (``embedding``), and each batch carries its neighbours' texts.
+    ``neighbours`` as :meth:`PromptCache.add_documents` takes them, on by default (a corpus encoded
+    once on a cluster is read often; ``context=None``: each document alone): neighbours are found
+    here, among the documents of this call (``embedding``), and each batch carries its
+    neighbours' texts; each document is stored plain too, for a prompt that places it first.
     """
     check_context(context, neighbours)
     import ray

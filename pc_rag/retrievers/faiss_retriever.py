@@ -178,7 +178,7 @@ class FaissModuleRetriever:
         progress: bool = True,
         schema: str | None = None,
         replace_changed: bool = False,
-        context: str | None = None,
+        context: str | None = "neighbours",
         neighbours: int = DEFAULT_NEIGHBOURS,
     ) -> list[str]:
         """Add documents (str, LangChain Documents, LlamaIndex nodes) to collection ``schema``
@@ -187,16 +187,16 @@ class FaissModuleRetriever:
         Documents already indexed are skipped, so calling it again with a grown corpus only
         embeds (and, when bound to an engine, encodes) the new ones. A name that holds another
         text or metadata is an error, or, with ``replace_changed=True``, replaced (see
-        :meth:`pc_rag.PromptCache.add_documents`). ``context="neighbours"`` (bound to an engine):
-        each new document is encoded behind its ``neighbours`` nearest documents of the collection
-        by this index's embeddings, the ones a search returns with it (:mod:`pc_rag.prompt.neighbours`).
+        :meth:`pc_rag.PromptCache.add_documents`). ``context="neighbours"`` (the default, bound to an
+        engine): each new document is encoded behind its ``neighbours`` nearest documents of the
+        collection by this index's embeddings, the ones a search returns with it, and plain for a
+        prompt that places it first (:mod:`pc_rag.prompt.neighbours`); ``None``: each alone. An
+        index with no engine encodes nothing, so ``context`` does not apply to it.
         """
         check_context(context, neighbours)
         schema = check_name(schema if schema is not None else self.schema, "schema name")
         records = normalize(texts, ids, metadatas)
         names = [record.name for record in records]
-        if context is not None and self.engine is None:
-            raise PromptCacheError("context= encodes documents: bind the retriever to an engine (engine= or from_engine)")
         embedded: dict[str, np.ndarray] = {}
         if self.engine is not None:
             chosen: dict[str, list[str]] | int = 0
