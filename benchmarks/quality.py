@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 
 from pc_rag import PromptCache, build_prompt
 from pc_rag.prefill.recovery import Recovery
+from pc_rag.prompt.documents import module_name
 
 INSTRUCTION = "\nAnswer with only the answer, in a few words."
 DECISIVE = 0.1  # full prefill's first token leads the runner-up by this much probability
@@ -138,15 +139,20 @@ class Documents:
     neighbours: int = 0
     sentences: bool = False
     reorder: bool = False
+    traffic: bool = False  # neighbours from traffic: the paragraphs other questions' prompts put right before each one
 
     @property
     def collection(self) -> str:
+        if self.traffic:
+            return f"tr{self.neighbours}"
         return "docs" if not self.neighbours else f"nb{self.neighbours}{'s' if self.sentences else ''}"
 
     @property
     def label(self) -> str:
         if not self.neighbours:
             return ""
+        if self.traffic:
+            return f" + {self.neighbours} neighbours from traffic"
         form = "first sentences" if self.sentences else "whole"
         return f" + {self.neighbours} neighbours ({form}){' reordered' if self.reorder else ''}"
 
@@ -158,9 +164,10 @@ def variant(spec: str, engine: PromptCache) -> tuple[str, tuple[Recovery, Docume
     documents = Documents()
     if mode:
         m = re.fullmatch(r"nb(\d+)(s?)(r?)", mode)
-        if m is None:
-            raise argparse.ArgumentTypeError(f"bad documents mode {mode!r}: nbK, nbKs, nbKr or nbKsr")
-        documents = Documents(int(m.group(1)), bool(m.group(2)), bool(m.group(3)))
+        t = re.fullmatch(r"tr(\d+)", mode)
+        if m is None and t is None:
+            raise argparse.ArgumentTypeError(f"bad documents mode {mode!r}: nbK, nbKs, nbKr, nbKsr or trK (SQuAD only)")
+        documents = Documents(int(t.group(1)), traffic=True) if t else Documents(int(m.group(1)), bool(m.group(2)), bool(m.group(3)))
     name, recovery = _recovery(spec, engine)
     return name + documents.label, (recovery, documents)
 
@@ -252,8 +259,19 @@ def summarize(rows: list[dict[str, Any]], full_ttft: float) -> dict[str, Any]:
     }
 
 
+def traffic_neighbours(traffic: list[Record], k: int) -> dict[str, list[str]]:
+    """Context from traffic: each paragraph's ``k`` most frequent predecessors in the prompts of
+    ``traffic`` (other questions over the same article, their passages in retrieval order),
+    by text, the most frequent last (right before it)."""
+    before: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for record in traffic:
+        for previous, text in zip(record.passages, record.passages[1:]):
+            before[text][previous] += 1
+    return {text: [p for p, _ in counts.most_common(k)][::-1] for text, counts in before.items()}
+
+
 def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str, tuple[Recovery, Documents]]], max_new: int, desc: str,
-            *, drop: bool, corpus: list[str] | None = None) -> dict[str, Any]:
+            *, drop: bool, corpus: list[str] | None = None, traffic: list[Record] | None = None) -> dict[str, Any]:
     """Each record: its passages registered, full prefill, every variant; then (``drop``) its KV
     dropped, to bound memory (a corpus shared by the records, SQuAD's, stays).
 
@@ -272,7 +290,12 @@ def run_set(engine: PromptCache, records: list[Record], variants: list[tuple[str
             started = time.perf_counter()
             context = {"context": "neighbour_sentences" if documents.sentences else "neighbours",
                        "neighbours": documents.neighbours} if documents.neighbours else {}
-            names = engine.add_documents(corpus, progress=False, schema=documents.collection, **context)
+            if documents.traffic:  # the same encoding, behind the paragraphs traffic put before each one
+                ids = [module_name(None, text) for text in corpus]
+                chosen = traffic_neighbours(traffic or [], documents.neighbours)
+                context["neighbours"] = {module_name(None, t): [module_name(None, p) for p in chosen[t]] for t in corpus if chosen.get(t)}
+            names = engine.add_documents(corpus, progress=False, schema=documents.collection, **context,
+                                         **({"ids": ids} if documents.traffic else {}))
             encode_s[documents.collection].append((time.perf_counter() - started) / len(corpus))
             in_corpus[documents.collection] = dict(zip(corpus, names))
     for record in tqdm(records, desc=desc, unit="question"):
@@ -503,12 +526,17 @@ def main() -> None:
     engine.generate(warm, max_new_tokens=2)
     for name in args.sets:
         recall, corpus = None, None
+        traffic = None
         if name.startswith("squad"):
             records, recall, corpus = squad_records(engine, args.data, int(name[len("squad"):]), args.first, args.skip,
                                                     args.squad_questions)
+            # repeated-topic traffic: the other questions over the same article (never the evaluated ones)
+            every, _, _ = squad_records(engine, args.data, int(name[len("squad"):]), None, 0, args.squad_questions)
+            asked = {r.question for r in records}
+            traffic = [r for r in every if r.question not in asked]
         else:
             records = load(name, args.data, args.first, args.skip)
-        part = run_set(engine, list(records), variants, args.max_new_tokens, name, drop=recall is None, corpus=corpus)
+        part = run_set(engine, list(records), variants, args.max_new_tokens, name, drop=recall is None, corpus=corpus, traffic=traffic)
         part.update(skip=args.skip, first=args.first)
         if recall is not None:
             part["recall"] = recall

@@ -331,7 +331,8 @@ class Registry:
         target = replace(target, layout=layout, keys=MappingProxyType({**target.keys, **keys}), documents=MappingProxyType(documents),
                          contexts=MappingProxyType({**target.contexts, **contexts}) if contexts else target.contexts,
                          plain=MappingProxyType({**target.plain, **plain}) if plain else target.plain,
-                         outside=MappingProxyType({**target.outside, **outside}) if outside else target.outside)
+                         # a neighbour held elsewhere that has become a document of the collection is read from it
+                         outside=MappingProxyType({n: t for n, t in {**target.outside, **outside}.items() if n not in documents}))
         self._publish(target)
         return target
 

@@ -264,6 +264,28 @@ def test_the_retriever_encodes_behind_its_own_nearest_documents_and_adapters_reo
     assert [n.node.metadata["module"] for n in nodes] == expected
 
 
+def test_the_faiss_index_encodes_behind_neighbours_by_default_and_context_none_as_before(make_tiny, tokenizer):
+    from pc_rag.retrievers import FaissModuleRetriever
+
+    engines = {}
+    for context in ("default", None):
+        engine = engines[context] = tiny(make_tiny, tokenizer, "llama")
+        retriever = FaissModuleRetriever(engine=engine)
+        retriever.add(list(DOCS.values()), ids=list(DOCS), progress=False, **({} if context == "default" else {"context": None}))
+    with_context, alone = (engines[c].schemas["docs"] for c in ("default", None))
+    assert set(with_context.contexts) == set(DOCS) and all(len(c.names) == 2 for c in with_context.contexts.values())
+    assert set(with_context.plain) == set(DOCS)
+    assert not alone.contexts and not alone.plain
+    # context=None is plain add_documents, key for key and token for token
+    plain = tiny(make_tiny, tokenizer, "llama")
+    plain.add_documents(list(DOCS.values()), ids=list(DOCS), progress=False)
+    assert dict(alone.keys) == dict(plain.schemas["docs"].keys)
+    prompt = build_prompt(QUESTION, ["louvre", "fuji", "amazon"])
+    assert engines[None].generate(prompt, max_new_tokens=6).token_ids == plain.generate(prompt, max_new_tokens=6).token_ids
+    # with context, the first document reads its plain copy: the same KV as the plain collection's
+    assert with_context.plain["louvre"] == plain.schemas["docs"].keys["louvre"]
+
+
 def test_the_remote_tier_carries_the_context(make_engine, redis_server):
     writer = make_engine(remote_store=redis_server.url)
     add_chain(writer)
