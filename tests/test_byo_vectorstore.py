@@ -112,6 +112,7 @@ def test_hits_are_encoded_behind_store_neighbours_by_default(exact, embeddings, 
     from langchain_core.vectorstores import InMemoryVectorStore
 
     from pc_rag.prompt.documents import module_name, module_reference
+    from pc_rag.prompt.neighbours import DEFAULT_NEIGHBOURS
 
     if kind == "chroma":
         store = request.getfixturevalue("chroma")
@@ -122,9 +123,9 @@ def test_hits_are_encoded_behind_store_neighbours_by_default(exact, embeddings, 
     docs = retriever.invoke(QUESTION)
     assert exact.wait_for_documents(timeout=300)
     schema = exact.schemas[f"nb-{kind}"]
-    for doc in docs:  # behind the store's own two nearest other documents, the nearest last; and a plain copy
-        nearest = [module_name(h.id, h.page_content) for h in store.similarity_search(doc.page_content, k=3)
-                   if h.page_content != doc.page_content][:2]
+    for doc in docs:  # behind the store's own nearest other documents, the nearest last; and a plain copy
+        nearest = [module_name(h.id, h.page_content) for h in store.similarity_search(doc.page_content, k=DEFAULT_NEIGHBOURS + 1)
+                   if h.page_content != doc.page_content][:DEFAULT_NEIGHBOURS]
         assert schema.contexts[doc.metadata["module"]].names == tuple(reversed(nearest))
         assert doc.metadata["module"] in schema.plain
     docs = retriever.invoke(QUESTION)

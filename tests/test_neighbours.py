@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
-from pc_rag.prompt.neighbours import DocumentContext, NeighbourIndex, nearest, reorder
+from pc_rag.prompt.neighbours import DEFAULT_NEIGHBOURS, DocumentContext, NeighbourIndex, nearest, reorder
 
 DOCS = {
     "eiffel": "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France.",
@@ -273,7 +273,7 @@ def test_the_faiss_index_encodes_behind_neighbours_by_default_and_context_none_a
         retriever = FaissModuleRetriever(engine=engine)
         retriever.add(list(DOCS.values()), ids=list(DOCS), progress=False, **({} if context == "default" else {"context": None}))
     with_context, alone = (engines[c].schemas["docs"] for c in ("default", None))
-    assert set(with_context.contexts) == set(DOCS) and all(len(c.names) == 2 for c in with_context.contexts.values())
+    assert set(with_context.contexts) == set(DOCS) and all(len(c.names) == DEFAULT_NEIGHBOURS for c in with_context.contexts.values())
     assert set(with_context.plain) == set(DOCS)
     assert not alone.contexts and not alone.plain
     # context=None is plain add_documents, key for key and token for token
@@ -349,7 +349,7 @@ def test_a_failing_store_leaves_documents_plain_and_encoded(make_tiny, tokenizer
 
     engine = tiny(make_tiny, tokenizer, "llama")
     for search in (broken, lambda text: [("id.x", 42)]):  # unreachable; an answer that is not (name, text) pairs
-        engine.add_documents([DOCS["fuji"]], ids=["fuji"], progress=False, context="neighbours", neighbour_search=search)
+        engine.add_documents([DOCS["fuji"]], ids=["fuji"], progress=False, context="neighbours", neighbours=2, neighbour_search=search)
         schema = engine.schemas["docs"]
         assert "fuji" in schema.documents and "fuji" not in schema.contexts and exact(engine, ["fuji"]) <= 1e-4
         engine.delete_documents(["fuji"])
@@ -358,7 +358,7 @@ def test_a_failing_store_leaves_documents_plain_and_encoded(make_tiny, tokenizer
 
 def test_a_store_neighbour_deleted_leaves_its_dependents_contexts_and_replicas_carry_the_texts(make_engine, redis_server):
     writer = make_engine(remote_store=redis_server.url)
-    writer.add_documents([DOCS["louvre"], DOCS["fuji"]], ids=["louvre", "fuji"], progress=False, context="neighbours",
+    writer.add_documents([DOCS["louvre"], DOCS["fuji"]], ids=["louvre", "fuji"], progress=False, context="neighbours", neighbours=2,
                          neighbour_search=store_search)
     replica = make_engine(remote_store=redis_server.url)  # has no access to the user's store: the record carries the texts
     assert dict(replica.schemas["docs"].keys) == dict(writer.schemas["docs"].keys)
