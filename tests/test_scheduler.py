@@ -240,10 +240,10 @@ def test_a_failing_request_leaves_the_others_unchanged(engine):
     engine.store._memory.pop(key, None)
     original = engine.encoder.fetch
 
-    def broken(schema, name, wanted):
+    def broken(schema, name, wanted, **kwargs):
         if wanted == key:
             raise RuntimeError("the document's KV cannot be rebuilt")
-        return original(schema, name, wanted)
+        return original(schema, name, wanted, **kwargs)
 
     engine.encoder.fetch = broken
     start = threading.Barrier(5)
