@@ -64,16 +64,19 @@ def test_other_orders_still_plan_and_answer(make_tiny, tokenizer):
     assert torch.isfinite(cached).all()
 
 
+def on_disk(make_tiny, tokenizer, folder) -> Any:
+    """A maker of engines on one tiny model persisting to ``folder`` (recovery off: reuse is exact)."""
+    model = make_tiny("llama", seed=5)
+    return lambda: PromptCache(model, tokenizer, kv_dir=folder, recompute=0, attention_temperature=1.0, attention_scale=1.0)
+
+
 def exact(engine: PromptCache, names: list[str]) -> float:
     prompt = build_prompt(QUESTION, names)
     return (engine.next_token_logits(prompt) - engine.next_token_logits(prompt, use_cache=False)).abs().max().item()
 
 
 def test_entries_are_keyed_by_their_context_and_persist(make_tiny, tokenizer, tmp_path):
-    model = make_tiny("llama", seed=5)
-
-    def engine() -> PromptCache:
-        return PromptCache(model, tokenizer, kv_dir=tmp_path, recompute=0, attention_temperature=1.0, attention_scale=1.0)
+    engine = on_disk(make_tiny, tokenizer, tmp_path)
 
     first = engine()
     add_chain(first)
@@ -143,10 +146,7 @@ def test_a_document_placed_first_reads_its_plain_variant_exactly_with_no_extra_c
 
 
 def test_both_variants_live_in_memory_disk_and_after_a_loss(make_tiny, tokenizer, tmp_path):
-    model = make_tiny("llama", seed=5)
-
-    def engine() -> PromptCache:
-        return PromptCache(model, tokenizer, kv_dir=tmp_path, recompute=0, attention_temperature=1.0, attention_scale=1.0)
+    engine = on_disk(make_tiny, tokenizer, tmp_path)
 
     first = engine()
     add_chain(first)

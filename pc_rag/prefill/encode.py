@@ -105,11 +105,11 @@ class ModuleEncoder:
         """A planned segment's KV: from the store, or encoded again from the schema the plan pinned
         (``plain``: a document's plain variant, behind the system turn and not its neighbours)."""
         info = schema.layout.modules[name]
-        module = self.store.get(key, stored_positions(schema, name, plain))
+        positions = stored_positions(schema, name, plain)
+        module = self.store.get(key, positions)
         if module is not None:
             return module
         if plain:
-            positions = stored_positions(schema, name, plain)
             return self.ensure(key, info.token_ids, positions, self.context(schema), _info(schema, name), count=False)
         if name in schema.joint:
             return self._encode_joint(schema, name, key)
