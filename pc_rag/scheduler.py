@@ -220,6 +220,7 @@ class SchedulerStats:
     chunks: int = 0  # prefill chunks of long prompts
     merges: int = 0  # running batches rebuilt to take rows in or let rows go
     in_place: int = 0  # admissions written into the running batch's finished or reserved rows (no rebuild)
+    promoted: int = 0  # running rows that stopped reading their copy of a module to share newcomers' part
     buffer_bytes_peak: int = 0
     step_rows: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # rows of the last decode steps
 
@@ -239,8 +240,8 @@ class Scheduler:
     """Owns the model: every forward pass of a request runs on its loop thread (started on first use)."""
 
     def __init__(self, *, spec: ModelSpec, buffers: BufferPool, kv_bytes_per_token: int, limits: Limits,
-                 prefill: Callable[[list[Plan], int, bool, bool], Prefilled],
-                 assemble: Callable[[list[Plan], int, bool, bool], tuple[Any, float] | None],
+                 prefill: Callable[[list[Plan], int, bool, bool, Any], Prefilled],
+                 assemble: Callable[[list[Plan], int, bool, bool, Any], tuple[Any, float] | None],
                  serving: Callable[[], Any], observe_prefill: Callable[[int, float], None], forward: Any) -> None:
         self.spec, self.buffers, self.limits = spec, buffers, limits
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -317,7 +318,7 @@ class Scheduler:
             s = self._stats
             return {"queued": len(self._waiting), "running": self.running, "steps": s.steps, "admitted": s.admitted,
                     "finished": s.finished, "cancelled": s.cancelled, "failed": s.failed, "refused": s.refused,
-                    "chunks": s.chunks, "merges": s.merges, "in_place": s.in_place, "buffer_bytes_peak": s.buffer_bytes_peak,
+                    "chunks": s.chunks, "merges": s.merges, "in_place": s.in_place, "promoted": s.promoted, "buffer_bytes_peak": s.buffer_bytes_peak,
                     "buffer_bytes": self._held_bytes()}
 
     @property
@@ -415,10 +416,12 @@ class Scheduler:
         owners = [(ticket, index) for ticket in cohort for index in range(ticket.rows)]
         first = cohort[0]
         new_tokens = max(request.budget for request in requests)
+        # what the running rows already hold (shared parts, copied modules): the newcomers read it shared
+        held = self._batch.held() if self._batch is not None and first.share and first.use_cache and not first.logits_only else {}
         long = first.tokens > self.limits.max_step_tokens and len(cohort) == 1 and first.rows == 1
         if long and self._batch is not None and not first.logits_only:
             try:
-                plain = self._assemble(plans, new_tokens, first.use_cache, first.share)
+                plain = self._assemble(plans, new_tokens, first.use_cache, first.share, held)
             except Exception as err:  # noqa: BLE001
                 self._fail_cohort(cohort, err)
                 return None
@@ -430,7 +433,7 @@ class Scheduler:
                 self._track()
                 return self._next_chunk()
         try:
-            prefilled = self._prefill(plans, new_tokens, first.use_cache, first.share and len(plans) > 1)
+            prefilled = self._prefill(plans, new_tokens, first.use_cache, first.share and (len(plans) > 1 or bool(held)), held)
         except Exception as err:  # noqa: BLE001
             self._fail_cohort(cohort, err)
             return None
@@ -575,6 +578,10 @@ class Scheduler:
             self._batch, self._owners = fresh, owners
             return
         if fresh is not None:
+            if fresh.rows.shared is not None:  # running rows that copied what the newcomers share read it with them
+                promoted = batch.promote(fresh.rows.shared.parts)
+                with self._cond:
+                    self._stats.promoted += promoted
             slots = batch.admit(fresh)  # finished rows' slots or reserved rows: the running rows are not copied
             if slots is not None:
                 self._release(fresh.rows.buffer)

@@ -31,7 +31,7 @@ from .model.forward import Forward
 from .model.spec import ModelSpec
 from .prefill import pipeline
 from .prefill import recovery as recovery_mod
-from .prefill.assemble import Assembled, Assembler, Assembly
+from .prefill.assemble import Assembled, Assembler, Assembly, Held
 from .prefill.encode import ModuleEncoder
 from .prefill.recovery import Recovery
 from .prefill.rows import Prefilled
@@ -251,15 +251,16 @@ class Serving:
         return plans
 
     # the scheduler's two calls into this engine's prefill path (pc_rag.prefill.pipeline)
-    def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, share: bool) -> Prefilled:
+    def _prefill(self, plans: list[Plan], new_tokens: int, use_cache: bool, share: bool, held: Held | None = None) -> Prefilled:
         return pipeline.prefill_plans(plans, new_tokens, use_cache=use_cache, share=share, recovery=self.recovery,
-                                          encoding=self.encoding, assembler=self.assembler, assembly=self.assembly,
-                                          forward=self.forward, spec=self.spec, buffers=self.buffers)
+                                      encoding=self.encoding, assembler=self.assembler, assembly=self.assembly,
+                                      forward=self.forward, spec=self.spec, buffers=self.buffers, held=held)
 
-    def _assemble_plain(self, plans: list[Plan], new_tokens: int, use_cache: bool,
-                        share: bool) -> tuple[Assembled, float] | None:
+    def _assemble_plain(self, plans: list[Plan], new_tokens: int, use_cache: bool, share: bool,
+                        held: Held | None = None) -> tuple[Assembled, float] | None:
         return pipeline.assemble_plain(plans, new_tokens, use_cache=use_cache, share=share, recovery=self.recovery,
-                                       encoding=self.encoding, assembler=self.assembler, assembly=self.assembly, spec=self.spec)
+                                       encoding=self.encoding, assembler=self.assembler, assembly=self.assembly, spec=self.spec,
+                                       held=held)
 
     def _run(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool,
              logits_only: bool = False) -> Generator[str, None, Any]:

@@ -365,3 +365,84 @@ def test_arrivals_join_in_place_and_a_rebuild_packs_the_rows(engine):
         pass
     requests = [first.requests[0], second.requests[0], *(batch.requests[row] for row in (2, 3, 0))]
     assert [out.get(id(r)) for r in requests] == lone
+
+
+def test_a_newcomer_reads_what_running_rows_hold_and_a_copy_becomes_shared(engine):
+    """Module KV shared across admissions: a newcomer importing the documents a running row copied
+    into its own cache reads them as a part (nothing copied), and the running row switches to
+    that part (its copy masked, dropped by the rebuild); a third arrival joins the same part,
+    whose KV is the one already held. Every row's tokens equal its lone call's."""
+    from pc_rag.decode.loop import RunningBatch
+
+    engine.stop_token_ids.clear()
+    docs = engine.names[2:5]
+    prompts = [(build_prompt(q, docs), n) for q, n in (("Which harbour is busiest?", 24), ("How far is harbour 3?", 16),
+                                                         ("Name a harbour.", 12))]
+    lone = [engine.generate(p, max_new_tokens=n).token_ids for p, n in prompts]
+    out: dict[int, list[int]] = {}
+    first = _running(engine, *prompts[0])
+    copied = len(first.rows.copies[0])
+    assert copied >= 3 and first.rows.shared is None  # alone: the documents are copied into its cache
+    _step(first, out)
+
+    held = first.held()
+    assert len(held) == copied and set(held.values()) == {None}
+    second = _joining(engine, *prompts[1], held)
+    assert second.rows.copies == [[]] and second.rows.shared is not None  # nothing copied: read where stored
+    assert second.length == engine._prepare([prompts[1][0]], True)[0].computed_tokens  # its own cache: computed tokens only
+    assert first.promote(second.rows.shared.parts) == 1
+    assert first.rows.copies == [[]] and first.rows.shared is not None
+    batch = RunningBatch.combine([(first, [0]), (second, [0])], reserve=1)
+    assert batch.length < 64  # the copy is gone: each row holds its question and answer only
+    assert all(part.rows == slice(0, 2) for part in batch.rows.shared.parts)
+    _step(batch, out)
+
+    third = _joining(engine, *prompts[2], batch.held())
+    held_kv = {part.kv.data_ptr() for part in batch.rows.shared.parts}
+    assert {part.kv.data_ptr() for part in third.rows.shared.parts} <= held_kv  # the very tensors the batch reads
+    assert batch.admit(third) == [2]
+    assert all(part.rows == slice(0, 3) for part in batch.rows.shared.parts)
+    while not _step(batch, out):
+        pass
+    requests = [first.requests[0], second.requests[0], third.requests[0]]
+    assert [out.get(id(r)) for r in requests] == lone
+
+
+def _joining(engine, prompt: str, tokens: int, held):
+    """One prompt prefilled to join a running batch that holds ``held``, as the scheduler admits it."""
+    from pc_rag.decode.loop import RunningBatch
+    from pc_rag.decode.request import SamplingParams
+
+    plans = engine._prepare([prompt], True)
+    ticket = engine._ticket(plans, SamplingParams(max_new_tokens=tokens), True, 0.0, share=True)
+    prefilled = engine._prefill(plans, tokens, True, True, held)
+    return RunningBatch(engine.forward, prefilled.rows, ticket.requests, prefilled.logits, engine.spec)
+
+
+def test_callers_arriving_apart_share_the_documents_they_import(engine):
+    """Through the scheduler: a caller decoding alone has copied its documents; callers that
+    arrive later with the same documents read them as one part with it, so the batch holds
+    the documents once. Outputs equal lone calls."""
+    engine.stop_token_ids.clear()
+    docs = engine.names[:4]
+    prompts = [build_prompt(f"What about harbour {i}?", docs) for i in range(5)]
+    lone = [engine.generate(p, max_new_tokens=20 if i else 300).token_ids for i, p in enumerate(prompts)]
+    stats = engine.scheduler.stats()
+    first = engine.stream(prompts[0], max_new_tokens=300)  # decoding long after the others arrive
+    got = [None] * len(prompts)
+
+    def rest() -> None:
+        with ThreadPoolExecutor(4) as pool:
+            for i, result in zip(range(1, 5), pool.map(lambda p: engine.generate(p, max_new_tokens=20), prompts[1:])):
+                got[i] = result.token_ids
+
+    late = None
+    for _ in first:
+        if late is None:  # the first row is decoding: the others arrive now
+            late = threading.Thread(target=rest)
+            late.start()
+    late.join()
+    got[0] = first.result.token_ids
+    assert got == lone
+    after = engine.scheduler.stats()
+    assert after["promoted"] - stats["promoted"] >= 1

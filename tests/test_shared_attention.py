@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import pc_rag.prefill.assemble as assemble_mod
 from pc_rag import PromptCache, PromptCacheError, build_prompt
 from pc_rag.model.rope import RopeRotator
-from pc_rag.model.shared_attention import SharedKV, SharedPart, SharedRun, share_prefixes, split_attention
+from pc_rag.model.shared_attention import SharedKV, SharedPart, SharedRun, row_list, share_prefixes, split_attention
 
 DOCS = [
     "The lighthouse on the northern cape was automated in 1987 and still flashes every ten seconds.",
@@ -24,8 +24,9 @@ DOCS = [
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_split_attention_equals_attention_over_the_concatenated_kv(make_tiny, arch):
-    """Own keys + three shared parts (two moved, read unrotated; one query sees none of a part's
-    keys) against one SDPA call over the keys concatenated, rotated and masked by position."""
+    """Own keys + four shared parts (two moved, read unrotated; one query sees none of a part's
+    keys; one read by rows that are not adjacent, as rows admitted at different times read a
+    part) against one SDPA call over the keys concatenated, rotated and masked by position."""
     rotator = RopeRotator(make_tiny(arch))
     torch.manual_seed(1)
     rows, heads, kv_heads, dim, q_len, layers = 4, 4, 2, 16, 3, 2
@@ -38,6 +39,7 @@ def test_split_attention_equals_attention_over_the_concatenated_kv(make_tiny, ar
         SharedPart(torch.randn(layers, 2, kv_heads, 7, dim), torch.arange(0, 7), slice(0, 4)),
         SharedPart(torch.randn(layers, 2, kv_heads, 6, dim), torch.arange(7, 13), slice(0, 2), shift=3),
         SharedPart(torch.randn(layers, 2, kv_heads, 4, dim), torch.arange(7, 11), slice(2, 4), shift=-2),
+        SharedPart(torch.randn(layers, 2, kv_heads, 3, dim), torch.arange(13, 16), (1, 3), shift=1),
     ]
     step = SharedKV(parts, heads_per_kv=heads // kv_heads, dtype=torch.float32, rotator=rotator).for_queries(query_positions)
     module = SimpleNamespace(layer_idx=1)
@@ -47,7 +49,7 @@ def test_split_attention_equals_attention_over_the_concatenated_kv(make_tiny, ar
     for row in range(rows):
         keys, values, allowed = [own_k[row]], [own_v[row]], [own_mask[row, 0]]
         for part in parts:
-            if not part.rows.start <= row < part.rows.stop:
+            if row not in row_list(part.rows):
                 continue
             moved = torch.empty_like(part.kv[1, 0])
             rotator.rotate_into(moved, part.kv[1, 0], part.shift)  # where the prompt puts them

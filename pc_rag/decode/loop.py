@@ -10,13 +10,14 @@ scheduler steps.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
+from dataclasses import replace
 
 import torch
 
 from ..kv.buffers import KVBuffer, batch_capacity
 from ..model.attention import attention_mask
 from ..model.forward import Forward
-from ..model.shared_attention import SharedKV, SharedPart
+from ..model.shared_attention import SharedKV, SharedPart, row_list, row_set
 from ..model.spec import ModelSpec
 from ..prefill.rows import Rows
 from .constrained import allowed_tokens
@@ -152,13 +153,11 @@ class RunningBatch:
         stay masked (attention follows positions, not where an entry sits; ``spec.one_pass``).
         """
         rows = self.rows
-        if not self.cursor.fixed or fresh.rows.shared is not None or self.history is not None or fresh.history is not None:
+        if not self.cursor.fixed or self.history is not None or fresh.history is not None:
             return None
         if fresh.rows.bias is not None and rows.bias is None:
             return None
-        read_shared = {row for part in (rows.shared.parts if rows.shared is not None else ())
-                       for row in range(part.rows.start, part.rows.stop)}
-        slots = [row for row, request in enumerate(self.requests) if request.done and row not in read_shared][: fresh.batch]
+        slots = [row for row, request in enumerate(self.requests) if request.done][: fresh.batch]
         widen = fresh.batch - len(slots)
         if widen > rows.buffer.reserved:
             return None
@@ -168,9 +167,16 @@ class RunningBatch:
         end = max(self.cursor.end, column + steps)
         if end > rows.buffer.capacity:
             return None
+        reused = set(slots)
         if widen:  # outside inference mode: the new tensors are written in place by later steps
             self._widen(widen, fresh.requests[0])
             slots += range(self.batch - widen, self.batch)
+        # the shared parts: the finished rows whose slots are taken read none any more, the new rows read theirs
+        parts = rows.shared.renumbered({row: row for row in range(self.batch) if row not in reused}) if rows.shared else []
+        if fresh.rows.shared is not None:
+            parts += fresh.rows.shared.renumbered(dict(enumerate(slots)))
+        template = rows.shared or fresh.rows.shared
+        rows.shared = template.like(parts) if template is not None else None
         with torch.inference_mode():
             if end > self.cursor.end:  # attend further: the new entries masked and zeroed (0 x NaN is NaN)
                 rows.valid[:, self.cursor.end : end] = False
@@ -198,6 +204,8 @@ class RunningBatch:
         rows.key_positions, rows.valid = more(rows.key_positions), more(rows.valid)
         if rows.bias is not None:
             rows.bias = more(rows.bias)
+        if rows.copies is not None:
+            rows.copies += [[] for _ in range(count)]
         self.logits, self.cursor.positions = more(self.logits), more(self.cursor.positions)
         self.requests += [placeholder] * count
         self.alive += [False] * count
@@ -214,8 +222,59 @@ class RunningBatch:
             rows.bias[slot] = 0
             if fresh.rows.bias is not None:
                 rows.bias[slot, :filled] = fresh.rows.bias[new, :filled]
+        if rows.copies is not None:
+            rows.copies[slot] = list(fresh.rows.copies[new]) if fresh.rows.copies is not None else []
         self.requests[slot] = fresh.requests[new]
         self.alive[slot] = True
+
+    def held(self) -> dict[tuple, SharedPart | None]:
+        """What the live rows read that a newcomer importing it too could read with them (by
+        segment signatures, :func:`pc_rag.prefill.assemble.signature`): the shared parts, and
+        (None) each cached segment a row copied into its own cache (:meth:`promote` turns those
+        into parts when a newcomer brings one)."""
+        if not self.cursor.fixed:
+            return {}
+        live = {row for row, request in enumerate(self.requests) if not request.done}
+        held: dict[tuple, SharedPart | None] = {}
+        for row in live:
+            for sig, _, _ in (self.rows.copies[row] if self.rows.copies is not None else ()):
+                held[(sig,)] = None
+        for part in self.rows.shared.parts if self.rows.shared is not None else ():
+            if part.signature and live.intersection(row_list(part.rows)):
+                held[part.signature] = part
+        return held
+
+    def promote(self, parts: Sequence[SharedPart]) -> int:
+        """Live rows that hold every segment of one of ``parts`` in their own cache read that part
+        instead, with the rows that brought it: their copies are masked (a rebuild drops them)
+        and each such part is read once per step for all. Between steps; returns the rows moved.
+
+        Exact: a moved module's keys are rotated in a copy and read unrotated, its queries
+        rotated back, in a part (:mod:`pc_rag.model.shared_attention`); both are the same product."""
+        copies = self.rows.copies
+        if copies is None or not self.cursor.fixed:
+            return 0
+        joined, moved = [], 0
+        for part in parts:
+            wanted = set(part.signature)
+            readers = []
+            for row, request in enumerate(self.requests):
+                mine = [copy for copy in copies[row] if copy[0] in wanted] if not request.done and wanted else []
+                if not mine or len({sig for sig, _, _ in mine}) < len(wanted):
+                    continue
+                for _, start, stop in mine:
+                    self.rows.valid[row, start:stop] = False
+                copies[row] = [copy for copy in copies[row] if copy[0] not in wanted]
+                readers.append(row)
+            if readers:
+                joined.append(replace(part, rows=row_set(readers)))
+                moved += len(readers)
+        if joined:
+            template = self.rows.shared
+            self.rows.shared = template.like([*template.parts, *joined]) if template is not None else \
+                SharedKV(joined, heads_per_kv=self.spec.heads_per_kv, dtype=self.spec.dtype, rotator=self.spec.rotator)
+            self.rows.holes = True
+        return moved
 
     @classmethod
     def combine(cls, sources: Sequence[tuple["RunningBatch", Sequence[int]]], *, reserve: int = 0) -> "RunningBatch":
@@ -246,11 +305,13 @@ class RunningBatch:
         biased = [batch.rows.bias for batch, _ in sources if batch.rows.bias is not None]
         bias = torch.zeros(count, capacity, dtype=biased[0].dtype, device=device) if biased else None
         parts: list[SharedPart] = []
+        copies: list[list[tuple[tuple, int, int]]] = []
         logits = []
         at = 0
         for (batch, rows), source_runs in zip(sources, runs):
             old = batch.rows
             for row, row_runs in zip(rows, source_runs):
+                copies.append(_packed(old.copies[row] if old.copies is not None else [], row_runs))
                 filled = 0
                 for start, stop in row_runs:
                     taken = slice(filled, filled + stop - start)
@@ -267,10 +328,19 @@ class RunningBatch:
             logits.append(batch.logits.index_select(0, torch.tensor(list(rows), dtype=torch.long, device=device)))
         buffer.grow_to(length)
         old_shared = first.rows.shared or next((b.rows.shared for b, _ in sources if b.rows.shared is not None), None)
-        shared = SharedKV(parts, heads_per_kv=old_shared.heads_per_kv, dtype=old_shared.dtype, rotator=old_shared.rotator) \
-            if parts and old_shared else None
-        rows_ = Rows(buffer, key_positions, valid, shared, ordered=False, bias=bias)
+        shared = old_shared.like(parts) if old_shared is not None else None  # a part two sources read: one part
+        rows_ = Rows(buffer, key_positions, valid, shared, ordered=False, bias=bias, copies=copies)
         return cls(forward, rows_, requests, torch.cat(logits), spec)
+
+
+def _packed(copies: Sequence[tuple[tuple, int, int]], runs: Sequence[tuple[int, int]]) -> list[tuple[tuple, int, int]]:
+    """A row's copied segments after its live ``runs`` are packed to the front (each copy lies
+    within one run: its entries are live together or masked together)."""
+    out, filled = [], 0
+    for start, stop in runs:
+        out += [(sig, filled + a - start, filled + b - start) for sig, a, b in copies if start <= a and b <= stop]
+        filled += stop - start
+    return out
 
 
 def live_runs(valid: torch.Tensor) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ private keys (computed tokens, generated tokens, KV no other row shares).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,17 +34,36 @@ from ..errors import PromptCacheError
 KWARG = "pc_rag_shared"
 
 
+RowSet = slice | tuple[int, ...]  # batch rows: a contiguous range, or any rows (ascending)
+
+
+def row_list(rows: RowSet) -> list[int]:
+    """The rows of a :data:`RowSet`, ascending."""
+    return list(range(rows.start, rows.stop)) if isinstance(rows, slice) else list(rows)
+
+
+def row_set(rows: Iterable[int]) -> RowSet:
+    """``rows`` as a :data:`RowSet`: a slice where they are contiguous (a view of the batch, no gather)."""
+    ordered = sorted(set(rows))
+    if ordered and ordered[-1] - ordered[0] + 1 == len(ordered):
+        return slice(ordered[0], ordered[-1] + 1)
+    return tuple(ordered)
+
+
 @dataclass(frozen=True)
 class SharedPart:
     """Cached KV that batch rows ``rows`` attend to, besides their own cache."""
 
     kv: torch.Tensor  # [layers, 2, kv_heads, n, head_dim]: stored module KV (a view, not a copy)
     positions: torch.Tensor  # [n] int64 on the model's device: where the prompts place these keys
-    rows: slice  # the batch rows that import it (contiguous: the engine sorts rows by their parts)
+    rows: RowSet  # the batch rows that import it
     shift: int = 0  # the keys were encoded `shift` positions before `positions`: queries rotate back by it
     # APE (pc_rag.prefill.recovery): scores over this part divided by `temperature`, its weight times exp(log_scale)
     temperature: float = 1.0
     log_scale: float = 0.0
+    # what it holds, segment by segment (pc_rag.prefill.assemble.signature): parts with the same
+    # signature hold the same KV at the same positions, so rows admitted later join one (empty: never)
+    signature: tuple[Hashable, ...] = ()
 
 
 class _Group:
@@ -54,8 +73,11 @@ class _Group:
     fixed handful of operations for the softmax and the merge, however many parts it has.
     """
 
-    def __init__(self, rows: slice, parts: list[SharedPart], rotator: Any) -> None:
-        self.rows = rows
+    def __init__(self, rows: RowSet, parts: list[SharedPart], rotator: Any) -> None:
+        # a range of rows is a view of the batch; other rows are gathered (a decode step's queries: a few KB)
+        self.rows: slice | torch.Tensor = rows if isinstance(rows, slice) else torch.tensor(rows, dtype=torch.long,
+                                                                                           device=parts[0].kv.device)
+        self.count = len(row_list(rows))
         self.parts = parts
         self.positions = torch.cat([p.positions for p in parts])
         # read once here (a host sync per batch, not per step): decides when masks are needed
@@ -102,22 +124,30 @@ class SharedKV:
         self.dtype = dtype
         self.parts = list(parts)
         self.rotator = rotator
-        by_rows: dict[tuple[int, int], list[SharedPart]] = {}
+        by_rows: dict[tuple[int, ...], list[SharedPart]] = {}
         for part in parts:
-            by_rows.setdefault((part.rows.start, part.rows.stop), []).append(part)
-        self.groups = [_Group(slice(*rows), members, rotator) for rows, members in by_rows.items()]
+            by_rows.setdefault(tuple(row_list(part.rows)), []).append(part)
+        self.groups = [_Group(row_set(rows), members, rotator) for rows, members in by_rows.items()]
 
     def select(self, rows: Sequence[int], offset: int) -> list[SharedPart]:
         """The parts that rows ``rows`` (ascending) read, renumbered for a batch where those rows
         sit at ``offset``, ``offset + 1``, ...: what a running batch that takes rows in or lets
         rows go keeps (the KV itself is not copied). A part none of them reads is dropped."""
-        renumbered = {old: offset + new for new, old in enumerate(rows)}
+        return self.renumbered({old: offset + new for new, old in enumerate(rows)})
+
+    def renumbered(self, rows: dict[int, int]) -> list[SharedPart]:
+        """The parts read by the rows in ``rows`` (old row -> new row), read by their new rows."""
         kept: list[SharedPart] = []
         for part in self.parts:
-            reading = [renumbered[row] for row in range(part.rows.start, part.rows.stop) if row in renumbered]
-            if reading:  # ascending rows of a contiguous range stay contiguous
-                kept.append(replace(part, rows=slice(reading[0], reading[-1] + 1)))
+            reading = [rows[row] for row in row_list(part.rows) if row in rows]
+            if reading:
+                kept.append(replace(part, rows=row_set(reading)))
         return kept
+
+    def like(self, parts: Sequence[SharedPart]) -> "SharedKV | None":
+        """Another batch's shared KV over ``parts`` (this one's settings), parts with the same
+        signature joined into one read by all their rows; None without parts."""
+        return SharedKV(join(parts), heads_per_kv=self.heads_per_kv, dtype=self.dtype, rotator=self.rotator) if parts else None
 
     def for_queries(self, query_positions: torch.Tensor, bounds: tuple[int, int] | None = None) -> "SharedStep":
         """The per-forward view for queries at ``query_positions`` ``[rows, q]``.
@@ -132,6 +162,17 @@ class SharedKV:
             low, high = torch.aminmax(query_positions)
             bounds = (int(low), int(high))
         return SharedStep(self, query_positions, bounds)
+
+
+def join(parts: Iterable[SharedPart]) -> list[SharedPart]:
+    """``parts`` with those of the same (non-empty) signature merged into one read by all their
+    rows: the same KV at the same positions, attended to once per step for every row."""
+    joined: dict[Hashable, SharedPart] = {}
+    for index, part in enumerate(parts):
+        key = part.signature or ("unsigned", index)
+        held = joined.get(key)
+        joined[key] = part if held is None else replace(held, rows=row_set(row_list(held.rows) + row_list(part.rows)))
+    return list(joined.values())
 
 
 @dataclass
@@ -284,7 +325,7 @@ def split_attention(
 
     for group, masks in zip(step.shared.groups, step.masks(window)):
         sub = grouped[group.rows]
-        n = sub.shape[0]
+        n = group.count
         # all the group's rows stacked per kv head: [1, kv_heads, n * groups * q, dim], so each
         # part is one attention call (one matrix-matrix product) for every row that shares it
         stacked = sub.transpose(0, 1).reshape(kv_heads, n * groups * q_len, dim)

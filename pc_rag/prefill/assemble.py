@@ -20,8 +20,8 @@ encoded again from the schema the plan pinned (``ModuleEncoder.fetch``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -31,7 +31,7 @@ from ..kv.buffers import BufferPool, KVBuffer, batch_capacity
 from ..kv.quantize import QuantizedModuleKV
 from ..kv.records import StoredKV
 from ..model.rope import rotate_in_place, rotate_with
-from ..model.shared_attention import SharedKV, SharedPart, share_prefixes
+from ..model.shared_attention import RowSet, SharedKV, SharedPart, row_set, share_prefixes
 from ..model.spec import ModelSpec
 from ..prompt.plan import Plan, Segment
 from .ape import Ape, adjust_attention, moved_entries
@@ -39,6 +39,19 @@ from .encode import ModuleEncoder
 from .rows import Inputs, Rows
 
 Assembly = Literal["copy", "in_place"]
+
+
+Signature = tuple  # one cached segment as a row reads it (see :func:`signature`)
+# what a running batch holds, by the signatures of its segments: a part rows read shared, or None
+# for one segment running rows hold in their own caches (pc_rag.decode.loop.RunningBatch.held)
+Held = Mapping[tuple[Signature, ...], SharedPart | None]
+
+
+def signature(segment: Segment, moved: bool) -> Signature:
+    """What a row reads for a cached segment: its stored entry's tokens at its positions, moved
+    (APE-adjusted) or not. Rows whose segments have the same signature read the same KV alike,
+    so one copy can serve them all (:mod:`pc_rag.model.shared_attention`)."""
+    return (segment.key, segment.offset, len(segment), segment.position, segment.source_position, moved)
 
 
 def choose_assembly(requested: Assembly | None, default: Assembly, spec: ModelSpec) -> Assembly:
@@ -115,46 +128,49 @@ class Assembler:
         end = self.write(buffer, len(buffer), plan, [segment])
         buffer.grow_to(end)
 
-    def _parts(self, plan: Plan, segments: Sequence[Segment], moved: Sequence[bool], rows: slice, ape: Ape | None) -> list[SharedPart]:
+    def _parts(self, plan: Plan, segments: Sequence[Segment], moved: Sequence[bool], rows: RowSet, ape: Ape | None) -> list[SharedPart]:
         """KV that ``rows`` read in place: the stored tensor where it is one segment, else assembled
         once; under APE, one part per run of segments that moved (adjusted) or did not."""
         if ape is None:
-            return [self._part(plan, segments, rows)]
+            return [self._part(plan, segments, rows, moved=False)]
         parts, start = [], 0
         for end in range(1, len(segments) + 1):
             if end == len(segments) or moved[end] != moved[start]:
                 adjust = (ape.temperature, math.log(ape.scale)) if moved[start] else (1.0, 0.0)
-                parts.append(self._part(plan, segments[start:end], rows, *adjust))
+                parts.append(self._part(plan, segments[start:end], rows, *adjust, moved=moved[start]))
                 start = end
         return parts
 
-    def _part(self, plan: Plan, segments: Sequence[Segment], rows: slice, temperature: float = 1.0, log_scale: float = 0.0) -> SharedPart:
+    def _part(self, plan: Plan, segments: Sequence[Segment], rows: RowSet, temperature: float = 1.0, log_scale: float = 0.0,
+              *, moved: bool) -> SharedPart:
         spec = self.spec
+        held = tuple(signature(s, moved) for s in segments)
         if len(segments) == 1:
             (segment,) = segments
             module, shift = self.segment_kv(plan, segment)
             kv = module.read(segment.offset, segment.offset + len(segment), dtype=spec.dtype, device=spec.device)  # [layers, 2, kv_heads, n, dim]
-            return SharedPart(kv, _positions(segments, spec.device), rows, shift, temperature, log_scale)
+            return SharedPart(kv, _positions(segments, spec.device), rows, shift, temperature, log_scale, held)
         run = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, sum(len(s) for s in segments), dtype=spec.dtype, device=spec.device)
         self.write(run, 0, plan, segments)
-        return SharedPart(run.slice(0, run.capacity), _positions(segments, spec.device), rows, 0, temperature, log_scale)
+        return SharedPart(run.slice(0, run.capacity), _positions(segments, spec.device), rows, 0, temperature, log_scale, held)
 
     # -- building rows ---------------------------------------------------------------------------
     def assemble(self, plans: Sequence[Plan], new_tokens: int, *, use_cache: bool, assembly: Assembly, share: bool,
-                 ape: Ape | None = None) -> Assembled:
+                 ape: Ape | None = None, held: Held | None = None) -> Assembled:
         """The rows for ``plans`` (with room for ``new_tokens`` more each) and their computed inputs.
 
         ``share``: a batch shares the runs of cached segments its rows import at the same
-        positions; ``assembly='in_place'``: one request reads its cached segments where they are
-        stored. Both need split attention (``spec.split``). ``ape``: the attention of computed
-        queries to moved segments is adjusted (APE), wherever their KV is read from.
+        positions, and reads shared what a running batch it will join already ``held``s (its parts,
+        and the segments its rows copied); ``assembly='in_place'``: one request reads its cached
+        segments where they are stored. Both need split attention (``spec.split``). ``ape``: the
+        attention of computed queries to moved segments is adjusted (APE), wherever their KV is read from.
         """
         spec = self.spec
         cached = [[s for s in p.segments if s.cached] if use_cache else [] for p in plans]
         moved = [[m for s, m in zip(p.segments, ape.moved[i]) if s.cached] if ape is not None else [False] * len(cached[i])
                  for i, p in enumerate(plans)] if use_cache else [[] for _ in plans]
         order, parts, own, own_moved = self._split(plans, cached, moved, in_place=use_cache and assembly == "in_place",
-                                                   share=use_cache and share, ape=ape)
+                                                   share=use_cache and share, ape=ape, held=held)
         computed = [_computed(plans[i], use_cache) for i in order]
         own_width = max(sum(len(s) for s in segments) for segments in own)
         buffer = self._buffer(len(plans), own_width + max(len(ids) for ids, _ in computed) + new_tokens)
@@ -169,34 +185,42 @@ class Assembler:
         buffer.grow_to(own_width)
         shared = SharedKV(parts, heads_per_kv=spec.heads_per_kv, dtype=spec.dtype, rotator=spec.rotator) if parts else None
         ordered = len(plans) == 1 and own_width == 0 and shared is None
-        rows = Rows(buffer, key_positions.to(spec.device), valid.to(spec.device), shared, ordered)
+        copies = [_copies(segments, flags) for segments, flags in zip(own, own_moved)]
+        rows = Rows(buffer, key_positions.to(spec.device), valid.to(spec.device), shared, ordered, copies=copies)
         inputs = Inputs.left_padded(computed, spec.placeholder_id, spec.device)  # ids and positions [batch, longest computed]
         if ape is not None and any(any(flags) for flags in own_moved):
             adjust_attention(rows, moved_entries(own, own_moved), ape.temperature, ape.scale)
         return Assembled(rows, inputs, order)
 
     def _split(self, plans: Sequence[Plan], cached: list[list[Segment]], moved: list[list[bool]], *, in_place: bool, share: bool,
-               ape: Ape | None) -> tuple[list[int], list[SharedPart], list[list[Segment]], list[list[bool]]]:
+               ape: Ape | None, held: Held | None = None) -> tuple[list[int], list[SharedPart], list[list[Segment]], list[list[bool]]]:
         """The rows' order, the parts read in place (shared by rows, or one request's in place), and
         each row's own cached segments (with their APE flags), copied into its buffer."""
         order = list(range(len(plans)))
         if in_place and len(plans) == 1:
             parts = [part for s, m in zip(cached[0], moved[0]) for part in self._parts(plans[0], [s], [m], slice(0, 1), ape)]
             return order, parts, [[]], [[]]
-        if not share or len(plans) == 1:
+        if not share or (len(plans) == 1 and not held):
             return order, [], cached, moved
         # rows share a segment only when they read it alike: the same KV at the same position,
         # moved (APE-adjusted) in both or in neither; a shared part has one adjustment for all its rows
-        signatures = [tuple((s.key, s.offset, len(s), s.position, s.source_position, m) for s, m in zip(segments, flags))
-                      for segments, flags in zip(cached, moved)]
-        order = sorted(order, key=lambda i: signatures[i])
-        runs, private_from = share_prefixes([signatures[i] for i in order])
+        signatures = [[signature(s, m) for s, m in zip(segments, flags)] for segments, flags in zip(cached, moved)]
+        joins, rest = _joins(signatures, held or {})
+        order = sorted(order, key=lambda i: [signatures[i][k] for k in rest[i]])
+        runs, private_from = share_prefixes([tuple(signatures[i][k] for k in rest[i]) for i in order])
         parts = []
         for run in runs:
             first = order[run.rows.start]
-            parts += self._parts(plans[first], cached[first][run.first : run.stop], moved[first][run.first : run.stop], run.rows, ape)
-        own = [cached[i][private_from[row] :] for row, i in enumerate(order)]
-        return order, parts, own, [moved[i][private_from[row] :] for row, i in enumerate(order)]
+            taken = rest[first][run.first : run.stop]
+            parts += self._parts(plans[first], [cached[first][k] for k in taken], [moved[first][k] for k in taken], run.rows, ape)
+        row_of = {i: row for row, i in enumerate(order)}
+        for join in joins:  # what the running batch holds: read shared, never copied
+            rows = row_set(row_of[i] for i in join.readers)
+            parts += [replace(join.part, rows=rows)] if join.part is not None else \
+                self._parts(plans[join.first], cached[join.first][join.start : join.stop], moved[join.first][join.start : join.stop], rows, ape)
+        own = [[k for k in rest[i][private_from[row] :]] for row, i in enumerate(order)]
+        return order, parts, [[cached[i][k] for k in ks] for i, ks in zip(order, own)], \
+            [[moved[i][k] for k in ks] for i, ks in zip(order, own)]
 
     def _buffer(self, batch: int, capacity: int) -> KVBuffer:
         """A KV buffer for ``batch`` rows of ``capacity`` entries: the pool's for one row."""
@@ -216,6 +240,55 @@ class Assembler:
         device = self.spec.device
         return Rows(buffer, torch.zeros(1, buffer.capacity, dtype=torch.long, device=device),
                     torch.zeros(1, buffer.capacity, dtype=torch.bool, device=device), None, ordered=True)
+
+
+@dataclass
+class _Join:
+    """Segments rows read from what a running batch holds: its ``part``, or (None) a part built
+    from ``first``'s segments ``[start, stop)``, a run that running rows hold in their own caches."""
+
+    part: SharedPart | None
+    first: int
+    start: int
+    stop: int
+    readers: list[int]
+
+
+def _joins(signatures: list[list[Signature]], held: Held) -> tuple[list[_Join], list[list[int]]]:
+    """Which segments each row reads from what a running batch holds, and (``rest[row]``) the
+    indices of its other segments."""
+    by_first: dict[Signature, list[tuple[Signature, ...]]] = {}
+    for key in sorted(held, key=len, reverse=True):  # the longest held run first
+        by_first.setdefault(key[0], []).append(key)
+    joins: dict[tuple[Signature, ...], _Join] = {}
+    rest: list[list[int]] = []
+    for row, sigs in enumerate(signatures):
+        mine: list[int] = []
+        at = 0
+        while at < len(sigs):
+            run = next((key for key in by_first.get(sigs[at], ()) if tuple(sigs[at : at + len(key)]) == key), None)
+            if run is None:
+                mine.append(at)
+                at += 1
+                continue
+            stop = at + len(run)
+            if held[run] is None:  # copied by running rows: consecutive such segments make one part
+                while stop < len(sigs) and held.get((sigs[stop],), False) is None:
+                    stop += 1
+                run = tuple(sigs[at:stop])
+            joins.setdefault(run, _Join(held.get(run), row, at, stop, [])).readers.append(row)
+            at = stop
+        rest.append(mine)
+    return list(joins.values()), rest
+
+
+def _copies(segments: Sequence[Segment], moved: Sequence[bool]) -> list[tuple[Signature, int, int]]:
+    """Where a row's own cached segments lie in its cache (written from entry 0, in order)."""
+    out, at = [], 0
+    for segment, flag in zip(segments, moved):
+        out.append((signature(segment, flag), at, at + len(segment)))
+        at += len(segment)
+    return out
 
 
 def _positions(segments: Sequence[Segment], device: torch.device) -> torch.Tensor:

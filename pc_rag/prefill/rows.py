@@ -25,6 +25,10 @@ class Rows:
     ordered: bool = False
     bias: torch.Tensor | None = None  # [rows, capacity]: added to every query's logits for each entry (APE)
     holes: bool = False  # some entries are masked out (recomputed further on): every step needs a mask
+    # per row, the cached segments copied into its own cache: (signature, first entry, entry after
+    # the last); a row admitted later that reads the same segment shared lets this row read that
+    # part instead (its copy masked). None: not tracked (entries recovery masks one by one)
+    copies: list[list[tuple[tuple, int, int]]] | None = None
 
     @property
     def batch(self) -> int:
