@@ -50,20 +50,36 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data"
 
 
-def records(data: Path, skip: int, count: int, passages: int) -> list[tuple[str, list[str]]]:
-    """(question, passages) of HotpotQA dev-distractor records ``skip .. skip + count``."""
+SETS = {"hotpotqa": "hotpotqa_dev_distractor_more.jsonl", "musique": "musique_ans_dev_20docs.jsonl"}
+
+
+def records(data: Path, skip: int, count: int, passages: int, dataset: str = "hotpotqa") -> list[tuple[str, list[str]]]:
+    """(question, passages) of records ``skip .. skip + count`` of ``dataset`` (HotpotQA dev-distractor:
+    10 passages a record; MuSiQue: 20). A prompt of more passages than its record holds takes
+    the rest, as distractors, from the records after it (for long prompts; answers unchanged)."""
+    lines = (data / SETS[dataset]).read_text().splitlines()
     out = []
-    for line in (data / "hotpotqa_dev_distractor_more.jsonl").read_text().splitlines()[skip : skip + count]:
-        record = json.loads(line)
-        out.append((record["question"], [f"{p['title']}: {p['text']}" for p in record["passages"][:passages]]))
+    for index in range(skip, skip + count):
+        record = json.loads(lines[index])
+        texts: list[str] = []
+        for line in lines[index:] + lines[:index]:
+            texts += [f"{p['title']}: {p['text']}" for p in json.loads(line)["passages"]]
+            if len(texts) >= passages:
+                break
+        out.append((record["question"], texts[:passages]))
     return out
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
 
 
 def summary(calls: list[dict[str, float]], wall: float) -> dict[str, float]:
     ttft = sorted(c["ttft_s"] for c in calls)
     latency = sorted(c["latency_s"] for c in calls)
     p95 = lambda xs: xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]  # noqa: E731
-    return {"wall_s": wall, "tokens_per_s": sum(c["tokens"] for c in calls) / wall,
+    # computed tokens per call: every mode must do the same prefill work (the same prompts, read alike)
+    return {"wall_s": wall, "tokens_per_s": sum(c["tokens"] for c in calls) / wall, "computed_mean": statistics.mean(c["computed"] for c in calls),
             "ttft_mean_s": statistics.mean(ttft), "ttft_p95_s": p95(ttft),
             "latency_mean_s": statistics.mean(latency), "latency_p95_s": p95(latency)}
 
@@ -76,18 +92,21 @@ def serve(engine: PromptCache, mode: str, prompts: list[str], new_tokens: int) -
         for prompt in prompts:
             result = engine.generate(prompt, max_new_tokens=new_tokens)
             calls.append({"ttft_s": result.stats.ttft_s + (time.perf_counter() - start - result.stats.total_s),
-                          "latency_s": time.perf_counter() - start, "tokens": len(result.token_ids)})
+                          "latency_s": time.perf_counter() - start, "tokens": len(result.token_ids),
+                          "computed": result.stats.computed_tokens})
     elif mode == "generate_batch":
         results = engine.generate_batch(prompts, max_new_tokens=new_tokens)
         done = time.perf_counter() - start
-        calls = [{"ttft_s": r.stats.ttft_s, "latency_s": done, "tokens": len(r.token_ids)} for r in results]
+        calls = [{"ttft_s": r.stats.ttft_s, "latency_s": done, "tokens": len(r.token_ids), "computed": r.stats.computed_tokens}
+                 for r in results]
     elif mode == "threads":
         gate = threading.Barrier(len(prompts) + 1)
 
         def call(prompt: str) -> dict[str, float]:
             gate.wait()
             result = engine.generate(prompt, max_new_tokens=new_tokens)
-            return {"ttft_s": result.stats.ttft_s, "latency_s": time.perf_counter() - start, "tokens": len(result.token_ids)}
+            return {"ttft_s": result.stats.ttft_s, "latency_s": time.perf_counter() - start, "tokens": len(result.token_ids),
+                    "computed": result.stats.computed_tokens}
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(call, p) for p in prompts]
@@ -97,13 +116,13 @@ def serve(engine: PromptCache, mode: str, prompts: list[str], new_tokens: int) -
     elif mode == "langchain ainvoke":
         from pc_rag.integrations.langchain import PromptCacheLLM
 
-        llm = PromptCacheLLM(engine=engine, max_new_tokens=new_tokens)
+        llm = PromptCacheLLM(engine=engine, max_new_tokens=new_tokens, pml=True)  # the prompts are PML: read as markup, as the other modes do
 
         async def call(prompt: str) -> dict[str, float]:
             result = await llm.agenerate([prompt])
             info = result.generations[0][0].generation_info or {}
             return {"ttft_s": info.get("ttft_s", 0.0), "latency_s": time.perf_counter() - start,
-                    "tokens": info.get("generated_tokens", new_tokens)}
+                    "tokens": info.get("generated_tokens", new_tokens), "computed": info["computed_tokens"]}
 
         async def gather() -> list[dict[str, float]]:
             return list(await asyncio.gather(*(call(p) for p in prompts)))
@@ -118,7 +137,7 @@ def serve(engine: PromptCache, mode: str, prompts: list[str], new_tokens: int) -
 def concurrency(args: argparse.Namespace) -> dict[str, Any]:
     engine = PromptCache.from_pretrained()
     engine.stop_token_ids.clear()  # every mode decodes exactly --new-tokens tokens
-    pool = records(args.data, args.skip, max(args.callers), args.passages)
+    pool = records(args.data, args.skip, max(args.callers), args.passages, args.set)
     prompts_all = []
     for question, passages in pool:
         names = engine.add_documents(passages, progress=False)
@@ -126,7 +145,7 @@ def concurrency(args: argparse.Namespace) -> dict[str, Any]:
     if args.overlap:
         shared = prompts_all[0][1]
         prompts_all = [(q, shared) for q, _ in prompts_all]
-    report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": vars(args) | {"data": str(args.data)},
+    report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": settings(args),
                               "rows": []}
     serve(engine, "sequential", [build_prompt(q, n) for q, n in prompts_all[:2]], 4)  # warm-up
     for n in args.callers:
@@ -198,13 +217,13 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
 
     engine = PromptCache.from_pretrained()
     engine.stop_token_ids.clear()
-    pool = records(args.data, args.skip, args.requests, args.passages)
+    pool = records(args.data, args.skip, args.requests, args.passages, args.set)
     prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
     token_ids = [engine.plan(p).input_ids for p in prompts]  # what full prefill reads: the same tokens
     serve(engine, "sequential", prompts[:2], 4)  # warm-up
     one_at_a_time = threading.Lock()
     report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"),
-                              "settings": vars(args) | {"data": str(args.data)},
+                              "settings": settings(args),
                               "prompt_tokens_mean": statistics.mean(len(ids) for ids in token_ids), "modes": {}}
     for mode in args.arrival_modes:
         transformers_cb = TransformersBatching(args.new_tokens) if mode == "transformers CB" else None
@@ -222,6 +241,8 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
 
         rows = []
         for rate in args.rates:
+            if rows and rows[-1]["p95_latency_s"] > 2 * args.p95_bound:
+                break  # saturated: a higher rate only queues longer (the rates not run are not sustainable)
             clock = random.Random(args.seed)
             at, offsets = 0.0, []
             for _ in prompts:
@@ -299,7 +320,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=("concurrency", "arrivals", "overhead"))
     parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
-    parser.add_argument("--skip", type=int, default=100, help="HotpotQA-more records skipped (held out from development)")
+    parser.add_argument("--set", choices=tuple(SETS), default="hotpotqa", help="the QA set the prompts come from")
+    parser.add_argument("--skip", type=int, default=100, help="records skipped (HotpotQA-more's first 100 were used in development)")
     parser.add_argument("--passages", type=int, default=6)
     parser.add_argument("--callers", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--modes", nargs="+", default=["sequential", "generate_batch", "threads", "langchain ainvoke"])
