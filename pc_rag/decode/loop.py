@@ -262,8 +262,9 @@ class RunningBatch:
                 mine = [copy for copy in copies[row] if copy[0] in wanted] if not request.done and wanted else []
                 if not mine or len({sig for sig, _, _ in mine}) < len(wanted):
                     continue
-                for _, start, stop in mine:
-                    self.rows.valid[row, start:stop] = False
+                with torch.inference_mode():
+                    for _, start, stop in mine:
+                        self.rows.valid[row, start:stop] = False
                 copies[row] = [copy for copy in copies[row] if copy[0] not in wanted]
                 readers.append(row)
             if readers:
