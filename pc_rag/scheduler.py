@@ -8,13 +8,16 @@ They wait on its events: text as it is decoded, then the result. The loop, every
 1. lets go of rows whose caller went away (a closed stream, a cancelled task);
 2. admits waiting tickets, first come first served, while the running rows (``max_running``),
    the step's prefill budget (``max_step_tokens``) and the KV buffers' memory budget allow, and
-   prefills them: together in one pass, sharing the module KV they import alike, or, for a
+   prefills them: together in one pass, sharing the module KV they import alike and reading
+   shared what the running rows already hold (:meth:`RunningBatch.held`), or, for a
    prompt longer than the budget while others decode, one chunk per iteration, so a long prompt
    never stalls the running rows for more than one budget;
 3. merges the newly prefilled rows into the running batch: in place, into finished rows' slots
    or rows its buffer reserves, where they fit (:meth:`RunningBatch.admit`: only the new rows' KV is written), else rebuilt
    as one buffer with every row's live entries packed to the front (:meth:`RunningBatch.combine`),
-   dropping finished rows on the way; one forward pass per step for every row;
+   dropping finished rows on the way; running rows that had copied a module the newcomers share
+   read the newcomers' part instead (:meth:`RunningBatch.promote`), so the batch holds it once;
+   one forward pass per step for every row;
 4. takes every row's next token and hands each caller its text; a finished row's caller gets
    its result at once, and its slot is free for the next admission;
 5. runs one decode step for every row still going.
