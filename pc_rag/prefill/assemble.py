@@ -218,7 +218,7 @@ class Assembler:
             rows = row_set(row_of[i] for i in join.readers)
             parts += [replace(join.part, rows=rows)] if join.part is not None else \
                 self._parts(plans[join.first], cached[join.first][join.start : join.stop], moved[join.first][join.start : join.stop], rows, ape)
-        own = [[k for k in rest[i][private_from[row] :]] for row, i in enumerate(order)]
+        own = [rest[i][private_from[row] :] for row, i in enumerate(order)]  # indices of the segments each row copies
         return order, parts, [[cached[i][k] for k in ks] for i, ks in zip(order, own)], \
             [[moved[i][k] for k in ks] for i, ks in zip(order, own)]
 
