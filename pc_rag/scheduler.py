@@ -582,7 +582,7 @@ class Scheduler:
             return
         if fresh is not None:
             if fresh.rows.shared is not None:  # running rows that copied what the newcomers share read it with them
-                promoted = batch.promote(fresh.rows.shared.parts)
+                promoted = batch.promote(fresh.rows.shared)
                 with self._cond:
                     self._stats.promoted += promoted
             slots = batch.admit(fresh)  # finished rows' slots or reserved rows: the running rows are not copied

@@ -390,7 +390,7 @@ def test_a_newcomer_reads_what_running_rows_hold_and_a_copy_becomes_shared(engin
     second = _joining(engine, *prompts[1], held)
     assert second.rows.copies == [[]] and second.rows.shared is not None  # nothing copied: read where stored
     assert second.length == engine._prepare([prompts[1][0]], True)[0].computed_tokens  # its own cache: computed tokens only
-    assert first.promote(second.rows.shared.parts) == 1
+    assert first.promote(second.rows.shared) == 1
     assert first.rows.copies == [[]] and first.rows.shared is not None
     batch = RunningBatch.combine([(first, [0]), (second, [0])], reserve=1)
     assert batch.length < 64  # the copy is gone: each row holds its question and answer only

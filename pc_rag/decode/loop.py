@@ -244,23 +244,24 @@ class RunningBatch:
                 held[part.signature] = part
         return held
 
-    def promote(self, parts: Sequence[SharedPart]) -> int:
-        """Live rows that hold every segment of one of ``parts`` in their own cache read that part
-        instead, with the rows that brought it: their copies are masked (a rebuild drops them)
-        and each such part is read once per step for all. Between steps; returns the rows moved.
+    def promote(self, shared: SharedKV) -> int:
+        """Live rows that hold every segment of one of ``shared``'s parts (newcomers') in their own
+        cache read that part instead, with the rows that brought it: their copies are masked (a
+        rebuild drops them) and each such part is read once per step for all. Between steps;
+        returns the rows moved.
 
         Exact: a moved module's keys are rotated in a copy and read unrotated, its queries
         rotated back, in a part (:mod:`pc_rag.model.shared_attention`); both are the same product."""
         copies = self.rows.copies
         if copies is None or not self.cursor.fixed:
             return 0
-        joined, moved = [], 0
-        for part in parts:
+        joined = []
+        for part in shared.parts:
             wanted = set(part.signature)
             readers = []
             for row, request in enumerate(self.requests):
-                mine = [copy for copy in copies[row] if copy[0] in wanted] if not request.done and wanted else []
-                if not mine or len({sig for sig, _, _ in mine}) < len(wanted):
+                mine = [copy for copy in copies[row] if copy[0] in wanted]
+                if request.done or not wanted or len({sig for sig, _, _ in mine}) < len(wanted):
                     continue
                 with torch.inference_mode():
                     for _, start, stop in mine:
@@ -269,13 +270,10 @@ class RunningBatch:
                 readers.append(row)
             if readers:
                 joined.append(replace(part, rows=row_set(readers)))
-                moved += len(readers)
         if joined:
-            template = self.rows.shared
-            self.rows.shared = template.like([*template.parts, *joined]) if template is not None else \
-                SharedKV(joined, heads_per_kv=self.spec.heads_per_kv, dtype=self.spec.dtype, rotator=self.spec.rotator)
+            self.rows.shared = (self.rows.shared or shared).like([*(self.rows.shared.parts if self.rows.shared else ()), *joined])
             self.rows.holes = True
-        return moved
+        return sum(len(row_list(part.rows)) for part in joined)
 
     @classmethod
     def combine(cls, sources: Sequence[tuple["RunningBatch", Sequence[int]]], *, reserve: int = 0) -> "RunningBatch":
