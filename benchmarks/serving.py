@@ -19,7 +19,8 @@ decode steps through the scheduler against the bare decode loop (``generate.deco
 same prefilled rows: the time the scheduler adds per step.
 
 Part ``arrivals``: requests arriving as a Poisson process at ``--rates``; the sustainable rate
-(p95 latency within ``--p95-bound``) of the scheduler, of one-at-a-time serving and of
+(p95 latency within ``--p95-bound``) of the scheduler (and of the same scheduler with each
+newcomer's prefill in passes of its own, ``fuse_prefill=False``), of one-at-a-time serving and of
 transformers' own continuous batching (``ContinuousBatchingManager``, paged attention over the
 full prompts' token ids) on the same model and prompts.
 
@@ -38,6 +39,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data"
 
 
+UNFUSED = "scheduler, prefill between steps"
 SETS = {"hotpotqa": "hotpotqa_dev_distractor_more.jsonl", "musique": "musique_ans_dev_20docs.jsonl"}
 
 
@@ -160,6 +163,7 @@ def concurrency(args: argparse.Namespace) -> dict[str, Any]:
                "modes": {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}}
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
+    engine.scheduler.limits = fused
     report["scheduler"] = engine.scheduler.stats()
     return report
 
@@ -225,7 +229,10 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"),
                               "settings": settings(args),
                               "prompt_tokens_mean": statistics.mean(len(ids) for ids in token_ids), "modes": {}}
+    fused = engine.scheduler.limits
     for mode in args.arrival_modes:
+        # "scheduler, prefill between steps": the same loop with a newcomer's prefill in passes of its own
+        engine.scheduler.limits = replace(fused, fuse_prefill=mode != UNFUSED)
         transformers_cb = TransformersBatching(args.new_tokens) if mode == "transformers CB" else None
         if transformers_cb is not None:
             transformers_cb.generate(token_ids[0])  # warm-up
@@ -233,13 +240,14 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
         def answer(index: int) -> None:
             if transformers_cb is not None:
                 transformers_cb.generate(token_ids[index])
-            elif mode == "scheduler":
+            elif mode.startswith("scheduler"):
                 engine.generate(prompts[index], max_new_tokens=args.new_tokens)
             else:
                 with one_at_a_time:
                     engine.generate(prompts[index], max_new_tokens=args.new_tokens)
 
         rows = []
+        before = engine.scheduler.stats()
         for rate in args.rates:
             if rows and rows[-1]["p95_latency_s"] > 2 * args.p95_bound:
                 break  # saturated: a higher rate only queues longer (the rates not run are not sustainable)
@@ -266,6 +274,11 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
             transformers_cb.close()
         within = [r["rate"] for r in rows if r["p95_latency_s"] <= args.p95_bound]
         report["modes"][mode] = {"rows": rows, "sustainable_rate": max(within, default=0.0)}
+        if mode.startswith("scheduler"):  # what the loop did over this mode's rates
+            after = engine.scheduler.stats()
+            report["modes"][mode]["loop"] = {k: after[k] - before[k] for k in ("steps", "merges", "in_place", "chunks", "fused")}
+            print(json.dumps({"mode": mode, **report["modes"][mode]["loop"]}), flush=True)
+    engine.scheduler.limits = fused
     report["scheduler"] = engine.scheduler.stats()
     return report
 
@@ -331,7 +344,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="overhead: decode steps per request")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0], help="arrivals: requests/s")
     parser.add_argument("--requests", type=int, default=16, help="arrivals: requests per rate")
-    parser.add_argument("--arrival-modes", nargs="+", default=["scheduler", "one at a time", "transformers CB"],
+    parser.add_argument("--arrival-modes", nargs="+", default=["scheduler", UNFUSED, "one at a time", "transformers CB"],
                         help="arrivals: how requests are served")
     parser.add_argument("--p95-bound", type=float, default=6.0, help="arrivals: the p95 latency a sustainable rate keeps (s)")
     parser.add_argument("--seed", type=int, default=0, help="arrivals: the Poisson process's seed")

@@ -105,6 +105,8 @@ class PromptCache(Registration, Serving):
         max_queued: requests waiting; past it :class:`~pc_rag.errors.QueueFull`.
         queue_timeout_s: wait up to this long for a queue place instead of failing at once.
         buffer_budget: bytes of KV buffers held by running rows.
+        fuse_prefill: a request admitted while others decode is prefilled in chunks that share
+            a forward pass with their decode step (False: between steps).
         compile: run decode steps through ``torch.compile`` (fixed shapes; pays off for
             long-lived engines with steady settings).
     """
@@ -140,6 +142,7 @@ class PromptCache(Registration, Serving):
         max_queued: int = DEFAULT_MAX_QUEUED,
         queue_timeout_s: float | None = None,
         buffer_budget: int | None = None,
+        fuse_prefill: bool = True,
         compile: bool = False,
     ) -> None:
         self.encoding: Encoding = _checked(encoding or DEFAULT_ENCODING, memory_budget, kv_location, remote_sync_interval_s)
@@ -159,7 +162,7 @@ class PromptCache(Registration, Serving):
         self.remote_sync_interval_s = remote_sync_interval_s
         self._synced_at = time.monotonic()
         self._build(drop_in=drop_in, compile=compile, remote_collections=remote_collections,
-                    limits=Limits(max_running, max_step_tokens, max_queued, queue_timeout_s, buffer_budget))
+                    limits=Limits(max_running, max_step_tokens, max_queued, queue_timeout_s, buffer_budget, fuse_prefill))
         if self.remote is not None and remote_sync:
             self.sync_documents()  # documents other processes stored: served here without encoding
 

@@ -10,8 +10,9 @@ They wait on its events: text as it is decoded, then the result. The loop, every
    the step's prefill budget (``max_step_tokens``) and the KV buffers' memory budget allow, and
    prefills them: together in one pass, sharing the module KV they import alike and reading
    shared what the running rows already hold (:meth:`RunningBatch.held`), or, for a
-   prompt longer than the budget while others decode, one chunk per iteration, so a long prompt
-   never stalls the running rows for more than one budget;
+   request admitted alone while others decode, in chunks of the budget, one per iteration, each
+   riding on the running rows' decode step (step 5), so a long prompt never stalls the running
+   rows for more than one budget;
 3. merges the newly prefilled rows into the running batch: in place, into finished rows' slots
    or rows its buffer reserves, where they fit (:meth:`RunningBatch.admit`: only the new rows' KV is written), else rebuilt
    as one buffer with every row's live entries packed to the front (:meth:`RunningBatch.combine`),
@@ -20,7 +21,8 @@ They wait on its events: text as it is decoded, then the result. The loop, every
    one forward pass per step for every row;
 4. takes every row's next token and hands each caller its text; a finished row's caller gets
    its result at once, and its slot is free for the next admission;
-5. runs one decode step for every row still going.
+5. runs one decode step for every row still going, with a newcomer's next prefill chunk in the
+   same forward pass (:mod:`pc_rag.model.packed`: the step rides on the chunk's weight reads).
 
 Models whose attention cannot take per-row masks (ALiBi, learned positions, flash/flex
 attention) are served one request at a time by the same loop. An exception in a step fails the
@@ -49,8 +51,8 @@ from .decode.request import Generation, RequestState
 from .errors import PromptCacheError, QueueFull
 from .kv.buffers import BufferPool, batch_capacity
 from .model.spec import ModelSpec
-from .prefill.passes import prefill_chunks
-from .prefill.rows import Prefilled
+from .prefill.passes import chunks_of, new_tokens, prefill
+from .prefill.rows import Inputs, Prefilled
 from .prompt.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ IDLE_EXIT_S = 2.0  # the loop thread ends after this long with nothing to do
 
 @dataclass(frozen=True)
 class Limits:
-    """What the scheduler holds at once.
+    """What the scheduler holds at once, and how it admits.
 
     ``max_running``: rows decoding together (a ``generate_batch`` larger than this runs alone).
     ``max_step_tokens``: tokens prefilled per iteration while other rows decode.
@@ -72,6 +74,9 @@ class Limits:
     ``buffer_budget``: bytes of KV buffers (running rows, rows being admitted, a merge's new
     buffer) held at once; admission waits while a request would exceed it, and a request that
     alone exceeds it is refused at submission. None: no bound.
+    ``fuse_prefill``: a request admitted while others decode is prefilled in chunks of
+    ``max_step_tokens`` that share a forward pass with the running rows' decode step (the step
+    rides on the chunk's weight reads); False: its prefill runs between steps.
     """
 
     max_running: int = DEFAULT_MAX_RUNNING
@@ -79,6 +84,7 @@ class Limits:
     max_queued: int = DEFAULT_MAX_QUEUED
     queue_timeout_s: float | None = None
     buffer_budget: int | None = None
+    fuse_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_step_tokens", "max_queued"):
@@ -90,6 +96,8 @@ class Limits:
         if self.buffer_budget is not None and (isinstance(self.buffer_budget, bool) or not isinstance(self.buffer_budget, int)
                                                or self.buffer_budget < 1):
             raise PromptCacheError(f"buffer_budget must be a number of bytes >= 1 or None, got {self.buffer_budget!r}")
+        if not isinstance(self.fuse_prefill, bool):
+            raise PromptCacheError(f"fuse_prefill must be True or False, got {self.fuse_prefill!r}")
 
 
 class Ticket:
@@ -202,12 +210,14 @@ class AsyncStream:
 
 @dataclass
 class _Chunked:
-    """A long prompt being prefilled one chunk per iteration."""
+    """A newcomer being prefilled one chunk per iteration, alone or riding on the running rows'
+    decode step (one packed forward pass: :func:`pc_rag.decode.loop.decode_one_token_with`)."""
 
     ticket: Ticket
     assembled: Any  # pc_rag.prefill.assemble.Assembled: its rows and inputs
     assembled_at: float
-    chunks: Generator[torch.Tensor | None, None, None]
+    chunks: deque[Inputs]  # what is left to prefill, in order
+    logits: torch.Tensor | None = None  # the last chunk's, once it is prefilled
 
 
 @dataclass
@@ -220,7 +230,8 @@ class SchedulerStats:
     cancelled: int = 0
     failed: int = 0
     refused: int = 0  # submissions refused for a full queue or a budget they alone exceed
-    chunks: int = 0  # prefill chunks of long prompts
+    chunks: int = 0  # prefill chunks of newcomers prefilled one chunk per iteration
+    fused: int = 0  # of those, chunks that shared a forward pass with the running rows' decode step
     merges: int = 0  # running batches rebuilt to take rows in or let rows go
     in_place: int = 0  # admissions written into the running batch's finished or reserved rows (no rebuild)
     promoted: int = 0  # running rows that stopped reading their copy of a module to share newcomers' part
@@ -321,7 +332,7 @@ class Scheduler:
             s = self._stats
             return {"queued": len(self._waiting), "running": self.running, "steps": s.steps, "admitted": s.admitted,
                     "finished": s.finished, "cancelled": s.cancelled, "failed": s.failed, "refused": s.refused,
-                    "chunks": s.chunks, "merges": s.merges, "in_place": s.in_place, "promoted": s.promoted, "buffer_bytes_peak": s.buffer_bytes_peak,
+                    "chunks": s.chunks, "fused": s.fused, "merges": s.merges, "in_place": s.in_place, "promoted": s.promoted, "buffer_bytes_peak": s.buffer_bytes_peak,
                     "buffer_bytes": self._held_bytes()}
 
     @property
@@ -381,8 +392,8 @@ class Scheduler:
         dead = 0 if batch is None else sum(1 for request in batch.requests if request.done)
         if fresh is not None:
             self._merge(*fresh)
-        elif batch is not None and dead and 2 * dead >= batch.batch and self._compaction_fits(batch):
-            self._merge(None, [])  # half the rows feed placeholders: rebuild without them
+        elif batch is not None and dead and 2 * dead >= batch.batch and self._chunked is None and self._compaction_fits(batch):
+            self._merge(None, [])  # half the rows feed placeholders: rebuild without them (unless a newcomer will take a slot)
         self._admitting = []
         batch = self._batch
         if batch is None:
@@ -393,7 +404,7 @@ class Scheduler:
         self._hand_out(batch, deltas, owners)
         if batch.finished:
             return
-        batch.feed()
+        self._feed(batch)
         with self._cond:
             self._stats.steps += 1
             self._stats.step_rows.append(batch.batch)
@@ -418,53 +429,86 @@ class Scheduler:
         requests = [request for ticket in cohort for request in ticket.requests]
         owners = [(ticket, index) for ticket in cohort for index in range(ticket.rows)]
         first = cohort[0]
-        new_tokens = max(request.budget for request in requests)
+        answer_tokens = max(request.budget for request in requests)
         # what the running rows already hold (shared parts, copied modules): the newcomers read it shared
         held = self._batch.held() if self._batch is not None and first.share and first.use_cache and not first.logits_only else {}
-        long = first.tokens > self.limits.max_step_tokens and len(cohort) == 1 and first.rows == 1
-        if long and self._batch is not None and not first.logits_only:
+        # one request while others decode: prefilled in chunks of the step budget, each sharing a
+        # forward pass with the running rows' decode step where it can (else between steps)
+        long = first.tokens > self.limits.max_step_tokens
+        if (long or self._fusable()) and len(cohort) == 1 and first.rows == 1 and self._batch is not None and not first.logits_only:
             try:
-                plain = self._assemble(plans, new_tokens, first.use_cache, first.share, held)
+                plain = self._assemble(plans, answer_tokens, first.use_cache, first.share, held)
             except Exception as err:  # noqa: BLE001
                 self._fail_cohort(cohort, err)
                 return None
             if plain is not None:  # the plain path (no scored recovery): chunks of the budget
                 assembled, assembled_at = plain
                 self._pooled.add(id(assembled.rows.buffer))  # one row: the pool's
-                self._chunked = _Chunked(first, assembled, assembled_at, prefill_chunks(
-                    self.forward, assembled.rows, assembled.inputs, self.spec, self.limits.max_step_tokens))
+                chunks = deque(chunks_of(assembled.rows, assembled.inputs, self.limits.max_step_tokens))
+                self._chunked = _Chunked(first, assembled, assembled_at, chunks)
                 self._track()
                 return self._next_chunk()
         try:
-            prefilled = self._prefill(plans, new_tokens, first.use_cache, first.share and (len(plans) > 1 or bool(held)), held)
+            prefilled = self._prefill(plans, answer_tokens, first.use_cache, first.share and (len(plans) > 1 or bool(held)), held)
         except Exception as err:  # noqa: BLE001
             self._fail_cohort(cohort, err)
             return None
         return self._prefilled(prefilled, requests, owners)
 
+    def _fusable(self) -> bool:
+        """Whether a newcomer's chunk may share a forward pass with the running rows' decode step:
+        split attention (the packed pass's routing lives there) over fixed shapes, not compiled."""
+        batch = self._batch
+        return (self.limits.fuse_prefill and batch is not None and self.spec.split and batch.cursor.fixed
+                and not self.forward.compiled)
+
     def _next_chunk(self) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:
+        """The newcomer in chunks: its next chunk alone when no decode step can take it, or its
+        prefilled row once the last chunk is done."""
         chunked = self._chunked
         assert chunked is not None
         ticket = chunked.ticket
         if ticket.cancelled:
-            self._chunked = None
-            self._release(chunked.assembled.rows.buffer)
+            self._drop_chunked()
             self._cancelled(ticket)
             return None
-        try:
-            logits = next(chunked.chunks)
-        except Exception as err:  # noqa: BLE001
-            self._chunked = None
-            self._release(chunked.assembled.rows.buffer)
-            self._fail_cohort([ticket], err)
-            return None
+        if chunked.logits is None:
+            if self._fusable():
+                return None  # its next chunk rides on this iteration's decode step (_feed)
+            try:
+                logits = prefill(self.forward, chunked.assembled.rows, chunked.chunks.popleft(), self.spec)
+            except Exception as err:  # noqa: BLE001
+                self._drop_chunked()
+                self._fail_cohort([ticket], err)
+                return None
+            with self._cond:
+                self._stats.chunks += 1
+            if chunked.chunks:
+                return None
+            chunked.logits = logits
+        self._chunked = None
+        prefilled = Prefilled(chunked.assembled.rows, chunked.logits, chunked.assembled.order, chunked.assembled_at)
+        return self._prefilled(prefilled, ticket.requests, [(ticket, 0)])
+
+    def _drop_chunked(self) -> None:
+        assert self._chunked is not None
+        self._release(self._chunked.assembled.rows.buffer)
+        self._chunked = None
+
+    def _feed(self, batch: RunningBatch) -> None:
+        """The running rows' decode step, with a newcomer's next chunk in the same forward pass
+        where one is waiting for it."""
+        chunked = self._chunked
+        if chunked is None or chunked.logits is not None or chunked.ticket.cancelled or not self._fusable():
+            batch.feed()
+            return
+        rows = chunked.assembled.rows
+        logits = batch.feed(alongside=new_tokens(rows, chunked.chunks.popleft(), self.spec))
         with self._cond:
             self._stats.chunks += 1
-        if logits is None:
-            return None
-        self._chunked = None
-        prefilled = Prefilled(chunked.assembled.rows, logits, chunked.assembled.order, chunked.assembled_at)
-        return self._prefilled(prefilled, ticket.requests, [(ticket, 0)])
+            self._stats.fused += 1
+        if not chunked.chunks:
+            chunked.logits = logits
 
     def _prefilled(self, prefilled: Prefilled, requests: list[RequestState], owners: list[tuple[Ticket, int]]
                    ) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:
@@ -688,8 +732,7 @@ class Scheduler:
         self._admitting = []
         if self._chunked is not None:
             tickets[id(self._chunked.ticket)] = self._chunked.ticket
-            self._release(self._chunked.assembled.rows.buffer)
-            self._chunked = None
+            self._drop_chunked()
         self._drop_batch()
         with self._cond:
             self._stats.failed += sum(t.rows for t in tickets.values() if not t.closed)

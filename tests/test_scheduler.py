@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from pc_rag import PromptCacheError, QueueFull, build_prompt
 from pc_rag.prompt.tools import call_schema
@@ -149,11 +150,61 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(make_engine):
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(runner)
         ready.wait()
-        chunks_before = engine.scheduler.stats()["chunks"]
+        before = engine.scheduler.stats()
         chunked = engine.generate(long_prompt, max_new_tokens=5)
+        after = engine.scheduler.stats()
         running.result()
-    assert engine.scheduler.stats()["chunks"] - chunks_before >= alone.stats.computed_tokens // 64
+    chunks = after["chunks"] - before["chunks"]
+    assert chunks >= alone.stats.computed_tokens // 64
+    # the runner decodes throughout: every chunk shared a forward pass with its decode step
+    assert after["fused"] - before["fused"] == chunks
     assert chunked.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),
+    ("mistral", {"sliding_window": 24}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),  # one layer slides, one does not
+])
+def test_a_prefill_chunk_rides_on_the_decode_step_exactly(make_engine, make_tiny, tokenizer, arch, overrides):
+    """One packed forward pass runs the running rows' decode step and a newcomer's prefill chunk,
+    each over its own cache (the newcomer reading the documents it shares with them in place):
+    the chunk's logits are its lone prefill's, and every row's tokens its lone call's."""
+    from pc_rag import PromptCache
+    from pc_rag.decode.loop import RunningBatch
+    from pc_rag.decode.request import SamplingParams
+    from pc_rag.prefill.passes import chunks_of, new_tokens
+
+    engine = PromptCache(make_tiny(arch, **overrides), tokenizer, recompute=0, attention_temperature=1.0, attention_scale=1.0)
+    assert engine.spec.mixed_window == (arch == "qwen2")
+    engine.stop_token_ids.clear()
+    names = engine.add_documents([f"Harbour {i} handles {i * 11} ships a day, {i * 3} km from town." for i in range(6)],
+                                 progress=False)
+    running = [(build_prompt("Tell me about the harbours.", names[:3]), 40), (build_prompt("And harbour 4?", names[3:5]), 30)]
+    newcomer = (build_prompt("Which harbour handles " + " ".join(f"w{i}" for i in range(30)) + "?", names[1:3]), 12)
+    lone = [engine.generate(p, max_new_tokens=n) for p, n in [*running, newcomer]]
+    out: dict[int, list[int]] = {}
+    batch = RunningBatch.combine([(_running(engine, *running[0]), [0]), (_running(engine, *running[1]), [0])], reserve=1)
+    _step(batch, out)
+
+    plans = engine._prepare([newcomer[0]], True)
+    requests = engine._ticket(plans, SamplingParams(max_new_tokens=newcomer[1]), True, 0.0, share=True).requests
+    assembled, _ = engine._assemble_plain(plans, newcomer[1], True, True, batch.held())
+    assert assembled.rows.shared is not None  # the documents the running rows hold, read in place
+    chunks = chunks_of(assembled.rows, assembled.inputs, 16)
+    assert len(chunks) >= 2
+    passes = engine.forward.passes
+    for chunk in chunks:
+        batch.take()
+        logits = batch.feed(alongside=new_tokens(assembled.rows, chunk, engine.spec))
+    assert engine.forward.passes - passes == len(chunks)  # one pass per step, the chunk inside it
+    alone = engine._prefill(plans, newcomer[1], True, True, batch.held())
+    torch.testing.assert_close(logits, alone.logits, rtol=1e-4, atol=1e-4)
+    fresh = RunningBatch(engine.forward, assembled.rows, requests, logits, engine.spec)
+    batch = RunningBatch.combine([(batch, [0, 1]), (fresh, [0])])
+    while not _step(batch, out):
+        pass
+    assert [out.get(id(r)) for r in batch.requests] == [r.token_ids for r in lone]
 
 
 def test_an_abandoned_stream_frees_its_row_at_the_next_step(engine):
@@ -300,7 +351,8 @@ def test_200_requests_under_a_buffer_budget_stay_within_it(make_engine):
 
 
 def test_limits_are_checked(make_engine):
-    for bad in ({"max_running": 0}, {"max_step_tokens": -1}, {"max_queued": 1.5}, {"queue_timeout_s": -1}, {"buffer_budget": 0}):
+    for bad in ({"max_running": 0}, {"max_step_tokens": -1}, {"max_queued": 1.5}, {"queue_timeout_s": -1}, {"buffer_budget": 0},
+                {"fuse_prefill": "yes"}):
         with pytest.raises(PromptCacheError, match=next(iter(bad))):
             make_engine("llama", **bad)
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from ..kv.buffers import KVBuffer, batch_capacity
 from ..model.attention import attention_mask
-from ..model.forward import Forward
+from ..model.forward import Forward, NewTokens
 from ..model.shared_attention import SharedKV, SharedPart, row_list, row_set
 from ..model.spec import ModelSpec
 from ..prefill.rows import Rows
@@ -57,6 +58,27 @@ class Cursor:
 
 def decode_one_token(forward: Forward, rows: Rows, ids: torch.Tensor, cursor: Cursor, spec: ModelSpec) -> torch.Tensor:
     """Feed one token per row (``ids [rows, 1]``, on the device) at the cursor; the next logits, ``[rows, vocab]``."""
+    mask = _place_step(rows, cursor, spec)
+    logits = forward.decode_batch(rows.buffer, ids, cursor.positions, cursor.bounds, mask, rows.shared)
+    cursor.advance()
+    return logits
+
+
+def decode_one_token_with(forward: Forward, rows: Rows, ids: torch.Tensor, cursor: Cursor, spec: ModelSpec,
+                          other: NewTokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_one_token` and ``other`` batch's new tokens (a prefill chunk) in one packed
+    forward pass (:meth:`Forward.packed`): the step rides on the chunk's weight reads. Returns
+    the step's logits and ``other``'s last-column logits. Fixed shapes only (``spec.one_pass``)."""
+    mask = _place_step(rows, cursor, spec)
+    assert mask is not None, "a packed step needs the decode step's mask (fixed shapes)"
+    step = NewTokens(rows.buffer, ids, cursor.positions, mask, rows.shared, cursor.bounds)
+    logits, other_logits = forward.packed([step, other], spec.window_layers)
+    cursor.advance()
+    return logits, other_logits
+
+
+def _place_step(rows: Rows, cursor: Cursor, spec: ModelSpec) -> Any:
+    """Record the step's new entries (positions, validity); its attention mask, or None where none is needed."""
     positions = cursor.positions
     if cursor.fixed:
         rows.key_positions.index_copy_(1, cursor.column, positions)
@@ -69,10 +91,7 @@ def decode_one_token(forward: Forward, rows: Rows, ids: torch.Tensor, cursor: Cu
         rows.valid[:, keys - 1] = True  # finished rows feed a placeholder nobody reads
         # one row's new token comes after every key, so only padding or a window needs a mask
         masked = rows.batch > 1 or rows.holes or rows.bias is not None or (spec.sliding_window is not None and not rows.ordered)
-    mask = attention_mask(positions, rows.key_positions[:, :keys], rows.valid[:, :keys], spec, rows.bias) if masked else None
-    logits = forward.decode_batch(rows.buffer, ids, positions, cursor.bounds, mask, rows.shared)
-    cursor.advance()
-    return logits
+    return attention_mask(positions, rows.key_positions[:, :keys], rows.valid[:, :keys], spec, rows.bias) if masked else None
 
 
 class RunningBatch:
@@ -121,10 +140,14 @@ class RunningBatch:
         self.fed, deltas = _take(self.requests, self.logits, self._chosen, self.alive)
         return deltas
 
-    def feed(self) -> None:
+    def feed(self, alongside: NewTokens | None = None) -> torch.Tensor | None:
         """The tokens :meth:`take` chose through the model, one per row: the next pending logits.
         What is fed is those same tokens (a finished row's replaced by a placeholder) unless the
-        host changed one (a grammar closing its document)."""
+        host changed one (a grammar closing its document).
+
+        ``alongside``: another batch's new tokens (a newcomer's prefill chunk, see
+        :func:`decode_one_token_with`) run in the same forward pass; returns their last-column
+        logits (None without)."""
         fed, chosen = self.fed, self._chosen
         assert self._tokens is not None, "take() comes first"
         if [token is not None for token in fed] != self.alive:  # a row finished: it feeds placeholders from now on
@@ -136,10 +159,15 @@ class RunningBatch:
             ids = torch.where(self.live, self._tokens[:, None], self.placeholder)
         if self.history is not None:
             self.history.append(ids)
-        self.logits = decode_one_token(self.forward, self.rows, ids, self.cursor, self.spec)
+        other = None
+        if alongside is None:
+            self.logits = decode_one_token(self.forward, self.rows, ids, self.cursor, self.spec)
+        else:
+            self.logits, other = decode_one_token_with(self.forward, self.rows, ids, self.cursor, self.spec, alongside)
         self.length += 1
         for request in self.requests:
             request.next_position += 1
+        return other
 
     def admit(self, fresh: "RunningBatch") -> list[int] | None:
         """``fresh``'s rows written into this batch in place: into finished rows' slots first, then

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import PromptCacheError
+from . import packed as packed_mod
 from . import shared_attention
 from .probe import PROBE_KWARG
 
@@ -41,6 +42,9 @@ def _pc_rag_sdpa(
 ) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    packed = kwargs.pop(packed_mod.KWARG, None)
+    if packed is not None:  # several batches' tokens in one pass: each attends to its own cache
+        return packed.attend(module, query, key, value, scaling, _pc_rag_sdpa, **kwargs), None
     shared = kwargs.pop(shared_attention.KWARG, None)
     probe = kwargs.pop(PROBE_KWARG, None)
     if probe is not None:  # recovery reads this layer's attention (and may stop the pass here)

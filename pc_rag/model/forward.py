@@ -6,18 +6,36 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..kv.buffers import KVBuffer, ModuleKV
+from .packed import KWARG as PACKED_KWARG
+from .packed import Pass, PackedStep
 from .probe import PROBE_KWARG, Probe, ProbeDone
 from .shared_attention import KWARG, SharedKV
+
+
+_PLACEHOLDER_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
 def _shared_kwargs(shared: SharedKV | None, positions: torch.Tensor, bounds: tuple[int, int] | None) -> dict[str, Any]:
     """The forward keyword that hands shared KV to the attention function (none without it)."""
     return {} if shared is None else {KWARG: shared.for_queries(positions, bounds)}
+
+
+@dataclass
+class NewTokens:
+    """One batch's new tokens for a packed forward pass (:meth:`Forward.packed`)."""
+
+    buffer: KVBuffer  # the batch's cache: the tokens' KV goes there, their queries read it
+    ids: torch.Tensor  # [rows, width]
+    positions: torch.Tensor  # [rows, width]
+    mask: Any  # the batch's attention mask over its buffer and the new tokens (never None)
+    shared: SharedKV | None  # KV the rows read in place
+    bounds: tuple[int, int]  # the smallest and largest of ``positions`` (on the host)
 
 
 class Forward:
@@ -133,6 +151,31 @@ class Forward:
         device = self.model.device
         pos = pos.to(device)
         return self._model_step(ids.to(device), pos, mask, buffer.cache, **_shared_kwargs(shared, pos, bounds))
+
+    @torch.inference_mode()
+    def packed(self, batches: Sequence[NewTokens], window_layers: Sequence[bool] = ()) -> list[torch.Tensor]:
+        """Several batches' new tokens, each batch over its own cache, in one forward pass (see
+        :mod:`pc_rag.model.packed`): for each batch the last column's logits, ``[rows, vocab]``.
+        Needs ``pc_rag_sdpa`` attention (``spec.split``); ``window_layers``: which layers slide."""
+        self._count(1)
+        device = self.model.device
+        passes, ids, positions, keep = [], [], [], []
+        start = 0
+        for batch in batches:
+            rows, width = batch.ids.shape
+            pos = batch.positions.to(device)
+            shared = None if batch.shared is None else batch.shared.for_queries(pos, batch.bounds)
+            passes.append(Pass(batch.buffer, rows, width, batch.mask, shared))
+            ids.append(batch.ids.reshape(-1))
+            positions.append(pos.reshape(-1))
+            keep.append(torch.arange(start + width - 1, start + rows * width, width))  # each row's last column
+            start += rows * width
+        # the mask transformers sees is a placeholder (a 4D mask is passed through as it is): each
+        # pass's own mask is applied in its attention; no cache object either, the passes write theirs
+        out = self.model(input_ids=torch.cat(ids).to(device)[None], position_ids=torch.cat(positions)[None],
+                         attention_mask=_PLACEHOLDER_MASK.to(device), use_cache=False, logits_to_keep=torch.cat(keep).to(device),
+                         **{PACKED_KWARG: PackedStep(passes, window_layers)})
+        return list(out.logits[0].split([batch.ids.shape[0] for batch in batches]))
 
     @torch.inference_mode()
     def probe(self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: Any, probe: Probe) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from ..kv.buffers import KVBuffer
 from ..model.attention import attention_mask
-from ..model.forward import Forward
+from ..model.forward import Forward, NewTokens
 from ..model.spec import ModelSpec
 from ..prompt.plan import Plan, Segment
 from .rows import Inputs, Rows
@@ -37,16 +37,34 @@ def prefill_chunks(forward: Forward, rows: Rows, inputs: Inputs, spec: ModelSpec
     every chunk but the last, then the row's last-token logits ``[1, vocab]``. Each chunk attends
     to what the chunks before it wrote (causality follows positions), so the result is the one
     pass's, computed in pieces that let other rows decode in between."""
+    pieces = chunks_of(rows, inputs, size)
+    for index, chunk in enumerate(pieces):
+        logits = prefill(forward, rows, chunk, spec)
+        yield logits if index == len(pieces) - 1 else None
+
+
+def chunks_of(rows: Rows, inputs: Inputs, size: int) -> list[Inputs]:
+    """One row's ``inputs`` cut into chunks of ``size`` tokens, in order (see :func:`prefill_chunks`)."""
     if rows.batch != 1:
         raise ValueError("chunked prefill takes one row (left padding would leave a chunk's padding queries no key)")
     width = inputs.ids.shape[1]
+    chunks = []
     for start in range(0, width, size):
         stop = min(start + size, width)
         positions = inputs.positions[:, start:stop]
         low, high = torch.aminmax(positions)  # one host read per chunk (a chunk is a whole forward pass)
-        chunk = Inputs(inputs.ids[:, start:stop], positions, inputs.real[:, start:stop], (int(low), int(high)))
-        logits = prefill(forward, rows, chunk, spec)
-        yield logits if stop == width else None
+        chunks.append(Inputs(inputs.ids[:, start:stop], positions, inputs.real[:, start:stop], (int(low), int(high))))
+    return chunks
+
+
+def new_tokens(rows: Rows, inputs: Inputs, spec: ModelSpec) -> NewTokens:
+    """``inputs`` (a chunk) as one batch of a packed forward pass (:meth:`Forward.packed`): what
+    :func:`prefill` runs alone, run beside other batches' tokens."""
+    mask = place_inputs(rows, inputs, spec)
+    if mask is None:  # packed, the tokens are not the last of one sequence: causality needs a mask
+        end = len(rows.buffer) + inputs.ids.shape[1]
+        mask = attention_mask(inputs.positions, rows.key_positions[:, :end], rows.valid[:, :end], spec, rows.bias)
+    return NewTokens(rows.buffer, inputs.ids, inputs.positions, mask, rows.shared, inputs.bounds)
 
 
 def place_inputs(rows: Rows, inputs: Inputs, spec: ModelSpec) -> Any:
