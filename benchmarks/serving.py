@@ -18,6 +18,9 @@ Part ``overhead`` (a tiny random Llama, whose forward pass costs almost nothing)
 decode steps through the scheduler against the bare decode loop (``generate.decode``) over the
 same prefilled rows: the time the scheduler adds per step.
 
+Part ``fused``: one step that admits a newcomer, its prefill and the running rows' decode step
+as two passes against one packed pass (``fuse_prefill``), for running batches of ``--callers`` rows.
+
 Part ``arrivals``: requests arriving as a Poisson process at ``--rates``; the sustainable rate
 (p95 latency within ``--p95-bound``) of the scheduler (and of the same scheduler with each
 newcomer's prefill in passes of its own, ``fuse_prefill=False``), of one-at-a-time serving and of
@@ -27,6 +30,7 @@ full prompts' token ids) on the same model and prompts.
     python benchmarks/serving.py concurrency --callers 1 4 8 --repeats 3
     python benchmarks/serving.py arrivals
     python benchmarks/serving.py overhead
+    python benchmarks/serving.py fused --set musique --skip 40 --passages 16 --callers 1 4 8
 Writes ``benchmarks/results/serving_<part>.json`` and prints a markdown table.
 """
 
@@ -329,9 +333,59 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def fused(args: argparse.Namespace) -> dict[str, Any]:
+    """One step that admits a newcomer: its prefill then the running rows' decode step as two
+    passes, against both in one packed pass (what the scheduler runs), for running batches of
+    ``--callers`` rows; median of ``--repeats``, the two orders alternating."""
+    from pc_rag.decode.loop import RunningBatch
+    from pc_rag.decode.request import SamplingParams
+    from pc_rag.prefill.passes import chunks_of, new_tokens, prefill
+
+    engine = PromptCache.from_pretrained()
+    engine.stop_token_ids.clear()
+    pool = records(args.data, args.skip, max(args.callers) + 1, args.passages, args.set)
+    prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
+
+    def running(prompt: str) -> RunningBatch:
+        plans = engine._prepare([prompt], True)
+        ticket = engine._ticket(plans, SamplingParams(max_new_tokens=1000), True, 0.0, share=False)
+        prefilled = engine._prefill(plans, 1000, True, share=False)
+        return RunningBatch(engine.forward, prefilled.rows, ticket.requests, prefilled.logits, engine.spec)
+
+    newcomer = engine._prepare([prompts[-1]], True)
+    report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": settings(args),
+                              "newcomer_computed_tokens": newcomer[0].computed_tokens, "rows": []}
+    for rows in args.callers:
+        batch = RunningBatch.combine([(running(p), [0]) for p in prompts[:rows]])
+        times: dict[str, list[float]] = {"decode step": [], "two passes": [], "one packed pass": []}
+        for repeat in range(args.repeats + 1):  # the first round warms up
+            for mode in (("two passes", "one packed pass") if repeat % 2 else ("one packed pass", "two passes")):
+                assembled, _ = engine._assemble_plain(newcomer, 32, True, True, batch.held())
+                chunk = chunks_of(assembled.rows, assembled.inputs, engine.scheduler.limits.max_step_tokens)[0]
+                batch.take()
+                started = time.perf_counter()
+                if mode == "two passes":
+                    prefill(engine.forward, assembled.rows, chunk, engine.spec)
+                    batch.feed()
+                else:
+                    batch.feed(alongside=new_tokens(assembled.rows, chunk, engine.spec))
+                if repeat:
+                    times[mode].append(time.perf_counter() - started)
+                engine.buffers.release(assembled.rows.buffer)
+            batch.take()
+            started = time.perf_counter()
+            batch.feed()
+            if repeat:
+                times["decode step"].append(time.perf_counter() - started)
+        row = {"rows": rows, "batch_length": batch.length, **{f"{m} ms": 1e3 * statistics.median(t) for m, t in times.items()}}
+        report["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("concurrency", "arrivals", "overhead"))
+    parser.add_argument("part", choices=("concurrency", "arrivals", "overhead", "fused"))
     parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
     parser.add_argument("--set", choices=tuple(SETS), default="hotpotqa", help="the QA set the prompts come from")
     parser.add_argument("--skip", type=int, default=100, help="records skipped (HotpotQA-more's first 100 were used in development)")
@@ -351,7 +405,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    report = {"concurrency": concurrency, "arrivals": arrivals, "overhead": overhead}[args.part](args)
+    report = {"concurrency": concurrency, "arrivals": arrivals, "overhead": overhead, "fused": fused}[args.part](args)
     out = args.out or ROOT / f"benchmarks/results/serving_{args.part}{'_overlap' if args.overlap else ''}.json"
     out.write_text(json.dumps(report, indent=1))
     if args.part == "concurrency":
