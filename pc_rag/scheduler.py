@@ -503,7 +503,16 @@ class Scheduler:
             batch.feed()
             return
         rows = chunked.assembled.rows
-        logits = batch.feed(alongside=new_tokens(rows, chunked.chunks.popleft(), self.spec))
+        try:
+            logits = batch.feed(alongside=new_tokens(rows, chunked.chunks.popleft(), self.spec))
+        except Exception as err:  # noqa: BLE001
+            # the newcomer's chunk fails it alone: the running rows take their step without it
+            logger.warning("a decode step with a newcomer's prefill chunk failed (%s); stepping without it", err)
+            ticket = chunked.ticket
+            self._drop_chunked()
+            self._fail_cohort([ticket], err)
+            batch.feed()
+            return
         with self._cond:
             self._stats.chunks += 1
             self._stats.fused += 1

@@ -317,6 +317,32 @@ def test_a_failing_request_leaves_the_others_unchanged(engine):
     assert engine.generate(good[0], max_new_tokens=6).token_ids == alone[0].token_ids  # the loop lives on
 
 
+def test_a_failing_prefill_chunk_fails_its_request_alone(engine):
+    """A packed pass (a newcomer's chunk riding on the running row's decode step) that raises
+    fails the newcomer only: the running row takes its step without it and answers as alone.
+    The fault is injected into the packed pass, as the test above injects one into the encoder."""
+    engine.stop_token_ids.clear()
+    keeper_prompt = build_prompt("Keep going.", engine.names[:2])
+    keeper_alone = engine.generate(keeper_prompt, max_new_tokens=300)
+    original = engine.forward.packed
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the packed pass broke")
+
+    keeper = engine.stream(keeper_prompt, max_new_tokens=300)
+    next(keeper)
+    engine.forward.packed = broken
+    try:
+        with pytest.raises(RuntimeError, match="the packed pass broke"):
+            engine.generate(build_prompt("And harbour 7?", engine.names[6:8]), max_new_tokens=4)
+    finally:
+        engine.forward.packed = original
+    for _ in keeper:
+        pass
+    assert keeper.result.token_ids == keeper_alone.token_ids
+    assert engine.scheduler.stats()["failed"] == 1
+
+
 def test_the_queue_bound_answers_with_the_typed_error(make_engine):
     engine = make_engine("llama", max_running=1, max_queued=2)
     engine.stop_token_ids.clear()

@@ -157,13 +157,14 @@ class RunningBatch:
             ids = torch.tensor([[self.spec.placeholder_id if token is None else token] for token in fed], device=self.logits.device)
         else:
             ids = torch.where(self.live, self._tokens[:, None], self.placeholder)
-        if self.history is not None:
-            self.history.append(ids)
         other = None
         if alongside is None:
             self.logits = decode_one_token(self.forward, self.rows, ids, self.cursor, self.spec)
         else:
             self.logits, other = decode_one_token_with(self.forward, self.rows, ids, self.cursor, self.spec, alongside)
+        # after the pass: a pass that raised may be run again (the same entries rewritten, nothing counted twice)
+        if self.history is not None:
+            self.history.append(ids)
         self.length += 1
         for request in self.requests:
             request.next_position += 1

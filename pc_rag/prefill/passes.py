@@ -1,5 +1,6 @@
-"""The prefill passes: :func:`prefill` (one forward pass over assembled rows), its chunked and
-in-order forms, and :func:`place_inputs`.
+"""The prefill passes: :func:`prefill` (one forward pass over assembled rows), its chunks
+(:func:`chunks_of`, a chunk beside a decode step: :func:`new_tokens`), its in-order form, and
+:func:`place_inputs`.
 
 A request (or a batch of them) arrives here assembled (:mod:`pc_rag.prefill.assemble`): its :class:`Rows`
 hold the KV each row attends to (its own cache, plus shared KV read in place) with the position
@@ -12,7 +13,7 @@ however many gaps between modules they fill; the masks come from
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,20 +32,11 @@ def prefill(forward: Forward, rows: Rows, inputs: Inputs, spec: ModelSpec) -> to
     return forward.prefill_batch(rows.buffer, inputs.ids, inputs.positions, mask, rows.shared, inputs.bounds)
 
 
-def prefill_chunks(forward: Forward, rows: Rows, inputs: Inputs, spec: ModelSpec, size: int
-                   ) -> Generator[torch.Tensor | None, None, None]:
-    """:func:`prefill` of one row in chunks of ``size`` tokens, one pass per ``next()``: None after
-    every chunk but the last, then the row's last-token logits ``[1, vocab]``. Each chunk attends
-    to what the chunks before it wrote (causality follows positions), so the result is the one
-    pass's, computed in pieces that let other rows decode in between."""
-    pieces = chunks_of(rows, inputs, size)
-    for index, chunk in enumerate(pieces):
-        logits = prefill(forward, rows, chunk, spec)
-        yield logits if index == len(pieces) - 1 else None
-
-
 def chunks_of(rows: Rows, inputs: Inputs, size: int) -> list[Inputs]:
-    """One row's ``inputs`` cut into chunks of ``size`` tokens, in order (see :func:`prefill_chunks`)."""
+    """One row's ``inputs`` cut into chunks of ``size`` tokens, in order: prefilled one after another
+    (:func:`prefill`, or :func:`new_tokens` beside a decode step), each attends to what the chunks
+    before it wrote (causality follows positions), so the result is the one pass's, computed in
+    pieces that let other rows decode in between."""
     if rows.batch != 1:
         raise ValueError("chunked prefill takes one row (left padding would leave a chunk's padding queries no key)")
     width = inputs.ids.shape[1]
