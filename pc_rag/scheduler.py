@@ -478,22 +478,32 @@ class Scheduler:
             try:
                 logits = prefill(self.forward, chunked.assembled.rows, chunked.chunks.popleft(), self.spec)
             except Exception as err:  # noqa: BLE001
-                self._drop_chunked()
-                self._fail_cohort([ticket], err)
+                self._fail_chunked(err)
                 return None
-            with self._cond:
-                self._stats.chunks += 1
-            if chunked.chunks:
+            self._chunk_done(chunked, logits, fused=False)
+            if chunked.logits is None:
                 return None
-            chunked.logits = logits
         self._chunked = None
         prefilled = Prefilled(chunked.assembled.rows, chunked.logits, chunked.assembled.order, chunked.assembled_at)
         return self._prefilled(prefilled, ticket.requests, [(ticket, 0)])
+
+    def _chunk_done(self, chunked: _Chunked, logits: torch.Tensor, *, fused: bool) -> None:
+        with self._cond:
+            self._stats.chunks += 1
+            self._stats.fused += int(fused)
+        if not chunked.chunks:  # the last chunk: the row is prefilled
+            chunked.logits = logits
 
     def _drop_chunked(self) -> None:
         assert self._chunked is not None
         self._release(self._chunked.assembled.rows.buffer)
         self._chunked = None
+
+    def _fail_chunked(self, err: Exception) -> None:
+        assert self._chunked is not None
+        ticket = self._chunked.ticket
+        self._drop_chunked()
+        self._fail_cohort([ticket], err)
 
     def _feed(self, batch: RunningBatch) -> None:
         """The running rows' decode step, with a newcomer's next chunk in the same forward pass
@@ -502,22 +512,15 @@ class Scheduler:
         if chunked is None or chunked.logits is not None or chunked.ticket.cancelled or not self._fusable():
             batch.feed()
             return
-        rows = chunked.assembled.rows
         try:
-            logits = batch.feed(alongside=new_tokens(rows, chunked.chunks.popleft(), self.spec))
+            logits = batch.feed(alongside=new_tokens(chunked.assembled.rows, chunked.chunks.popleft(), self.spec))
         except Exception as err:  # noqa: BLE001
             # the newcomer's chunk fails it alone: the running rows take their step without it
             logger.warning("a decode step with a newcomer's prefill chunk failed (%s); stepping without it", err)
-            ticket = chunked.ticket
-            self._drop_chunked()
-            self._fail_cohort([ticket], err)
+            self._fail_chunked(err)
             batch.feed()
             return
-        with self._cond:
-            self._stats.chunks += 1
-            self._stats.fused += 1
-        if not chunked.chunks:
-            chunked.logits = logits
+        self._chunk_done(chunked, logits, fused=True)
 
     def _prefilled(self, prefilled: Prefilled, requests: list[RequestState], owners: list[tuple[Ticket, int]]
                    ) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:

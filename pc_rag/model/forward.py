@@ -18,9 +18,6 @@ from .probe import PROBE_KWARG, Probe, ProbeDone
 from .shared_attention import KWARG, SharedKV
 
 
-_PLACEHOLDER_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
-
-
 def _shared_kwargs(shared: SharedKV | None, positions: torch.Tensor, bounds: tuple[int, int] | None) -> dict[str, Any]:
     """The forward keyword that hands shared KV to the attention function (none without it)."""
     return {} if shared is None else {KWARG: shared.for_queries(positions, bounds)}
@@ -52,6 +49,9 @@ class Forward:
         # once per batch size and buffer capacity (dynamic=False: a CUDA graph needs static shapes)
         self._decode_step = torch.compile(self._model_step, dynamic=False) if compile else None
         self.compiled_steps = 0  # decode steps run compiled
+        # what transformers is handed as the mask of a packed pass (a 4D mask passes through as it
+        # is; each pass applies its own): made once, not per step
+        self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
         self.passes = 0
         self.encoded = 0
         self._count_lock = threading.Lock()
@@ -170,10 +170,9 @@ class Forward:
             positions.append(pos.reshape(-1))
             keep.append(torch.arange(start + width - 1, start + rows * width, width))  # each row's last column
             start += rows * width
-        # the mask transformers sees is a placeholder (a 4D mask is passed through as it is): each
-        # pass's own mask is applied in its attention; no cache object either, the passes write theirs
+        # no cache object: the passes write their own caches in their attention
         out = self.model(input_ids=torch.cat(ids).to(device)[None], position_ids=torch.cat(positions)[None],
-                         attention_mask=_PLACEHOLDER_MASK.to(device), use_cache=False, logits_to_keep=torch.cat(keep).to(device),
+                         attention_mask=self._placeholder_mask, use_cache=False, logits_to_keep=torch.cat(keep).to(device),
                          **{PACKED_KWARG: PackedStep(passes, window_layers)})
         return list(out.logits[0].split([batch.ids.shape[0] for batch in batches]))
 

@@ -52,20 +52,18 @@ def chunks_of(rows: Rows, inputs: Inputs, size: int) -> list[Inputs]:
 def new_tokens(rows: Rows, inputs: Inputs, spec: ModelSpec) -> NewTokens:
     """``inputs`` (a chunk) as one batch of a packed forward pass (:meth:`Forward.packed`): what
     :func:`prefill` runs alone, run beside other batches' tokens."""
-    mask = place_inputs(rows, inputs, spec)
-    if mask is None:  # packed, the tokens are not the last of one sequence: causality needs a mask
-        end = len(rows.buffer) + inputs.ids.shape[1]
-        mask = attention_mask(inputs.positions, rows.key_positions[:, :end], rows.valid[:, :end], spec, rows.bias)
+    mask = place_inputs(rows, inputs, spec, always=True)  # packed, the tokens are not the last of one sequence
     return NewTokens(rows.buffer, inputs.ids, inputs.positions, mask, rows.shared, inputs.bounds)
 
 
-def place_inputs(rows: Rows, inputs: Inputs, spec: ModelSpec) -> Any:
-    """Record where ``inputs`` go in the rows' cache (after what it holds); their attention mask."""
+def place_inputs(rows: Rows, inputs: Inputs, spec: ModelSpec, *, always: bool = False) -> Any:
+    """Record where ``inputs`` go in the rows' cache (after what it holds); their attention mask
+    (None for ordered rows, whose causal mask transformers builds, unless ``always``)."""
     start = len(rows.buffer)
     end = start + inputs.ids.shape[1]
     rows.key_positions[:, start:end] = inputs.positions
     rows.valid[:, start:end] = inputs.real
-    if rows.ordered:
+    if rows.ordered and not always:
         return None
     return attention_mask(inputs.positions, rows.key_positions[:, :end], rows.valid[:, :end], spec, rows.bias)
 
