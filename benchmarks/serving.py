@@ -21,7 +21,12 @@ same prefilled rows: the time the scheduler adds per step.
 Part ``fused``: one step that admits a newcomer, its prefill and the running rows' decode step
 as two passes against one packed pass (``fuse_prefill``), for running batches of ``--callers`` rows.
 
-Part ``arrivals``: requests arriving as a Poisson process at ``--rates``; the sustainable rate
+Part ``linear``: decode-sized linear layers (``small_batch_linear``): ``F.linear`` against
+``W @ x^T`` over the model's weights for ``--callers`` rows, and a decode step of that many rows
+with the switch off and on.
+
+Part ``arrivals``: requests arriving as a Poisson process at ``--rates`` (with ``--overlap``,
+every request imports the same passages, its own question: the papers' setting); the sustainable rate
 (p95 latency within ``--p95-bound``) of the scheduler (and of the same scheduler with each
 newcomer's prefill in passes of its own, ``fuse_prefill=False``), of one-at-a-time serving and of
 transformers' own continuous batching (``ContinuousBatchingManager``, paged attention over the
@@ -31,7 +36,10 @@ full prompts' token ids) on the same model and prompts.
     python benchmarks/serving.py arrivals
     python benchmarks/serving.py overhead
     python benchmarks/serving.py fused --set musique --skip 40 --passages 16 --callers 1 4 8
-Writes ``benchmarks/results/serving_<part>.json`` and prints a markdown table.
+    python benchmarks/serving.py linear --set musique --skip 40 --passages 16 --callers 1 2 3 4 8 16
+    python benchmarks/serving.py plot
+Writes ``benchmarks/results/serving_<part>.json`` and prints a markdown table; part ``plot`` draws
+the results written (``PLOTTED``) as ``benchmarks/results/serving.png``.
 """
 
 from __future__ import annotations
@@ -167,7 +175,6 @@ def concurrency(args: argparse.Namespace) -> dict[str, Any]:
                "modes": {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}}
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
-    engine.scheduler.limits = fused
     report["scheduler"] = engine.scheduler.stats()
     return report
 
@@ -226,6 +233,8 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
     engine = PromptCache.from_pretrained()
     engine.stop_token_ids.clear()
     pool = records(args.data, args.skip, args.requests, args.passages, args.set)
+    if args.overlap:  # the papers' setting: every request reads the same documents (its own question)
+        pool = [(question, pool[0][1]) for question, _ in pool]
     prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
     token_ids = [engine.plan(p).input_ids for p in prompts]  # what full prefill reads: the same tokens
     serve(engine, "sequential", prompts[:2], 4)  # warm-up
@@ -383,9 +392,111 @@ def fused(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+PLOTTED = {  # panel title: (result file, the same with every prompt importing the same passages)
+    "~1K-token prompts, callers at once": ("serving_concurrency.json", "serving_concurrency_overlap.json"),
+    "~3.7K-token prompts, callers at once": ("serving_concurrency_4k.json", "serving_concurrency_4k_overlap.json"),
+    "~2K-token prompts, Poisson arrivals": ("serving_arrivals_2k.json", "serving_arrivals_2k_overlap.json"),
+}
+
+
+def plot(folder: Path, path: Path) -> None:
+    """The results in ``folder`` as one figure: per panel, mean latency against callers (or p95
+    latency against request rate) for every mode; solid lines each prompt its own passages,
+    dashed every prompt the same passages. A result file not there is left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(6 * len(PLOTTED), 4.5))
+    colours: dict[str, str] = {}
+    for ax, (title, files) in zip(axes, PLOTTED.items()):
+        for file, style in zip(files, ("o-", "s--")):
+            if not (folder / file).exists():
+                continue
+            report = json.loads((folder / file).read_text())
+            named = style == "o-"  # one legend entry per mode: the line style says which passages
+            if "rows" in report:  # callers at once
+                for mode in report["rows"][0]["modes"]:
+                    xs = [row["callers"] for row in report["rows"]]
+                    ys = [row["modes"][mode]["latency_mean_s"] for row in report["rows"]]
+                    line, = ax.plot(xs, ys, style, color=colours.get(mode), label=mode if named else "_nolegend_")
+                    colours.setdefault(mode, line.get_color())
+                ax.set_xlabel("concurrent callers")
+                ax.set_ylabel("mean latency (s)")
+            else:  # arrivals
+                for mode, result in report["modes"].items():
+                    rows = result["rows"]
+                    line, = ax.plot([r["rate"] for r in rows], [r["p95_latency_s"] for r in rows], style,
+                                    color=colours.get(mode), label=mode if named else "_nolegend_")
+                    colours.setdefault(mode, line.get_color())
+                ax.axhline(report["settings"]["p95_bound"], color="grey", lw=0.8, ls=":")
+                ax.set_xlabel("requests/s (Poisson)")
+                ax.set_ylabel("p95 latency (s, log scale)")
+                ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M on a 2-core CPU, 32 new tokens per request (benchmarks/serving.py); "
+                 "solid: each prompt its own passages, dashed: every prompt the same passages", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def linear(args: argparse.Namespace) -> dict[str, Any]:
+    """Decode-sized linear layers (``pc_rag.model.small_batch``): one sweep over the embedded
+    model's linear layers for ``--callers`` rows, ``F.linear`` against ``W @ x^T``; then a decode
+    step of that many rows (``generate_batch`` over prompts importing the same passages, per-step
+    time from its stats) with ``small_batch_linear`` off and on; median of ``--repeats``."""
+    import torch.nn.functional as F
+
+    from pc_rag.model import small_batch
+
+    engine = PromptCache.from_pretrained(small_batch_linear=False)
+    engine.stop_token_ids.clear()
+    layers = [m for m in engine.model.modules() if type(m) is torch.nn.Linear]
+    report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": settings(args),
+                              "weight_mb": sum(m.weight.numel() * m.weight.element_size() for m in layers) / 1e6, "sweep": [], "step": []}
+
+    def sweep(rows: int, product: Any) -> float:
+        inputs = {m.in_features: torch.randn(rows, m.in_features) for m in layers}
+        times = []
+        with torch.inference_mode():
+            for repeat in range(args.repeats + 1):
+                started = time.perf_counter()
+                for m in layers:
+                    product(inputs[m.in_features], m.weight)
+                if repeat:  # the first warms up
+                    times.append(time.perf_counter() - started)
+        return 1e3 * statistics.median(times)
+
+    for rows in args.callers:
+        row = {"rows": rows, "F.linear ms": sweep(rows, lambda x, w: F.linear(x, w)),
+               "W @ x^T ms": sweep(rows, lambda x, w: torch.mm(w, x.t()))}
+        report["sweep"].append(row)
+        print(json.dumps(row), flush=True)
+    pool = records(args.data, args.skip, max(args.callers), args.passages, args.set)
+    names = engine.add_documents(pool[0][1], progress=False)
+    prompts = [build_prompt(q, names) for q, _ in pool]
+    engine.generate(prompts[0], max_new_tokens=4)
+    for rows in args.callers:
+        row = {"rows": rows}
+        for on in (False, True):
+            small_batch.install(engine.model, on)
+            per_step = []
+            for _ in range(args.repeats):
+                results = engine.generate_batch(prompts[:rows], max_new_tokens=args.new_tokens)
+                per_step.append(statistics.median((r.stats.total_s - r.stats.ttft_s) / (len(r.token_ids) - 1) for r in results))
+            row[f"step ms, small_batch_linear={on}"] = 1e3 * statistics.median(per_step)
+        report["step"].append(row)
+        print(json.dumps(row), flush=True)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("concurrency", "arrivals", "overhead", "fused"))
+    parser.add_argument("part", choices=("concurrency", "arrivals", "overhead", "fused", "linear", "plot"))
     parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
     parser.add_argument("--set", choices=tuple(SETS), default="hotpotqa", help="the QA set the prompts come from")
     parser.add_argument("--skip", type=int, default=100, help="records skipped (HotpotQA-more's first 100 were used in development)")
@@ -404,8 +515,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="arrivals: the Poisson process's seed")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.part == "plot":  # from the results already written: nothing is run
+        folder = ROOT / "benchmarks" / "results"
+        plot(folder, args.out or folder / "serving.png")
+        return
     torch.set_num_threads(2)
-    report = {"concurrency": concurrency, "arrivals": arrivals, "overhead": overhead, "fused": fused}[args.part](args)
+    report = {"concurrency": concurrency, "arrivals": arrivals, "overhead": overhead, "fused": fused, "linear": linear}[args.part](args)
     out = args.out or ROOT / f"benchmarks/results/serving_{args.part}{'_overlap' if args.overlap else ''}.json"
     out.write_text(json.dumps(report, indent=1))
     if args.part == "concurrency":

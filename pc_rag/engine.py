@@ -29,6 +29,7 @@ from .engine_parts import open_kv
 from .errors import PromptCacheError
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
+from .model import small_batch
 from .model.forward import Forward
 from .model.loading import load_model
 from .model.rope import RopeRotator
@@ -109,6 +110,10 @@ class PromptCache(Registration, Serving):
             a forward pass with their decode step (False: between steps).
         compile: run decode steps through ``torch.compile`` (fixed shapes; pays off for
             long-lived engines with steady settings).
+        small_batch_linear: the model's linear layers compute inputs of 2-16 rows (decode steps
+            of several requests) as ``W @ x^T``, which streams the weights once on a CPU where
+            ``x @ W^T`` streams them two or three times (:mod:`pc_rag.model.small_batch`). None:
+            for a float32 model on a CPU with over 32 MB of linear weights.
     """
 
     def __init__(
@@ -144,9 +149,11 @@ class PromptCache(Registration, Serving):
         buffer_budget: int | None = None,
         fuse_prefill: bool = True,
         compile: bool = False,
+        small_batch_linear: bool | None = None,
     ) -> None:
         self.encoding: Encoding = _checked(encoding or DEFAULT_ENCODING, memory_budget, kv_location, remote_sync_interval_s)
         self.model, self.tokenizer = model, tokenizer
+        self.small_batch_linear = small_batch.install(model, small_batch_linear)  # before anything runs the model
         self.spec: ModelSpec = inspect_model(model, tokenizer, separator=SEPARATOR)
         self.recovery = configure_recovery(self.spec, strategy=recovery, budget=recovery_budget, recompute=recompute,
                                            recompute_tail=recompute_tail, temperature=attention_temperature, scale=attention_scale)

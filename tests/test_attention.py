@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from pc_rag.model import attention
+from pc_rag.model.forward import cache_keyword
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -17,10 +18,10 @@ def test_pc_rag_sdpa_matches_sdpa_with_mask_and_gqa(make_tiny, arch):
 
     def run() -> torch.Tensor:
         # a prefix in the cache, then a multi-token query: the shape of a cached prompt's prefill
-        cache = DynamicCache(config=model.config)
+        cache = {cache_keyword(model): DynamicCache(config=model.config)}
         with torch.no_grad():
-            model(ids[:, :25], past_key_values=cache, use_cache=True)
-            return model(ids[:, 25:], past_key_values=cache, use_cache=True).logits
+            model(ids[:, :25], use_cache=True, **cache)
+            return model(ids[:, 25:], use_cache=True, **cache).logits
 
     model.set_attn_implementation("sdpa")
     reference = run()

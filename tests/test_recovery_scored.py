@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from pc_rag import PML, PromptCache, PromptCacheError, build_prompt
+from pc_rag.model.forward import cache_keyword
 from pc_rag.model.probe import Probe
 from pc_rag.prefill.pipeline import prefill_plans
 from pc_rag.prefill.recovery import Recovery
@@ -124,7 +125,7 @@ def test_deviation_leaves_the_first_layers_exact_for_every_token(make_tiny, toke
     ids, positions = plan[0].input_ids, plan[0].position_ids
     cache = DynamicCache()
     with torch.no_grad():
-        model(torch.tensor([ids]), position_ids=torch.tensor([positions]), past_key_values=cache, use_cache=True)
+        model(torch.tensor([ids]), position_ids=torch.tensor([positions]), use_cache=True, **{cache_keyword(model): cache})
     rows = prefilled.rows
     n = plan[0].cached_tokens
     where = {p: i for i, p in enumerate(positions)}

@@ -3,6 +3,7 @@ steps), with the keyword arguments its attention kernels read (positions, shared
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Sequence
@@ -21,6 +22,12 @@ from .shared_attention import KWARG, SharedKV
 def _shared_kwargs(shared: SharedKV | None, positions: torch.Tensor, bounds: tuple[int, int] | None) -> dict[str, Any]:
     """The forward keyword that hands shared KV to the attention function (none without it)."""
     return {} if shared is None else {KWARG: shared.for_queries(positions, bounds)}
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword ``model``'s forward takes its KV cache under: ``cache`` where transformers has
+    renamed ``past_key_values`` (5.x; the old name is removed in 5.40), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(getattr(model, "base_model", model).forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -45,6 +52,7 @@ class Forward:
 
     def __init__(self, model: Any, *, compile: bool = False) -> None:
         self.model = model
+        self._cache = cache_keyword(model)
         # decode steps with fixed shapes (pc_rag.decode.loop.Cursor) through torch.compile: compiled
         # once per batch size and buffer capacity (dynamic=False: a CUDA graph needs static shapes)
         self._decode_step = torch.compile(self._model_step, dynamic=False) if compile else None
@@ -108,8 +116,8 @@ class Forward:
         device = self.model.device
         pos = pos.to(device)
         self.model.base_model(
-            input_ids=ids.to(device), position_ids=pos, attention_mask=mask, past_key_values=buffer.cache, use_cache=True,
-            **_shared_kwargs(shared, pos, bounds),
+            input_ids=ids.to(device), position_ids=pos, attention_mask=mask, use_cache=True,
+            **{self._cache: buffer.cache}, **_shared_kwargs(shared, pos, bounds),
         )
         return None
 
@@ -129,8 +137,8 @@ class Forward:
     def _model_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, cache: Any, **extra: Any) -> torch.Tensor:
         """The model over ``ids`` at ``positions``; the last token's logits (logits_to_keep=1: the
         vocabulary projection runs for it only)."""
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1, **extra)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                         **{self._cache: cache}, **extra)
         return out.logits[:, -1]
 
     def prefill_batch(
@@ -186,7 +194,7 @@ class Forward:
         device = self.model.device
         try:
             self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
-                                  past_key_values=buffer.cache, use_cache=True, **{PROBE_KWARG: probe})
+                                  use_cache=True, **{self._cache: buffer.cache, PROBE_KWARG: probe})
         except ProbeDone:
             pass
         buffer.grow_to(before)
@@ -225,7 +233,8 @@ class Forward:
             ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
         positions = torch.arange(start, start + width, dtype=torch.long).expand(len(sequences), -1)
         self._count(1, len(sequences))
-        self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), past_key_values=buffer.cache, use_cache=True)
+        self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=True,
+                                **{self._cache: buffer.cache})
         kept = keep_from if keep_from is not None else [0] * len(sequences)
         return [
             ModuleKV(buffer.slice(before + skip, before + len(seq), row).clone(), torch.arange(start + skip, start + len(seq), dtype=torch.long))
