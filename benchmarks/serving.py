@@ -36,7 +36,7 @@ full prompts' token ids) on the same model and prompts.
     python benchmarks/serving.py arrivals
     python benchmarks/serving.py overhead
     python benchmarks/serving.py fused --set musique --skip 40 --passages 16 --callers 1 4 8
-    python benchmarks/serving.py linear --set musique --skip 40 --passages 16 --callers 1 2 3 4 8 16
+    python benchmarks/serving.py linear --set musique --skip 40 --passages 16 --callers 1 2 3 4 8 16 --overlap
     python benchmarks/serving.py plot
 Writes ``benchmarks/results/serving_<part>.json`` and prints a markdown table; part ``plot`` draws
 the results written (``PLOTTED``) as ``benchmarks/results/serving.png``.
@@ -68,10 +68,13 @@ UNFUSED = "scheduler, prefill between steps"
 SETS = {"hotpotqa": "hotpotqa_dev_distractor_more.jsonl", "musique": "musique_ans_dev_20docs.jsonl"}
 
 
-def records(data: Path, skip: int, count: int, passages: int, dataset: str = "hotpotqa") -> list[tuple[str, list[str]]]:
+def records(data: Path, skip: int, count: int, passages: int, dataset: str = "hotpotqa", *, overlap: bool = False
+            ) -> list[tuple[str, list[str]]]:
     """(question, passages) of records ``skip .. skip + count`` of ``dataset`` (HotpotQA dev-distractor:
     10 passages a record; MuSiQue: 20). A prompt of more passages than its record holds takes
-    the rest, as distractors, from the records after it (for long prompts; answers unchanged)."""
+    the rest, as distractors, from the records after it (for long prompts; answers unchanged).
+    ``overlap``: every question with the first record's passages (the papers' setting: a shared
+    document set, each request its own question)."""
     lines = (data / SETS[dataset]).read_text().splitlines()
     out = []
     for index in range(skip, skip + count):
@@ -82,7 +85,7 @@ def records(data: Path, skip: int, count: int, passages: int, dataset: str = "ho
             if len(texts) >= passages:
                 break
         out.append((record["question"], texts[:passages]))
-    return out
+    return [(question, out[0][1]) for question, _ in out] if overlap else out
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,14 +155,8 @@ def serve(engine: PromptCache, mode: str, prompts: list[str], new_tokens: int) -
 def concurrency(args: argparse.Namespace) -> dict[str, Any]:
     engine = PromptCache.from_pretrained()
     engine.stop_token_ids.clear()  # every mode decodes exactly --new-tokens tokens
-    pool = records(args.data, args.skip, max(args.callers), args.passages, args.set)
-    prompts_all = []
-    for question, passages in pool:
-        names = engine.add_documents(passages, progress=False)
-        prompts_all.append((question, names))
-    if args.overlap:
-        shared = prompts_all[0][1]
-        prompts_all = [(q, shared) for q, _ in prompts_all]
+    pool = records(args.data, args.skip, max(args.callers), args.passages, args.set, overlap=args.overlap)
+    prompts_all = [(question, engine.add_documents(passages, progress=False)) for question, passages in pool]
     report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": settings(args),
                               "rows": []}
     serve(engine, "sequential", [build_prompt(q, n) for q, n in prompts_all[:2]], 4)  # warm-up
@@ -232,9 +229,7 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
 
     engine = PromptCache.from_pretrained()
     engine.stop_token_ids.clear()
-    pool = records(args.data, args.skip, args.requests, args.passages, args.set)
-    if args.overlap:  # the papers' setting: every request reads the same documents (its own question)
-        pool = [(question, pool[0][1]) for question, _ in pool]
+    pool = records(args.data, args.skip, args.requests, args.passages, args.set, overlap=args.overlap)
     prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
     token_ids = [engine.plan(p).input_ids for p in prompts]  # what full prefill reads: the same tokens
     serve(engine, "sequential", prompts[:2], 4)  # warm-up
@@ -392,10 +387,11 @@ def fused(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-PLOTTED = {  # panel title: (result file, the same with every prompt importing the same passages)
-    "~1K-token prompts, callers at once": ("serving_concurrency.json", "serving_concurrency_overlap.json"),
-    "~3.7K-token prompts, callers at once": ("serving_concurrency_4k.json", "serving_concurrency_4k_overlap.json"),
-    "~2K-token prompts, Poisson arrivals": ("serving_arrivals_2k.json", "serving_arrivals_2k_overlap.json"),
+PLOTTED = {  # panel title: [(result file, dashed: every prompt imports the same passages), ...]
+    "~1K-token prompts, callers at once": [("serving_concurrency.json", False), ("serving_concurrency_overlap.json", True)],
+    "~3.7K-token prompts, callers at once": [("serving_concurrency_4k.json", False), ("serving_concurrency_4k_overlap.json", True)],
+    "~2K-token prompts, Poisson arrivals": [("serving_arrivals_2k_small_batch.json", False), ("serving_arrivals_2k_overlap.json", True),
+                                           ("serving_arrivals_2k_overlap_transformers_cb.json", True)],
 }
 
 
@@ -411,29 +407,29 @@ def plot(folder: Path, path: Path) -> None:
     fig, axes = plt.subplots(1, len(PLOTTED), figsize=(6 * len(PLOTTED), 4.5))
     colours: dict[str, str] = {}
     for ax, (title, files) in zip(axes, PLOTTED.items()):
-        for file, style in zip(files, ("o-", "s--")):
+        named: set[str] = set()
+        for file, dashed in files:
             if not (folder / file).exists():
                 continue
             report = json.loads((folder / file).read_text())
-            named = style == "o-"  # one legend entry per mode: the line style says which passages
+            style = "s--" if dashed else "o-"
             if "rows" in report:  # callers at once
-                for mode in report["rows"][0]["modes"]:
-                    xs = [row["callers"] for row in report["rows"]]
-                    ys = [row["modes"][mode]["latency_mean_s"] for row in report["rows"]]
-                    line, = ax.plot(xs, ys, style, color=colours.get(mode), label=mode if named else "_nolegend_")
-                    colours.setdefault(mode, line.get_color())
+                series = {mode: ([row["callers"] for row in report["rows"]], [row["modes"][mode]["latency_mean_s"] for row in report["rows"]])
+                          for mode in report["rows"][0]["modes"]}
                 ax.set_xlabel("concurrent callers")
                 ax.set_ylabel("mean latency (s)")
             else:  # arrivals
-                for mode, result in report["modes"].items():
-                    rows = result["rows"]
-                    line, = ax.plot([r["rate"] for r in rows], [r["p95_latency_s"] for r in rows], style,
-                                    color=colours.get(mode), label=mode if named else "_nolegend_")
-                    colours.setdefault(mode, line.get_color())
+                series = {mode: ([r["rate"] for r in result["rows"]], [r["p95_latency_s"] for r in result["rows"]])
+                          for mode, result in report["modes"].items()}
                 ax.axhline(report["settings"]["p95_bound"], color="grey", lw=0.8, ls=":")
                 ax.set_xlabel("requests/s (Poisson)")
                 ax.set_ylabel("p95 latency (s, log scale)")
                 ax.set_yscale("log")
+            for mode, (xs, ys) in series.items():
+                # one legend entry per mode: the line style says which passages
+                line, = ax.plot(xs, ys, style, color=colours.get(mode), label="_nolegend_" if mode in named else mode)
+                colours.setdefault(mode, line.get_color())
+                named.add(mode)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
@@ -447,8 +443,8 @@ def plot(folder: Path, path: Path) -> None:
 def linear(args: argparse.Namespace) -> dict[str, Any]:
     """Decode-sized linear layers (``pc_rag.model.small_batch``): one sweep over the embedded
     model's linear layers for ``--callers`` rows, ``F.linear`` against ``W @ x^T``; then a decode
-    step of that many rows (``generate_batch`` over prompts importing the same passages, per-step
-    time from its stats) with ``small_batch_linear`` off and on; median of ``--repeats``."""
+    step of that many rows (``generate_batch``, per-step time from its stats; with ``--overlap``
+    the prompts import the same passages) with ``small_batch_linear`` off and on; median of ``--repeats``."""
     import torch.nn.functional as F
 
     from pc_rag.model import small_batch
@@ -476,19 +472,17 @@ def linear(args: argparse.Namespace) -> dict[str, Any]:
                "W @ x^T ms": sweep(rows, lambda x, w: torch.mm(w, x.t()))}
         report["sweep"].append(row)
         print(json.dumps(row), flush=True)
-    pool = records(args.data, args.skip, max(args.callers), args.passages, args.set)
-    names = engine.add_documents(pool[0][1], progress=False)
-    prompts = [build_prompt(q, names) for q, _ in pool]
+    pool = records(args.data, args.skip, max(args.callers), args.passages, args.set, overlap=args.overlap)
+    prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
     engine.generate(prompts[0], max_new_tokens=4)
     for rows in args.callers:
-        row = {"rows": rows}
-        for on in (False, True):
-            small_batch.install(engine.model, on)
-            per_step = []
-            for _ in range(args.repeats):
+        per_step: dict[bool, list[float]] = {False: [], True: []}
+        for repeat in range(args.repeats):
+            for on in (False, True) if repeat % 2 else (True, False):  # the two orders alternate
+                small_batch.install(engine.model, on)
                 results = engine.generate_batch(prompts[:rows], max_new_tokens=args.new_tokens)
-                per_step.append(statistics.median((r.stats.total_s - r.stats.ttft_s) / (len(r.token_ids) - 1) for r in results))
-            row[f"step ms, small_batch_linear={on}"] = 1e3 * statistics.median(per_step)
+                per_step[on].append(statistics.median((r.stats.total_s - r.stats.ttft_s) / (len(r.token_ids) - 1) for r in results))
+        row = {"rows": rows, **{f"step ms, small_batch_linear={on}": 1e3 * statistics.median(t) for on, t in per_step.items()}}
         report["step"].append(row)
         print(json.dumps(row), flush=True)
     return report

@@ -4,10 +4,10 @@ A decode step multiplies every weight matrix by a few rows, one per running requ
 ``F.linear`` (``x @ W^T``) for 2-16 rows streams the weights more than once: MKL answers 2-3 rows
 with one matrix-vector product per row and more rows with a GEMM that packs ``W`` first.
 Measured on the 2-core development machine (``benchmarks/serving.py linear``), one sweep over
-SmolLM2-135M's linear layers (538 MB of float32 weights, never in cache): 48 ms for one row,
-87-97 ms for 2-3 rows, 59-67 ms for 4-8; the same products as ``W @ x^T`` (the weights on the
-left, ``x^T`` a transposed view, no copy) take 25-53 ms for 2-8 rows. A decode step of 2 rows
-that cost 1.9x one row's costs 1.2x.
+SmolLM2-135M's linear layers (538 MB of float32 weights, never in cache): 47 ms for one row,
+98-101 ms for 2-3 rows, 62-75 ms for 4-8; the same products as ``W @ x^T`` (the weights on the
+left, ``x^T`` a transposed view, no copy) take 26-56 ms for 2-8 rows. A decode step of 2 rows
+sharing their documents that cost 1.9x one row's costs 1.2x.
 
 The product is the same; only the summation order inside the kernel differs (float rounding).
 One row and prefill-sized inputs keep ``F.linear``, which is as fast or faster there.
