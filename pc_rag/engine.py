@@ -113,7 +113,8 @@ class PromptCache(Registration, Serving):
         small_batch_linear: the model's linear layers compute inputs of 2-16 rows (decode steps
             of several requests) as ``W @ x^T``, which streams the weights once on a CPU where
             ``x @ W^T`` streams them two or three times (:mod:`pc_rag.model.small_batch`). None:
-            for a float32 model on a CPU with over 32 MB of linear weights.
+            for a float32 model on a CPU with over 32 MB of linear weights. It is set on the
+            model's layers, so it holds for every user of that model object (False undoes it).
     """
 
     def __init__(

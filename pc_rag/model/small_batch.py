@@ -1,8 +1,8 @@
 """Decode-sized linear layers on a CPU as ``W @ x^T``.
 
 A decode step multiplies every weight matrix by a few rows, one per running request. On a CPU,
-``F.linear`` (``x @ W^T``) for 2-16 rows streams the weights more than once: MKL answers 2-3 rows
-with one matrix-vector product per row and more rows with a GEMM that packs ``W`` first.
+``F.linear`` (``x @ W^T``) for 2-16 rows streams the weights more than once: with MKL, 2-3 rows
+take as long as one matrix-vector product per row, and more rows as a GEMM that packs ``W`` first.
 Measured on the 2-core development machine (``benchmarks/serving.py linear``), one sweep over
 SmolLM2-135M's linear layers (538 MB of float32 weights, never in cache): 47 ms for one row,
 98-101 ms for 2-3 rows, 62-75 ms for 4-8; the same products as ``W @ x^T`` (the weights on the
