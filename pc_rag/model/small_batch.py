@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 
 ROWS = range(2, 17)  # input rows (tokens x batch) that take W @ x^T: decode steps of up to 16 requests
 MIN_WEIGHT_BYTES = 32 << 20  # smaller models' weights stay in cache, where F.linear is not slower
-_MARK = "_pc_rag_small_batch"
 
 
 def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +50,12 @@ def wanted(model: Any) -> bool:
     return weights >= MIN_WEIGHT_BYTES
 
 
+def _routed(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s own ``forward`` (an instance attribute, over the class's) is :func:`linear`."""
+    forward = vars(module).get("forward")
+    return isinstance(forward, MethodType) and forward.__func__ is linear
+
+
 def install(model: Any, enabled: bool | None = None) -> bool:
     """Route ``model``'s ``nn.Linear`` layers through :func:`linear` (``enabled=None``: where
     :func:`wanted`), or back to their own forward (``False``); returns whether they take it.
@@ -63,13 +68,11 @@ def install(model: Any, enabled: bool | None = None) -> bool:
     for module in model.modules():
         if type(module) is not torch.nn.Linear or hasattr(module, "_hf_hook"):
             continue
-        if on and not getattr(module, _MARK, False):
+        if on and not _routed(module):
             module.forward = MethodType(linear, module)
-            setattr(module, _MARK, True)
             changed += 1
-        elif not on and getattr(module, _MARK, False):
+        elif not on and _routed(module):
             del module.forward  # the class's forward again
-            delattr(module, _MARK)
             changed += 1
     if changed:
         logger.info("%s W @ x^T for decode-sized inputs in %d linear layers", "using" if on else "no longer using", changed)
