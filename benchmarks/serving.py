@@ -93,10 +93,15 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
 
 
+def p95(values: list[float]) -> float:
+    """The 95th percentile of ``values`` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
 def summary(calls: list[dict[str, float]], wall: float) -> dict[str, float]:
-    ttft = sorted(c["ttft_s"] for c in calls)
-    latency = sorted(c["latency_s"] for c in calls)
-    p95 = lambda xs: xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]  # noqa: E731
+    ttft = [c["ttft_s"] for c in calls]
+    latency = [c["latency_s"] for c in calls]
     # computed tokens per call: every mode must do the same prefill work (the same prompts, read alike)
     return {"wall_s": wall, "tokens_per_s": sum(c["tokens"] for c in calls) / wall, "computed_mean": statistics.mean(c["computed"] for c in calls),
             "ttft_mean_s": statistics.mean(ttft), "ttft_p95_s": p95(ttft),
@@ -275,14 +280,13 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
         before = engine.scheduler.stats()
         try:
             with ThreadPoolExecutor(len(prompts)) as workers:
-                latencies = sorted(workers.map(call, zip(offsets, range(len(prompts)))))
+                latencies = list(workers.map(call, zip(offsets, range(len(prompts)))))
         finally:
             if transformers_cb is not None:
                 transformers_cb.close()
             engine.scheduler.limits = fused
         after = engine.scheduler.stats()
-        p95 = latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))]
-        return {"p95_latency_s": p95, "mean_latency_s": statistics.mean(latencies),
+        return {"p95_latency_s": p95(latencies), "mean_latency_s": statistics.mean(latencies),
                 **({k: after[k] - before[k] for k in counted} if mode.startswith("scheduler") else {})}
 
     modes = list(args.arrival_modes)

@@ -66,14 +66,13 @@ def install(model: Any, enabled: bool | None = None) -> bool:
     on = wanted(model) if enabled is None else enabled
     changed = 0
     for module in model.modules():
-        if type(module) is not torch.nn.Linear or hasattr(module, "_hf_hook"):
+        if type(module) is not torch.nn.Linear or hasattr(module, "_hf_hook") or _routed(module) == on:
             continue
-        if on and not _routed(module):
+        if on:
             module.forward = MethodType(linear, module)
-            changed += 1
-        elif not on and _routed(module):
+        else:
             del module.forward  # the class's forward again
-            changed += 1
+        changed += 1
     if changed:
         logger.info("%s W @ x^T for decode-sized inputs in %d linear layers", "using" if on else "no longer using", changed)
     return on
