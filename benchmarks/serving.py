@@ -33,11 +33,17 @@ transformers' own continuous batching (``ContinuousBatchingManager``, paged atte
 full prompts' token ids) on the same model and prompts. Each rate runs ``--repeats`` Poisson draws
 that serve every mode in turn (the order rotating), and reports the medians.
 
+Part ``reads``: what the scheduler's decode steps read over one Poisson draw per rate in
+``--rates``: the cache entries every step attends to (each row reads the batch's attended width)
+against the entries its live rows hold, split into finished rows that still sit in the batch,
+live rows' padding up to the write column (shorter prompts, skipped columns) and entries past it.
+
     python benchmarks/serving.py concurrency --callers 1 4 8 --repeats 3
     python benchmarks/serving.py arrivals
     python benchmarks/serving.py overhead
     python benchmarks/serving.py fused --set musique --skip 40 --passages 16 --callers 1 4 8
     python benchmarks/serving.py linear --set musique --skip 40 --passages 16 --callers 1 2 3 4 8 16 --overlap
+    python benchmarks/serving.py reads --set musique --skip 40 --passages 16 --rates 1.0
     python benchmarks/serving.py plot
 Writes ``benchmarks/results/serving_<part>.json`` and prints a markdown table; part ``plot`` draws
 the results written (``PLOTTED``) as ``benchmarks/results/serving.png``.
@@ -320,6 +326,62 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def reads(args: argparse.Namespace) -> dict[str, Any]:
+    """Cache entries read by the scheduler's decode steps against those its live rows hold, over
+    one Poisson draw (``--seed``) per rate; counted by wrapping :meth:`RunningBatch.feed` (one
+    host read of the rows' validity per step: the counts, not the timings, are the result)."""
+    import random
+
+    from pc_rag.decode import loop
+
+    engine = PromptCache.from_pretrained()
+    engine.stop_token_ids.clear()
+    pool = records(args.data, args.skip, args.requests, args.passages, args.set, overlap=args.overlap)
+    prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
+    serve(engine, "sequential", prompts[:2], 4)  # warm-up
+    steps: list[dict[str, int]] = []
+    feed = loop.RunningBatch.feed
+
+    def counted(batch: loop.RunningBatch, alongside: Any = None) -> Any:
+        live = [row for row, request in enumerate(batch.requests) if not request.done]
+        width = batch.cursor.end if batch.cursor.fixed else batch.length + 1  # what each row attends to
+        held = int(batch.rows.valid[live, :width].sum()) + len(live) if live else 0  # + the entry this step writes
+        ahead = max(0, width - batch.length - 1)
+        steps.append({"read": batch.batch * width, "live": held, "finished_rows": (batch.batch - len(live)) * width,
+                      "ahead_of_column": len(live) * ahead, "padding": len(live) * (width - ahead) - held})
+        return feed(batch, alongside)
+
+    report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": settings(args), "rows": []}
+    loop.RunningBatch.feed = counted  # type: ignore[method-assign]
+    try:
+        for rate in args.rates:
+            clock = random.Random(args.seed)
+            at, offsets = 0.0, []
+            for _ in prompts:
+                at += clock.expovariate(rate)
+                offsets.append(at)
+            steps.clear()
+            start = time.perf_counter()
+
+            def call(index: int) -> float:
+                time.sleep(max(0.0, start + offsets[index] - time.perf_counter()))  # arrive on schedule
+                arrived = time.perf_counter()
+                engine.generate(prompts[index], max_new_tokens=args.new_tokens)
+                return time.perf_counter() - arrived
+
+            with ThreadPoolExecutor(len(prompts)) as workers:
+                latencies = list(workers.map(call, range(len(prompts))))
+            total = {key: sum(step[key] for step in steps) for key in steps[0]}
+            row = {"rate": rate, "steps": len(steps), "p95_latency_s": p95(latencies),
+                   "read_per_live_entry": total["read"] / total["live"],
+                   **{f"{key}_share": total[key] / total["read"] for key in ("live", "finished_rows", "padding", "ahead_of_column")}}
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        loop.RunningBatch.feed = feed  # type: ignore[method-assign]
+    return report
+
+
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Per decode step: the scheduler's loop against the bare loop, on a tiny model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -519,7 +581,7 @@ def linear(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("concurrency", "arrivals", "overhead", "fused", "linear", "plot"))
+    parser.add_argument("part", choices=("concurrency", "arrivals", "reads", "overhead", "fused", "linear", "plot"))
     parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
     parser.add_argument("--set", choices=tuple(SETS), default="hotpotqa", help="the QA set the prompts come from")
     parser.add_argument("--skip", type=int, default=100, help="records skipped (HotpotQA-more's first 100 were used in development)")
@@ -530,12 +592,12 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="every prompt imports the same passages")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (arrivals: Poisson draws per rate)")
     parser.add_argument("--steps", type=int, default=200, help="overhead: decode steps per request")
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0], help="arrivals: requests/s")
-    parser.add_argument("--requests", type=int, default=16, help="arrivals: requests per rate")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0], help="arrivals, reads: requests/s")
+    parser.add_argument("--requests", type=int, default=16, help="arrivals, reads: requests per rate")
     parser.add_argument("--arrival-modes", nargs="+", default=["scheduler", UNFUSED, "one at a time", "transformers CB"],
                         help="arrivals: how requests are served")
     parser.add_argument("--p95-bound", type=float, default=6.0, help="arrivals: the p95 latency a sustainable rate keeps (s)")
-    parser.add_argument("--seed", type=int, default=0, help="arrivals: the first draw's seed (draw k: seed + k)")
+    parser.add_argument("--seed", type=int, default=0, help="arrivals, reads: the first draw's seed (arrivals' draw k: seed + k)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.part == "plot":  # from the results already written: nothing is run
@@ -543,7 +605,7 @@ def main() -> None:
         plot(folder, args.out or folder / "serving.png")
         return
     torch.set_num_threads(2)
-    report = {"concurrency": concurrency, "arrivals": arrivals, "overhead": overhead, "fused": fused, "linear": linear}[args.part](args)
+    report = {"concurrency": concurrency, "arrivals": arrivals, "reads": reads, "overhead": overhead, "fused": fused, "linear": linear}[args.part](args)
     out = args.out or ROOT / f"benchmarks/results/serving_{args.part}{'_overlap' if args.overlap else ''}.json"
     out.write_text(json.dumps(report, indent=1))
     if args.part == "concurrency":
