@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import threading
 import time
@@ -103,6 +104,16 @@ def p95(values: list[float]) -> float:
     """The 95th percentile of ``values`` (nearest rank)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def poisson_offsets(rate: float, count: int, seed: int) -> list[float]:
+    """Arrival times (s from the start) of ``count`` requests arriving as a Poisson process at ``rate``/s."""
+    clock = random.Random(seed)
+    at, offsets = 0.0, []
+    for _ in range(count):
+        at += clock.expovariate(rate)
+        offsets.append(at)
+    return offsets
 
 
 def summary(calls: list[dict[str, float]], wall: float) -> dict[str, float]:
@@ -242,8 +253,6 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
     serves the modes one after another, their order rotating between draws, so that a slower
     stretch of the machine falls on every mode alike. A rate's p95 and mean are the medians over
     the draws (each draw's kept in ``draws``)."""
-    import random
-
     engine = PromptCache.from_pretrained()
     engine.stop_token_ids.clear()
     pool = records(args.data, args.skip, args.requests, args.passages, args.set, overlap=args.overlap)
@@ -304,11 +313,7 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
             break
         draws: dict[str, list[dict[str, float]]] = {mode: [] for mode in live}
         for repeat in range(args.repeats):
-            clock = random.Random(args.seed + repeat)
-            at, offsets = 0.0, []
-            for _ in prompts:
-                at += clock.expovariate(rate)
-                offsets.append(at)
+            offsets = poisson_offsets(rate, len(prompts), args.seed + repeat)
             for mode in live[repeat % len(live):] + live[: repeat % len(live)]:
                 draws[mode].append(draw(mode, offsets))
                 print(json.dumps({"mode": mode, "rate": rate, "seed": args.seed + repeat, **draws[mode][-1]}), flush=True)
@@ -330,8 +335,6 @@ def reads(args: argparse.Namespace) -> dict[str, Any]:
     """Cache entries read by the scheduler's decode steps against those its live rows hold, over
     one Poisson draw (``--seed``) per rate; counted by wrapping :meth:`RunningBatch.feed` (one
     host read of the rows' validity per step: the counts, not the timings, are the result)."""
-    import random
-
     from pc_rag.decode import loop
 
     engine = PromptCache.from_pretrained()
@@ -355,11 +358,7 @@ def reads(args: argparse.Namespace) -> dict[str, Any]:
     loop.RunningBatch.feed = counted  # type: ignore[method-assign]
     try:
         for rate in args.rates:
-            clock = random.Random(args.seed)
-            at, offsets = 0.0, []
-            for _ in prompts:
-                at += clock.expovariate(rate)
-                offsets.append(at)
+            offsets = poisson_offsets(rate, len(prompts), args.seed)
             steps.clear()
             start = time.perf_counter()
 
