@@ -11,9 +11,18 @@ in one run, median of ``--runs`` after a warm-up:
   ``model.generate`` on the same prompt text (both greedy, ``--new-tokens`` tokens);
 - shared-batch throughput: ``--batch`` prompts importing the same documents with different
   questions, ``engine.generate_batch`` (shared-module attention) against ``model.generate`` on
-  the same prompts left-padded into one batch (tokens generated per second, whole call).
+  the same prompts left-padded into one batch (tokens generated per second, whole call);
+- the weight-read time: the model's weight bytes over the device's copy bandwidth (measured
+  here), the floor of a batch-1 decode step, next to the measured ms/token;
+- for each N in ``--callers``: N threads calling ``generate`` at once (the scheduler batches
+  them; an eager engine, since a compiled step compiles per batch size), ``generate_batch`` of
+  the same N prompts and the N one after another: tokens/s of each.
+
+``--compile`` compiles the decode step (mode "default"); ``--compile reduce-overhead`` replays it
+as a CUDA graph.
 
     python benchmarks/gpu.py                                 # CUDA, synthetic 8B-shaped model
+    python benchmarks/gpu.py --compile reduce-overhead --lengths 4096 --runs 3 --callers 8 16 --kv-quantization
     python benchmarks/gpu.py --device cpu --model embedded --lengths 512 --batch 2 --new-tokens 4 --runs 1
 """
 
@@ -73,7 +82,9 @@ def main() -> None:
     parser.add_argument("--model", default="synthetic-8b", help='"synthetic-8b", "embedded", or a hub id/folder')
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--compile", action="store_true", help="decode through torch.compile (compile=True)")
+    parser.add_argument("--compile", nargs="?", const=True, default=False,
+                        help='decode through torch.compile (compile=True), or in a mode by name ("reduce-overhead": CUDA graphs)')
+    parser.add_argument("--callers", type=int, nargs="*", default=[], help="concurrent callers to measure (threads calling generate)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder for synthetic-8b (default: the embedded model's)")
     parser.add_argument("--kv-quantization", nargs="*", default=["int8", "int4"], help="also cached TTFT with module KV stored so")
     parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
@@ -111,7 +122,8 @@ def main() -> None:
         print(json.dumps(row))
 
     # decode and shared batches, at the first length
-    ids = [f"len{args.lengths[0]}-{i}" for i in range(len(documents_of(args.lengths[0], paragraphs, tokenizer)))]
+    docs = documents_of(args.lengths[0], paragraphs, tokenizer)
+    ids = [f"len{args.lengths[0]}-{i}" for i in range(len(docs))]
     on_device.stop_token_ids = set()  # every call generates exactly --new-tokens tokens
     prompts = [build_prompt(QUESTIONS[i % len(QUESTIONS)], ids) for i in range(args.batch)]
     n = args.new_tokens
@@ -120,10 +132,15 @@ def main() -> None:
     decode_ms = 1000 * (ours.total_s - ours.ttft_s) / max(1, ours.generated_tokens - 1)
     reference = transformers_generate(model, tokenizer, on_device, prompts, n, args.runs)
     batch_s = median_time(timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n)), args.runs)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_read_ms = 1000 * weight_bytes / copy_bandwidth(model.device)
     result = {
         **run_info(on_device, args.model),
+        "compile": args.compile,
         "ttft": rows,
         "decode_ms_per_token": {"pc-rag": decode_ms, "transformers generate": reference["decode_ms"]},
+        "weight_read_ms": weight_read_ms, "decode_vs_weight_read": decode_ms / weight_read_ms,
+        "callers": concurrent_callers(model, tokenizer, docs, ids, args.callers, n, args.runs),
         "batch": args.batch, "new_tokens": n,
         "batch_tokens_per_s": {"pc-rag generate_batch (shared)": args.batch * n / batch_s,
                                "transformers generate (padded batch)": reference["batch_tokens_per_s"]},
@@ -131,6 +148,44 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "ttft"}, indent=1))
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second the device reads (a copy of a 1 GiB tensor reads and writes it once)."""
+    source = torch.ones(1 << 28, dtype=torch.float32, device=device)  # written: untouched host pages read as free
+    target = torch.empty_like(source)
+    seconds = median_time(timed(lambda: target.copy_(source)), 5)
+    return 2 * source.numel() * source.element_size() / seconds
+
+
+def concurrent_callers(model: Any, tokenizer: Any, docs: list[str], ids: list[str], callers: list[int], n: int, runs: int
+                       ) -> list[dict[str, Any]]:
+    """Tokens/s of N threads calling ``generate`` at once, of ``generate_batch`` and of the N one
+    after another, each prompt the same documents with its own question (median of ``runs``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = PromptCache(model, tokenizer, kv_location="device")  # eager: a compiled step compiles per batch size
+    engine.stop_token_ids = set()
+    engine.add_documents(docs, ids=ids, progress=False)
+    out = []
+    for count in callers:
+        prompts = [build_prompt(f"{QUESTIONS[i % len(QUESTIONS)]} ({i})", ids) for i in range(count)]
+
+        def threads() -> None:
+            with ThreadPoolExecutor(count) as workers:
+                list(workers.map(lambda p: engine.generate(p, max_new_tokens=n), prompts))
+
+        def sequential() -> None:
+            for prompt in prompts:
+                engine.generate(prompt, max_new_tokens=n)
+
+        row = {"callers": count, "tokens_per_s": {
+            "threads calling generate": count * n / median_time(timed(threads), runs),
+            "generate_batch": count * n / median_time(timed(lambda: engine.generate_batch(prompts, max_new_tokens=n)), runs),  # noqa: B023
+            "one after another": count * n / median_time(timed(sequential), runs)}}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
 
 
 def transformers_generate(model: Any, tokenizer: Any, engine: PromptCache, prompts: list[str], n: int, runs: int) -> dict[str, float]:

@@ -30,7 +30,7 @@ from .errors import PromptCacheError
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
 from .model import small_batch
-from .model.forward import Forward
+from .model.forward import Forward, compile_mode
 from .model.loading import load_model
 from .model.rope import RopeRotator
 from .model.spec import ModelSpec, inspect_model
@@ -109,7 +109,9 @@ class PromptCache(Registration, Serving):
         fuse_prefill: a request admitted while others decode is prefilled in chunks that share
             a forward pass with their decode step (False: between steps).
         compile: run decode steps through ``torch.compile`` (fixed shapes; pays off for
-            long-lived engines with steady settings).
+            long-lived engines with steady settings): True (mode "default"), or a mode by name;
+            ``"reduce-overhead"`` replays each step as a CUDA graph on a GPU, so that small-batch
+            decode is no longer bound by kernel launches (on a CPU it compiles as "default").
         small_batch_linear: the model's linear layers compute inputs of 2-16 rows (decode steps
             of several requests) as ``W @ x^T``, which streams the weights once on a CPU where
             ``x @ W^T`` streams them two or three times (:mod:`pc_rag.model.small_batch`). None:
@@ -149,10 +151,11 @@ class PromptCache(Registration, Serving):
         queue_timeout_s: float | None = None,
         buffer_budget: int | None = None,
         fuse_prefill: bool = True,
-        compile: bool = False,
+        compile: bool | str = False,
         small_batch_linear: bool | None = None,
     ) -> None:
         self.encoding: Encoding = _checked(encoding or DEFAULT_ENCODING, memory_budget, kv_location, remote_sync_interval_s)
+        compile_mode(compile)  # a mode torch.compile does not know is refused before anything is built
         self.model, self.tokenizer = model, tokenizer
         self.small_batch_linear = small_batch.install(model, small_batch_linear)  # before anything runs the model
         self.spec: ModelSpec = inspect_model(model, tokenizer, separator=SEPARATOR)
@@ -174,7 +177,7 @@ class PromptCache(Registration, Serving):
         if self.remote is not None and remote_sync:
             self.sync_documents()  # documents other processes stored: served here without encoding
 
-    def _build(self, *, drop_in: bool, compile: bool, remote_collections: Sequence[str] | None, limits: Limits) -> None:
+    def _build(self, *, drop_in: bool, compile: bool | str, remote_collections: Sequence[str] | None, limits: Limits) -> None:
         """The parts over the model and the KV tiers, lowest first."""
         model = self.model
         # load or recompute (pc_rag.kv.load_or_compute): rates measured from this engine's own loads and prefills

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pc_rag import PromptCache
+from pc_rag.errors import PromptCacheError
 from pc_rag.decode.request import TokenHistory
 
 PROMPT = "the cat sat on the mat and then the cat sat on the"
@@ -95,11 +96,15 @@ def test_one_grammar_mask_for_a_batch_is_each_rows_own(tokenizer):
     assert 0 < int(allowed[0].sum()) < vocab and not torch.equal(allowed[0], allowed[2])
 
 
-def test_compiled_decode_step_gives_the_same_tokens(make_tiny, tokenizer):
-    """compile=True runs the fixed-shape step through torch.compile: same greedy tokens, single and batch."""
+@pytest.mark.parametrize("mode", [True, "reduce-overhead"])
+def test_compiled_decode_step_gives_the_same_tokens(make_tiny, tokenizer, mode):
+    """compile=True (or a mode by name) runs the fixed-shape step through torch.compile: same
+    greedy tokens, single and batch. "reduce-overhead" also marks the KV buffer static and copies
+    the logits out of the graph's memory (CUDA graphs themselves need a GPU: benchmarks/gpu.py)."""
     model = make_tiny("llama", seed=11)
     eager = PromptCache(model, tokenizer, recompute=0)
-    compiled = PromptCache(model, tokenizer, recompute=0, compile=True)
+    compiled = PromptCache(model, tokenizer, recompute=0, compile=mode)
+    assert compiled.forward.compile_mode == ("default" if mode is True else mode) and eager.forward.compile_mode is None
     for engine in (eager, compiled):
         engine.stop_token_ids = set()
     prompts = [PROMPT, "another prompt, a different one"]
@@ -107,3 +112,9 @@ def test_compiled_decode_step_gives_the_same_tokens(make_tiny, tokenizer):
     ours = [g.token_ids for g in compiled.generate_batch(prompts, max_new_tokens=8)]
     assert ours == [g.token_ids for g in eager.generate_batch(prompts, max_new_tokens=8)]
     assert compiled.forward.compiled_steps == 7 + 7 and eager.forward.compiled_steps == 0
+
+
+@pytest.mark.parametrize("mode", ["fast", "", 1, None])
+def test_an_unknown_compile_mode_is_refused_before_anything_runs(make_tiny, tokenizer, mode):
+    with pytest.raises(PromptCacheError, match="compile must be True, False or one of 'default', 'reduce-overhead'"):
+        PromptCache(make_tiny("llama", seed=11), tokenizer, compile=mode)

@@ -187,6 +187,14 @@ class KVBuffer:
     def check_capacity(self, end: int) -> None:
         _check_capacity(end, self.capacity)
 
+    def mark_static(self) -> None:
+        """Tell torch.compile that the tensors a decode step reads and writes in place keep their
+        addresses (a CUDA graph reads them where they are instead of copying them in and out on
+        every replay). Unguarded: another buffer of the same shape is not a recompilation."""
+        for layer in self._layers:
+            for tensor in (layer._keys_all, layer._values_all, layer.keys, layer.values):
+                torch._dynamo.mark_static_address(tensor, guard=False)
+
     def append(self, kv: torch.Tensor, rotate: Any = None) -> None:
         """Append stored module KV ``[layers, 2, heads, n, dim]`` after what the buffer holds.
 

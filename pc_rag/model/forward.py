@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..errors import PromptCacheError
 from ..kv.buffers import KVBuffer, ModuleKV
 from .packed import KWARG as PACKED_KWARG
 from .packed import Pass, PackedStep
@@ -42,6 +43,21 @@ class NewTokens:
     bounds: tuple[int, int]  # the smallest and largest of ``positions`` (on the host)
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+def compile_mode(compile: bool | str) -> str | None:
+    """The ``torch.compile`` mode a ``compile`` setting asks for: None for eager (False), "default"
+    for True, or one of :data:`COMPILE_MODES` by name."""
+    if compile is False:
+        return None
+    if compile is True:
+        return "default"
+    if isinstance(compile, str) and compile in COMPILE_MODES:
+        return compile
+    raise PromptCacheError(f"compile must be True, False or one of {', '.join(map(repr, COMPILE_MODES))}, got {compile!r}")
+
+
 class Forward:
     """Runs the model over new tokens at explicit positions, appending to a :class:`KVBuffer`.
 
@@ -50,12 +66,16 @@ class Forward:
     forward pass and that concurrent callers encode every module once.
     """
 
-    def __init__(self, model: Any, *, compile: bool = False) -> None:
+    def __init__(self, model: Any, *, compile: bool | str = False) -> None:
         self.model = model
         self._cache = cache_keyword(model)
         # decode steps with fixed shapes (pc_rag.decode.loop.Cursor) through torch.compile: compiled
         # once per batch size and buffer capacity (dynamic=False: a CUDA graph needs static shapes)
-        self._decode_step = torch.compile(self._model_step, dynamic=False) if compile else None
+        self.compile_mode = compile_mode(compile)
+        self._decode_step = (torch.compile(self._model_step, dynamic=False, mode=self.compile_mode)
+                             if self.compile_mode is not None else None)
+        # "reduce-overhead" replays the step as a CUDA graph (on a CPU it compiles as "default")
+        self._graphs = self.compile_mode == "reduce-overhead"
         self.compiled_steps = 0  # decode steps run compiled
         # what transformers is handed as the mask of a packed pass (a 4D mask passes through as it
         # is; each pass applies its own): made once, not per step
@@ -131,7 +151,14 @@ class Forward:
             self._count(1)
             self.compiled_steps += 1
             with torch.inference_mode():
-                return self._decode_step(ids, positions, mask, buffer.cache)
+                if not self._graphs:
+                    return self._decode_step(ids, positions, mask, buffer.cache)
+                # a graph writes the KV buffer in place: its storage is a static input (no copy in
+                # and out per replay; guard=False: another buffer of the same shape re-records,
+                # not recompiles), and the logits it returns are overwritten by the next replay
+                buffer.mark_static()
+                torch.compiler.cudagraph_mark_step_begin()
+                return self._decode_step(ids, positions, mask, buffer.cache).clone()
         return self._step(buffer, ids, positions, mask, shared, bounds)
 
     def _model_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, cache: Any, **extra: Any) -> torch.Tensor:
