@@ -118,3 +118,29 @@ def test_compiled_decode_step_gives_the_same_tokens(make_tiny, tokenizer, mode):
 def test_an_unknown_compile_mode_is_refused_before_anything_runs(make_tiny, tokenizer, mode):
     with pytest.raises(PromptCacheError, match="compile must be True, False or one of 'default', 'reduce-overhead'"):
         PromptCache(make_tiny("llama", seed=11), tokenizer, compile=mode)
+
+
+def test_a_buffer_marked_static_marks_every_layer_view_and_again_after_the_views_change():
+    """What a CUDA-graph step reads and writes in place is marked a static input, once per set
+    of views (a decode step does not loop over the layers again), and again once ``fix`` or
+    ``widen`` makes new views."""
+    from pc_rag.kv.buffers import KVBuffer
+
+    def marked(buffer: KVBuffer) -> list[bool]:
+        return [getattr(t, "_dynamo_static_input_type", None) is not None
+                for layer in buffer.cache.layers for t in (layer._keys_all, layer._values_all, layer.keys, layer.values)]
+
+    buffer = KVBuffer(3, 2, 4, 16, dtype=torch.float32, device=torch.device("cpu"), batch=1, reserve=1)
+    buffer.grow_to(5)
+    buffer.fix(9, torch.tensor([5]))
+    assert not any(marked(buffer))
+    buffer.mark_static()
+    assert all(marked(buffer)) and len(marked(buffer)) == 12
+    buffer.fix(12, torch.tensor([5]))  # new views of the same storage
+    assert not any(marked(buffer)[2::4])
+    buffer.mark_static()
+    assert all(marked(buffer))
+    buffer.widen(2)
+    assert not any(marked(buffer))
+    buffer.mark_static()
+    assert all(marked(buffer))

@@ -190,7 +190,11 @@ class KVBuffer:
     def mark_static(self) -> None:
         """Tell torch.compile that the tensors a decode step reads and writes in place keep their
         addresses (a CUDA graph reads them where they are instead of copying them in and out on
-        every replay). Unguarded: another buffer of the same shape is not a recompilation."""
+        every replay). Unguarded: another buffer of the same shape is not a recompilation. The
+        layers' views are remade together (:meth:`fix`, :meth:`grow_to`, :meth:`widen`), so one
+        look at the first layer's tells whether they are marked already (a step costs no loop)."""
+        if getattr(self._layers[0].keys, "_dynamo_static_input_type", None) is not None:
+            return
         for layer in self._layers:
             for tensor in (layer._keys_all, layer._values_all, layer.keys, layer.values):
                 torch._dynamo.mark_static_address(tensor, guard=False)
