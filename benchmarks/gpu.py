@@ -22,7 +22,7 @@ in one run, median of ``--runs`` after a warm-up:
 as a CUDA graph.
 
     python benchmarks/gpu.py                                 # CUDA, synthetic 8B-shaped model
-    python benchmarks/gpu.py --compile reduce-overhead --lengths 4096 --runs 3 --callers 8 16 --kv-quantization
+    python benchmarks/gpu.py --compile reduce-overhead --lengths 4096 --runs 2 --new-tokens 32 --callers 8 16 --kv-quantization
     python benchmarks/gpu.py --device cpu --model embedded --lengths 512 --batch 2 --new-tokens 4 --runs 1
 """
 
