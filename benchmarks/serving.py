@@ -116,6 +116,32 @@ def poisson_offsets(rate: float, count: int, seed: int) -> list[float]:
     return offsets
 
 
+def on_schedule(offsets: list[float], answer: Any) -> list[float]:
+    """``answer(index)`` for request ``index`` on a thread of its own, started ``offsets[index]``
+    seconds from now; each request's latency, arrival to answer."""
+    start = time.perf_counter()
+
+    def call(index: int) -> float:
+        time.sleep(max(0.0, start + offsets[index] - time.perf_counter()))  # arrive on schedule
+        arrived = time.perf_counter()
+        answer(index)
+        return time.perf_counter() - arrived
+
+    with ThreadPoolExecutor(len(offsets)) as workers:
+        return list(workers.map(call, range(len(offsets))))
+
+
+def rag_engine(args: argparse.Namespace) -> tuple[PromptCache, list[str]]:
+    """The embedded model's engine (stop tokens off) and ``--requests`` prompts over their
+    registered passages, warmed up: what the arrivals and reads parts serve."""
+    engine = PromptCache.from_pretrained()
+    engine.stop_token_ids.clear()
+    pool = records(args.data, args.skip, args.requests, args.passages, args.set, overlap=args.overlap)
+    prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
+    serve(engine, "sequential", prompts[:2], 4)  # warm-up
+    return engine, prompts
+
+
 def summary(calls: list[dict[str, float]], wall: float) -> dict[str, float]:
     ttft = [c["ttft_s"] for c in calls]
     latency = [c["latency_s"] for c in calls]
@@ -253,12 +279,8 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
     serves the modes one after another, their order rotating between draws, so that a slower
     stretch of the machine falls on every mode alike. A rate's p95 and mean are the medians over
     the draws (each draw's kept in ``draws``)."""
-    engine = PromptCache.from_pretrained()
-    engine.stop_token_ids.clear()
-    pool = records(args.data, args.skip, args.requests, args.passages, args.set, overlap=args.overlap)
-    prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
+    engine, prompts = rag_engine(args)
     token_ids = [engine.plan(p).input_ids for p in prompts]  # what full prefill reads: the same tokens
-    serve(engine, "sequential", prompts[:2], 4)  # warm-up
     one_at_a_time = threading.Lock()
     report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"),
                               "settings": settings(args),
@@ -283,19 +305,9 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
                 with one_at_a_time:
                     engine.generate(prompts[index], max_new_tokens=args.new_tokens)
 
-        start = time.perf_counter()
-
-        def call(item: tuple[float, int]) -> float:
-            offset, index = item
-            time.sleep(max(0.0, start + offset - time.perf_counter()))  # arrive on schedule
-            arrived = time.perf_counter()
-            answer(index)
-            return time.perf_counter() - arrived
-
         before = engine.scheduler.stats()
         try:
-            with ThreadPoolExecutor(len(prompts)) as workers:
-                latencies = list(workers.map(call, zip(offsets, range(len(prompts)))))
+            latencies = on_schedule(offsets, answer)
         finally:
             if transformers_cb is not None:
                 transformers_cb.close()
@@ -337,11 +349,7 @@ def reads(args: argparse.Namespace) -> dict[str, Any]:
     host read of the rows' validity per step: the counts, not the timings, are the result)."""
     from pc_rag.decode import loop
 
-    engine = PromptCache.from_pretrained()
-    engine.stop_token_ids.clear()
-    pool = records(args.data, args.skip, args.requests, args.passages, args.set, overlap=args.overlap)
-    prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
-    serve(engine, "sequential", prompts[:2], 4)  # warm-up
+    engine, prompts = rag_engine(args)
     steps: list[dict[str, int]] = []
     feed = loop.RunningBatch.feed
 
@@ -358,18 +366,9 @@ def reads(args: argparse.Namespace) -> dict[str, Any]:
     loop.RunningBatch.feed = counted  # type: ignore[method-assign]
     try:
         for rate in args.rates:
-            offsets = poisson_offsets(rate, len(prompts), args.seed)
             steps.clear()
-            start = time.perf_counter()
-
-            def call(index: int) -> float:
-                time.sleep(max(0.0, start + offsets[index] - time.perf_counter()))  # arrive on schedule
-                arrived = time.perf_counter()
-                engine.generate(prompts[index], max_new_tokens=args.new_tokens)
-                return time.perf_counter() - arrived
-
-            with ThreadPoolExecutor(len(prompts)) as workers:
-                latencies = list(workers.map(call, range(len(prompts))))
+            latencies = on_schedule(poisson_offsets(rate, len(prompts), args.seed),
+                                    lambda index: engine.generate(prompts[index], max_new_tokens=args.new_tokens))
             total = {key: sum(step[key] for step in steps) for key in steps[0]}
             row = {"rate": rate, "steps": len(steps), "p95_latency_s": p95(latencies),
                    "read_per_live_entry": total["read"] / total["live"],

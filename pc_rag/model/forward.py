@@ -74,8 +74,6 @@ class Forward:
         self.compile_mode = compile_mode(compile)
         self._decode_step = (torch.compile(self._model_step, dynamic=False, mode=self.compile_mode)
                              if self.compile_mode is not None else None)
-        # "reduce-overhead" replays the step as a CUDA graph (on a CPU it compiles as "default")
-        self._graphs = self.compile_mode == "reduce-overhead"
         self.compiled_steps = 0  # decode steps run compiled
         # what transformers is handed as the mask of a packed pass (a 4D mask passes through as it
         # is; each pass applies its own): made once, not per step
@@ -151,7 +149,7 @@ class Forward:
             self._count(1)
             self.compiled_steps += 1
             with torch.inference_mode():
-                if not self._graphs:
+                if self.compile_mode != "reduce-overhead":  # a CUDA graph replay (on a CPU: as "default")
                     return self._decode_step(ids, positions, mask, buffer.cache)
                 # a graph writes the KV buffer in place: its storage is a static input (no copy in
                 # and out per replay; guard=False: another buffer of the same shape re-records,
