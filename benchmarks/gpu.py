@@ -164,7 +164,7 @@ def concurrent_callers(model: Any, tokenizer: Any, docs: list[str], ids: list[st
     after another, each prompt the same documents with its own question (median of ``runs``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    engine = PromptCache(model, tokenizer, kv_location="device")  # eager: a compiled step compiles per batch size
+    engine = PromptCache(model, tokenizer, kv_location="device")  # eager: steps that read shared documents are not compiled
     engine.stop_token_ids = set()
     engine.add_documents(docs, ids=ids, progress=False)
     out = []

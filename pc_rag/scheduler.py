@@ -664,7 +664,10 @@ class Scheduler:
             merged = fresh
         else:
             rows = sum(len(kept) for _, kept in sources)
-            merged = RunningBatch.combine(sources, reserve=self.limits.max_running - rows)
+            # no reserved rows for a compiled step: it runs only over buffers whose views span their
+            # storage (KVBuffer.spans_storage), so a newcomer beyond the finished rows' slots rebuilds
+            reserve = 0 if self.forward.compiled else self.limits.max_running - rows
+            merged = RunningBatch.combine(sources, reserve=reserve)
             self._track(merged.rows.buffer.storage.nbytes + (fresh.rows.buffer.storage.nbytes if fresh else 0))
             with self._cond:
                 self._stats.merges += 1

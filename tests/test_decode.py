@@ -114,6 +114,56 @@ def test_compiled_decode_step_gives_the_same_tokens(make_tiny, tokenizer, mode):
     assert compiled.forward.compiled_steps == 7 + 7 and eager.forward.compiled_steps == 0
 
 
+def test_a_compiled_step_serving_many_batch_shapes_keeps_compiling(make_tiny, tokenizer):
+    """Serving changes a batch's rows and cache capacity from one step to the next. A step
+    compiled once per exact shape hit dynamo's recompile limit (8) after eight shapes and from
+    then on ran eagerly with a warning; the step compiles a few times and runs every shape
+    compiled, with the same tokens as eager."""
+    model = make_tiny("llama", seed=11)
+    eager = PromptCache(model, tokenizer, recompute=0)
+    compiled = PromptCache(model, tokenizer, recompute=0, compile=True)
+    for engine in (eager, compiled):
+        engine.stop_token_ids = set()
+    words = PROMPT.split()
+    torch._dynamo.reset()  # compilations of earlier tests count towards the limit
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for rows in range(1, 11):  # 10 batch sizes, prompts of 6 to ~170 tokens: capacities 256 to 1024
+            prompts = [" ".join(words * (1 + (rows * 7 + row) % 13))[: 40 + 60 * row] for row in range(rows)]
+            ours = [g.token_ids for g in compiled.generate_batch(prompts, max_new_tokens=4)]
+            assert ours == [g.token_ids for g in eager.generate_batch(prompts, max_new_tokens=4)], rows
+    assert compiled.forward.compiled_steps == 3 * 10
+
+
+def test_a_compiled_step_over_a_buffer_with_reserved_rows_gives_the_eager_logits(make_tiny):
+    """Two buffers whose layer views have the same shape, one over more allocated rows (the
+    scheduler reserves rows for newcomers): the compiled step compiled for the first failed the
+    second with an inductor size assertion on the tensor the views share. Such a buffer runs
+    eagerly, with the same logits, and the compiled step still serves the other."""
+    from pc_rag.kv.buffers import KVBuffer
+    from pc_rag.model.forward import Forward
+
+    model = make_tiny("llama", seed=11)
+    compiled, eager = Forward(model, compile=True), Forward(model)
+    layers, kv_heads, dim = model.config.num_hidden_layers, model.config.num_key_value_heads, 16
+    torch.manual_seed(0)
+    kv = torch.randn(layers, 2, 2, kv_heads, 10, dim)
+
+    def step(forward: Forward, reserve: int) -> torch.Tensor:
+        buffer = KVBuffer(layers, kv_heads, dim, 256, dtype=torch.float32, device=torch.device("cpu"), batch=2, reserve=reserve)
+        buffer.storage.zero_()
+        buffer.storage[..., :10, :] = kv
+        buffer.grow_to(10)
+        buffer.fix(256, torch.tensor([10]))
+        mask = torch.zeros(2, 1, 1, 256, dtype=torch.bool)
+        mask[..., :11] = True
+        ids, positions = torch.tensor([[5], [7]]), torch.full((2, 1), 10)
+        return forward.decode_batch(buffer, ids, positions, (10, 10), mask)
+
+    for reserve in (0, 3, 0):
+        torch.testing.assert_close(step(compiled, reserve), step(eager, reserve))
+    assert compiled.compiled_steps == 2
+
+
 @pytest.mark.parametrize("mode", ["fast", "", 1, None])
 def test_an_unknown_compile_mode_is_refused_before_anything_runs(make_tiny, tokenizer, mode):
     with pytest.raises(PromptCacheError, match="compile must be True, False or one of 'default', 'reduce-overhead'"):

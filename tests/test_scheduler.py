@@ -134,6 +134,29 @@ def test_a_late_arrival_gets_its_answer_before_the_long_runners_finish(engine):
     assert late.token_ids == alone.token_ids
 
 
+def test_a_compiled_engine_runs_every_step_compiled_when_callers_join(make_engine):
+    """compile=True under concurrent callers: a newcomer joining a running row rebuilds the
+    batch without reserved rows (a compiled step runs only over a buffer its views span), so
+    every decode step, before and after the join, runs compiled, and the tokens equal lone calls.
+    With rows reserved, the joined batch's steps ran eagerly; before that, a compiled step
+    seen first over an unreserved buffer of the same shape failed the joined batch outright."""
+    engine = make_engine("llama", compile=True)
+    engine.stop_token_ids.clear()
+    # no imported modules: a step that reads shared parts is not compiled
+    prompts = ["Harbour 1 handles 11 ships a day. Tell me about the harbour.", "Which harbour is busiest of all?"]
+    lone = [g.token_ids for g in engine.generate_batch(prompts, max_new_tokens=40)]  # compiles the 2-row step
+    compiled, steps = engine.forward.compiled_steps, engine.scheduler.stats()["steps"]
+    stream = engine.stream(prompts[0], max_new_tokens=40)
+    next(stream)  # decoding alone
+    late = engine.generate(prompts[1], max_new_tokens=40)  # joins it
+    for _ in stream:
+        pass
+    assert [stream.result.token_ids, late.token_ids] == lone
+    stats = engine.scheduler.stats()
+    assert stats["merges"] >= 1 and stats["failed"] == 0
+    assert engine.forward.compiled_steps - compiled == stats["steps"] - steps < 2 * 39  # every step compiled, rows together
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(make_engine):
     engine = make_engine("llama", max_step_tokens=64)
     engine.stop_token_ids.clear()

@@ -159,6 +159,14 @@ class KVBuffer:
         return self._layers[0].get_seq_length()
 
     @property
+    def spans_storage(self) -> bool:
+        """Whether the layers' views cover every allocated row and entry (no reserve, filled or
+        fixed to capacity). A compiled step needs it: its inputs are views of one tensor, and
+        the compiled code checks that tensor's shape, which its guards do not (a buffer with the
+        same views over more rows failed the step's size assertion instead of recompiling)."""
+        return self.reserved == 0 and len(self) == self.capacity
+
+    @property
     def fixed(self) -> bool:
         """Whether the layers hand out fixed-length views (see :meth:`fix`)."""
         return self._layers[0].column is not None

@@ -69,10 +69,13 @@ class Forward:
     def __init__(self, model: Any, *, compile: bool | str = False) -> None:
         self.model = model
         self._cache = cache_keyword(model)
-        # decode steps with fixed shapes (pc_rag.decode.loop.Cursor) through torch.compile: compiled
-        # once per batch size and buffer capacity (dynamic=False: a CUDA graph needs static shapes)
+        # decode steps with fixed shapes (pc_rag.decode.loop.Cursor) through torch.compile. dynamic=None:
+        # a second batch size or capacity recompiles once with that size symbolic, so a served batch
+        # changing shape from step to step compiles a few times (compiled per exact shape, dynamo's
+        # recompile limit of 8 was reached within seconds of serving and every later shape ran
+        # eagerly); CUDA graphs ("reduce-overhead") are still recorded per concrete shape
         self.compile_mode = compile_mode(compile)
-        self._decode_step = (torch.compile(self._model_step, dynamic=False, mode=self.compile_mode)
+        self._decode_step = (torch.compile(self._model_step, dynamic=None, mode=self.compile_mode)
                              if self.compile_mode is not None else None)
         self.compiled_steps = 0  # decode steps run compiled
         # what transformers is handed as the mask of a packed pass (a 4D mask passes through as it
@@ -145,7 +148,7 @@ class Forward:
     ) -> torch.Tensor:
         """One decoding step for every row of a batched ``buffer``: ``ids [rows, 1]`` at ``positions
         [rows, 1]`` (their smallest and largest in ``bounds``): logits ``[rows, vocab]``."""
-        if self._decode_step is not None and shared is None and buffer.fixed:
+        if self._decode_step is not None and shared is None and buffer.fixed and buffer.spans_storage:
             self._count(1)
             self.compiled_steps += 1
             with torch.inference_mode():
