@@ -11,12 +11,15 @@ in one run, median of ``--runs`` after a warm-up:
   ``model.generate`` on the same prompt text (both greedy, ``--new-tokens`` tokens);
 - shared-batch throughput: ``--batch`` prompts importing the same documents with different
   questions, ``engine.generate_batch`` (shared-module attention) against ``model.generate`` on
-  the same prompts left-padded into one batch (tokens generated per second, whole call);
+  the same prompts left-padded into one batch (tokens generated per second, whole call), and
+  ``generate_batch(share_modules=False)``: every row its own copy of the documents, the batches a
+  compiled step serves (one whose rows read shared parts runs eagerly);
 - the weight-read time: the model's weight bytes over the device's copy bandwidth (measured
   here), the floor of a batch-1 decode step, next to the measured ms/token;
 - for each N in ``--callers``: N threads calling ``generate`` at once (the scheduler batches
-  them; an eager engine, since a compiled step compiles per batch size), ``generate_batch`` of
-  the same N prompts and the N one after another: tokens/s of each.
+  them; an eager engine, since they read the documents shared), ``generate_batch`` of the same N
+  prompts, the N one after another, and the measured engine's ``generate_batch`` with the
+  documents copied per row (with ``--compile``: every step compiled): tokens/s of each.
 
 ``--compile`` compiles the decode step (mode "default"); ``--compile reduce-overhead`` replays it
 as a CUDA graph.
@@ -132,6 +135,9 @@ def main() -> None:
     decode_ms = 1000 * (ours.total_s - ours.ttft_s) / max(1, ours.generated_tokens - 1)
     reference = transformers_generate(model, tokenizer, on_device, prompts, n, args.runs)
     batch_s = median_time(timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n)), args.runs)
+    # each row its own copy of the documents: no shared parts, so with --compile every step runs
+    # compiled (a CUDA graph under "reduce-overhead"); a step that reads shared parts runs eagerly
+    copied_s = median_time(timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n, share_modules=False)), args.runs)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_read_ms = 1000 * weight_bytes / copy_bandwidth(model.device)
     result = {
@@ -140,9 +146,10 @@ def main() -> None:
         "ttft": rows,
         "decode_ms_per_token": {"pc-rag": decode_ms, "transformers generate": reference["decode_ms"]},
         "weight_read_ms": weight_read_ms, "decode_vs_weight_read": decode_ms / weight_read_ms,
-        "callers": concurrent_callers(model, tokenizer, docs, ids, args.callers, n, args.runs),
+        "callers": concurrent_callers(model, tokenizer, docs, ids, args.callers, n, args.runs, on_device),
         "batch": args.batch, "new_tokens": n,
         "batch_tokens_per_s": {"pc-rag generate_batch (shared)": args.batch * n / batch_s,
+                               "pc-rag generate_batch (modules copied per row)": args.batch * n / copied_s,
                                "transformers generate (padded batch)": reference["batch_tokens_per_s"]},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,10 +165,12 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * source.numel() * source.element_size() / seconds
 
 
-def concurrent_callers(model: Any, tokenizer: Any, docs: list[str], ids: list[str], callers: list[int], n: int, runs: int
-                       ) -> list[dict[str, Any]]:
+def concurrent_callers(model: Any, tokenizer: Any, docs: list[str], ids: list[str], callers: list[int], n: int, runs: int,
+                       compiled: PromptCache) -> list[dict[str, Any]]:
     """Tokens/s of N threads calling ``generate`` at once, of ``generate_batch`` and of the N one
-    after another, each prompt the same documents with its own question (median of ``runs``)."""
+    after another, each prompt the same documents with its own question (median of ``runs``);
+    and of ``compiled``'s ``generate_batch`` with the documents copied into every row (the
+    batches a compiled step serves: it runs eagerly where rows read shared parts)."""
     from concurrent.futures import ThreadPoolExecutor
 
     engine = PromptCache(model, tokenizer, kv_location="device")  # eager: steps that read shared documents are not compiled
@@ -182,7 +191,9 @@ def concurrent_callers(model: Any, tokenizer: Any, docs: list[str], ids: list[st
         row = {"callers": count, "tokens_per_s": {
             "threads calling generate": count * n / median_time(timed(threads), runs),
             "generate_batch": count * n / median_time(timed(lambda: engine.generate_batch(prompts, max_new_tokens=n)), runs),  # noqa: B023
-            "one after another": count * n / median_time(timed(sequential), runs)}}
+            "one after another": count * n / median_time(timed(sequential), runs),
+            "generate_batch, modules copied per row": count * n / median_time(
+                timed(lambda: compiled.generate_batch(prompts, max_new_tokens=n, share_modules=False)), runs)}}  # noqa: B023
         out.append(row)
         print(json.dumps(row), flush=True)
     return out

@@ -32,7 +32,8 @@ def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``: ``W @ x^T`` for :data:`ROWS` rows on a CPU, ``F.linear`` otherwise."""
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
-    if rows not in ROWS or x.device.type != "cpu":
+    # comparisons, not `in ROWS`: under torch.compile with a symbolic batch size they become guards
+    if not ROWS.start <= rows < ROWS.stop or x.device.type != "cpu":
         return F.linear(x, module.weight, module.bias)
     # [rows, out] in row order again: model code may .view() what a projection returns (a few KB)
     out = torch.mm(module.weight, x.reshape(rows, features).t()).t().contiguous()
