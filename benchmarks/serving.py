@@ -18,6 +18,11 @@ Part ``overhead`` (a tiny random Llama, whose forward pass costs almost nothing)
 decode steps through the scheduler against the bare decode loop (``generate.decode``) over the
 same prefilled rows: the time the scheduler adds per step.
 
+Part ``compiled`` (the same tiny model): ``max(--callers)`` callers arriving one after another
+while the others decode, prompts and budgets of growing length, served with ``compile=True`` and
+eagerly: how often the step compiles, the step shapes it served, the steps run compiled, the
+requests failed, and whether every caller's tokens equal eager serving's.
+
 Part ``fused``: one step that admits a newcomer, its prefill and the running rows' decode step
 as two passes against one packed pass (``fuse_prefill``), for running batches of ``--callers`` rows.
 
@@ -41,6 +46,7 @@ live rows' padding up to the write column (shorter prompts, skipped columns) and
     python benchmarks/serving.py concurrency --callers 1 4 8 --repeats 3
     python benchmarks/serving.py arrivals
     python benchmarks/serving.py overhead
+    python benchmarks/serving.py compiled
     python benchmarks/serving.py fused --set musique --skip 40 --passages 16 --callers 1 4 8
     python benchmarks/serving.py linear --set musique --skip 40 --passages 16 --callers 1 2 3 4 8 16 --overlap
     python benchmarks/serving.py reads --set musique --skip 40 --passages 16 --rates 1.0
@@ -380,20 +386,27 @@ def reads(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def overhead(args: argparse.Namespace) -> dict[str, Any]:
-    """Per decode step: the scheduler's loop against the bare loop, on a tiny model."""
+def tiny_engine(**options: Any) -> PromptCache:
+    """A tiny random Llama (its forward pass costs almost nothing) with the embedded tokenizer, stop tokens off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from pc_rag.decode.loop import decode
-    from pc_rag.decode.request import SamplingParams
     from pc_rag.model.loading import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    engine = PromptCache(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), tokenizer)
+    engine = PromptCache(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), tokenizer, **options)
     engine.stop_token_ids.clear()
+    return engine
+
+
+def overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """Per decode step: the scheduler's loop against the bare loop, on a tiny model."""
+    from pc_rag.decode.loop import decode
+    from pc_rag.decode.request import SamplingParams
+
+    engine = tiny_engine()
     prompt, steps = "A prompt of a few words to decode after.", args.steps
     bare, scheduled = [], []
     for _ in range(args.repeats):
@@ -412,6 +425,62 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
               "scheduler_ms_per_step": 1e3 * statistics.median(scheduled)}
     report["added_ms_per_step"] = report["scheduler_ms_per_step"] - report["bare_ms_per_step"]
     print(json.dumps(report))
+    return report
+
+
+def compiled(args: argparse.Namespace) -> dict[str, Any]:
+    """A compiled decode step under callers that come and go (a tiny model, so compilation and
+    the loop dominate): the compilations, the step shapes served, the steps run compiled, the
+    requests failed and whether every caller's tokens equal eager serving's."""
+    from torch._dynamo.utils import counters
+
+    callers = max(args.callers)
+    # plain prompts (no imported modules: steps whose rows read shared parts run eagerly), of
+    # growing lengths and budgets, so the batch's rows and capacity change as callers join and leave
+    prompts = [f"Caller {i} asks: " + " ".join(["word"] * (5 + 23 * i)) for i in range(callers)]
+    report: dict[str, Any] = {"callers": callers}
+    tokens: dict[str, list[Any]] = {}
+    for mode in ("eager", "compiled"):
+        engine = tiny_engine(compile=mode == "compiled")
+        shapes: set[tuple[int, int]] = set()
+        step = engine.forward.decode_batch
+
+        def recorded(buffer: Any, ids: torch.Tensor, *rest: Any, step: Any = step, shapes: set = shapes) -> torch.Tensor:
+            shapes.add((ids.shape[0], len(buffer)))
+            return step(buffer, ids, *rest)
+
+        engine.forward.decode_batch = recorded  # type: ignore[method-assign]
+        torch._dynamo.reset()
+        counters.clear()
+        joined = [threading.Event() for _ in range(callers)]
+        out: list[Any] = [None] * callers
+
+        def call(i: int, engine: PromptCache = engine, joined: list = joined, out: list = out) -> None:
+            if i:
+                joined[i - 1].wait()  # each caller arrives once the one before it is decoding
+            try:
+                stream = engine.stream(prompts[i], max_new_tokens=8 + 4 * i)
+                for n, _ in enumerate(stream):
+                    if n == 0:
+                        joined[i].set()
+                out[i] = stream.result.token_ids
+            except Exception as err:  # noqa: BLE001 - counted: a failed step fails its callers
+                out[i] = repr(err)
+                joined[i].set()
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(callers) as pool:
+            list(pool.map(call, range(callers)))
+        stats = engine.scheduler.stats()
+        limit_hits = sum(v for k, v in counters["unimplemented"].items() if "recompile limit" in k.lower())
+        report[mode] = {"wall_s": time.perf_counter() - started, "compilations": counters["frames"].get("ok", 0),
+                        "recompile_limit_hit": limit_hits, "step_shapes": len(shapes), "steps": stats["steps"],
+                        "compiled_steps": engine.forward.compiled_steps, "merges": stats["merges"],
+                        "failed": sum(isinstance(o, str) for o in out)}
+        tokens[mode] = out
+        print(json.dumps({mode: report[mode]}), flush=True)
+    report["tokens_equal_eager"] = tokens["compiled"] == tokens["eager"]
+    print(json.dumps({"tokens_equal_eager": report["tokens_equal_eager"]}))
     return report
 
 
@@ -579,7 +648,7 @@ def linear(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("concurrency", "arrivals", "reads", "overhead", "fused", "linear", "plot"))
+    parser.add_argument("part", choices=("concurrency", "arrivals", "reads", "overhead", "compiled", "fused", "linear", "plot"))
     parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
     parser.add_argument("--set", choices=tuple(SETS), default="hotpotqa", help="the QA set the prompts come from")
     parser.add_argument("--skip", type=int, default=100, help="records skipped (HotpotQA-more's first 100 were used in development)")
@@ -603,7 +672,7 @@ def main() -> None:
         plot(folder, args.out or folder / "serving.png")
         return
     torch.set_num_threads(2)
-    report = {"concurrency": concurrency, "arrivals": arrivals, "reads": reads, "overhead": overhead, "fused": fused, "linear": linear}[args.part](args)
+    report = {"concurrency": concurrency, "arrivals": arrivals, "reads": reads, "overhead": overhead, "compiled": compiled, "fused": fused, "linear": linear}[args.part](args)
     out = args.out or ROOT / f"benchmarks/results/serving_{args.part}{'_overlap' if args.overlap else ''}.json"
     out.write_text(json.dumps(report, indent=1))
     if args.part == "concurrency":

@@ -108,10 +108,10 @@ class PromptCache(Registration, Serving):
         buffer_budget: bytes of KV buffers held by running rows.
         fuse_prefill: a request admitted while others decode is prefilled in chunks that share
             a forward pass with their decode step (False: between steps).
-        compile: run decode steps through ``torch.compile`` (fixed shapes; pays off for
-            long-lived engines with steady settings): True (mode "default"), or a mode by name;
-            ``"reduce-overhead"`` replays each step as a CUDA graph on a GPU, so that small-batch
-            decode is no longer bound by kernel launches (on a CPU it compiles as "default").
+        compile: run decode steps through ``torch.compile``: True (mode "default") or a mode by
+            name; ``"reduce-overhead"`` replays each step as a CUDA graph on a GPU (on a CPU it
+            compiles as "default"). Steps whose rows read shared module KV (prompts importing the
+            same modules, in a batch) run eagerly: ``generate_batch(share_modules=False)`` copies.
         small_batch_linear: the model's linear layers compute inputs of 2-16 rows (decode steps
             of several requests) as ``W @ x^T``, which streams the weights once on a CPU where
             ``x @ W^T`` streams them two or three times (:mod:`pc_rag.model.small_batch`). None:
