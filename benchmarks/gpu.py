@@ -17,9 +17,9 @@ in one run, median of ``--runs`` after a warm-up:
 - the weight-read time: the model's weight bytes over the device's copy bandwidth (measured
   here), the floor of a batch-1 decode step, next to the measured ms/token;
 - for each N in ``--callers``: N threads calling ``generate`` at once (the scheduler batches
-  them; an eager engine, since they read the documents shared), ``generate_batch`` of the same N
-  prompts, the N one after another, and the measured engine's ``generate_batch`` with the
-  documents copied per row (with ``--compile``: every step compiled): tokens/s of each.
+  them; an eager engine, whose rows read the documents shared), ``generate_batch`` of the same N
+  prompts and the N one after another; with ``--compile`` also N threads calling the compiled
+  engine's ``generate`` (its rows copy the documents, every step compiled): tokens/s of each.
 
 ``--compile`` compiles the decode step (mode "default"); ``--compile reduce-overhead`` replays it
 as a CUDA graph.
@@ -134,9 +134,9 @@ def main() -> None:
     ours = on_device.generate(prompts[0], max_new_tokens=n).stats
     decode_ms = 1000 * (ours.total_s - ours.ttft_s) / max(1, ours.generated_tokens - 1)
     reference = transformers_generate(model, tokenizer, on_device, prompts, n, args.runs)
-    batch_s = median_time(timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n)), args.runs)
-    # each row its own copy of the documents: no shared parts, so with --compile every step runs
-    # compiled (a CUDA graph under "reduce-overhead"); a step that reads shared parts runs eagerly
+    batch_s = median_time(timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n, share_modules=True)), args.runs)
+    # each row its own copy of the documents (what a compiled engine does by default): with
+    # --compile every step runs compiled (a CUDA graph under "reduce-overhead"); one that reads shared parts runs eagerly
     copied_s = median_time(timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n, share_modules=False)), args.runs)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weight_read_ms = 1000 * weight_bytes / copy_bandwidth(model.device)
@@ -166,23 +166,23 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def concurrent_callers(model: Any, tokenizer: Any, docs: list[str], ids: list[str], callers: list[int], n: int, runs: int,
-                       compiled: PromptCache) -> list[dict[str, Any]]:
+                       measured: PromptCache) -> list[dict[str, Any]]:
     """Tokens/s of N threads calling ``generate`` at once, of ``generate_batch`` and of the N one
-    after another, each prompt the same documents with its own question (median of ``runs``);
-    and of ``compiled``'s ``generate_batch`` with the documents copied into every row (the
-    batches a compiled step serves: it runs eagerly where rows read shared parts)."""
+    after another, each prompt the same documents with its own question (median of ``runs``), on
+    an eager engine whose rows read the documents shared; and, when ``measured`` compiles its
+    decode steps, of N threads calling its ``generate`` (rows copy the documents, every step compiled)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    engine = PromptCache(model, tokenizer, kv_location="device")  # eager: steps that read shared documents are not compiled
+    engine = PromptCache(model, tokenizer, kv_location="device")
     engine.stop_token_ids = set()
     engine.add_documents(docs, ids=ids, progress=False)
     out = []
     for count in callers:
         prompts = [build_prompt(f"{QUESTIONS[i % len(QUESTIONS)]} ({i})", ids) for i in range(count)]
 
-        def threads() -> None:
+        def threads(engine: PromptCache = engine) -> None:
             with ThreadPoolExecutor(count) as workers:
-                list(workers.map(lambda p: engine.generate(p, max_new_tokens=n), prompts))
+                list(workers.map(lambda p: engine.generate(p, max_new_tokens=n), prompts))  # noqa: B023
 
         def sequential() -> None:
             for prompt in prompts:
@@ -191,9 +191,10 @@ def concurrent_callers(model: Any, tokenizer: Any, docs: list[str], ids: list[st
         row = {"callers": count, "tokens_per_s": {
             "threads calling generate": count * n / median_time(timed(threads), runs),
             "generate_batch": count * n / median_time(timed(lambda: engine.generate_batch(prompts, max_new_tokens=n)), runs),  # noqa: B023
-            "one after another": count * n / median_time(timed(sequential), runs),
-            "generate_batch, modules copied per row": count * n / median_time(
-                timed(lambda: compiled.generate_batch(prompts, max_new_tokens=n, share_modules=False)), runs)}}  # noqa: B023
+            "one after another": count * n / median_time(timed(sequential), runs)}}
+        if measured.forward.compiled:
+            row["tokens_per_s"]["threads calling generate, compiled engine"] = count * n / median_time(
+                timed(lambda: threads(measured)), runs)  # noqa: B023
         out.append(row)
         print(json.dumps(row), flush=True)
     return out

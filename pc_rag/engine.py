@@ -110,8 +110,8 @@ class PromptCache(Registration, Serving):
             a forward pass with their decode step (False: between steps).
         compile: run decode steps through ``torch.compile``: True (mode "default") or a mode by
             name; ``"reduce-overhead"`` replays each step as a CUDA graph on a GPU (on a CPU it
-            compiles as "default"). Steps whose rows read shared module KV (prompts importing the
-            same modules, in a batch) run eagerly: ``generate_batch(share_modules=False)`` copies.
+            compiles as "default"). Batched rows then copy the module KV they import alike instead
+            of reading it shared, since a step over shared parts runs eagerly.
         small_batch_linear: the model's linear layers compute inputs of 2-16 rows (decode steps
             of several requests) as ``W @ x^T``, which streams the weights once on a CPU where
             ``x @ W^T`` streams them two or three times (:mod:`pc_rag.model.small_batch`). None:

@@ -68,6 +68,15 @@ class Serving:
     costs: CostModel
     scheduler: Scheduler
 
+    @property
+    def _shares(self) -> bool:
+        """Whether batched rows read the module KV they import alike once, shared (split
+        attention), rather than each from its own copy. Not when decode steps are compiled: a
+        step that reads shared parts runs eagerly, and every RAG batch shares at least the
+        schema's system prompt, so a compiled engine would otherwise never run its compiled step
+        for more than one caller."""
+        return self.spec.split and not self.forward.compiled
+
     # -- serving ------------------------------------------------------------------------------------
     def plan(self, prompt: str, *, collections: str | Sequence[str] | None = None) -> Plan:
         """Which tokens of ``prompt`` are cached and which computed, at which positions.
@@ -142,7 +151,7 @@ class Serving:
                                      stop=stop, seed=seed, **generation), self.generation_config)
         plans = self._prepare([prompt], use_cache, planner.scope(collections))
         # share: admitted with other callers' rows, it shares the module KV they import alike
-        return StreamingGeneration(self._run(plans, params, use_cache, started, share=self.spec.split))
+        return StreamingGeneration(self._run(plans, params, use_cache, started, share=self._shares))
 
     async def agenerate(self, prompt: str, **kwargs: Any) -> Generation:
         """:meth:`generate` for asyncio (the same keywords): the event loop never waits on a
@@ -166,13 +175,13 @@ class Serving:
         scope = planner.scope(collections)
 
         def start() -> Ticket:
-            return self._ticket(self._prepare([prompt], use_cache, scope), params, use_cache, started, share=self.spec.split)
+            return self._ticket(self._prepare([prompt], use_cache, scope), params, use_cache, started, share=self._shares)
 
         return AsyncStream(self.scheduler, start)
 
     def generate_batch(self, prompts: Sequence[str], *, max_new_tokens: int | None = None, temperature: float | None = None,
                        top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
-                       use_cache: bool = True, seed: int | None = None, share_modules: bool = True,
+                       use_cache: bool = True, seed: int | None = None, share_modules: bool | None = None,
                        collections: str | Sequence[str] | None = None, **generation: Any) -> list[Generation]:
         """Generate completions for several prompts together: one forward pass per step for all.
 
@@ -180,7 +189,8 @@ class Serving:
         ``share_modules`` (RoPE models on SDPA), cached KV that several prompts import at the same
         positions is held once and attended to once per step for all of them (shared-module
         attention, see :mod:`pc_rag.model.shared_attention`); what each prompt computes is prefilled in
-        one batched pass. Greedy outputs equal those of :meth:`generate` called on each prompt.
+        one batched pass (None: unless the engine compiles its decode steps, see ``compile``).
+        Greedy outputs equal those of :meth:`generate` called on each prompt.
         Models whose attention cannot take per-row masks (ALiBi, learned positions, flash/flex
         attention) are served one prompt after another. ``collections`` scopes every prompt
         (see :meth:`plan`); rows share only KV they may all read.
@@ -195,7 +205,8 @@ class Serving:
             return [self.generate(p, use_cache=use_cache, collections=scope, **kwargs, **generation) for p in prompts]  # type: ignore[arg-type]
         started = time.perf_counter()
         plans = self._prepare(prompts, use_cache, scope)
-        run = self._run(plans, params, use_cache, started, share=share_modules and self.spec.split)
+        share = self._shares if share_modules is None else share_modules and self.spec.split
+        run = self._run(plans, params, use_cache, started, share=share)
         try:
             while True:
                 next(run)

@@ -135,16 +135,22 @@ def test_a_late_arrival_gets_its_answer_before_the_long_runners_finish(engine):
 
 
 def test_a_compiled_engine_runs_every_step_compiled_when_callers_join(make_engine):
-    """compile=True under concurrent callers: a newcomer joining a running row rebuilds the
-    batch without reserved rows (a compiled step runs only over a buffer its views span), so
-    every decode step, before and after the join, runs compiled, and the tokens equal lone calls.
-    With rows reserved, the joined batch's steps ran eagerly; before that, a compiled step
-    seen first over an unreserved buffer of the same shape failed the joined batch outright."""
-    engine = make_engine("llama", compile=True)
-    engine.stop_token_ids.clear()
-    # no imported modules: a step that reads shared parts is not compiled
-    prompts = ["Harbour 1 handles 11 ships a day. Tell me about the harbour.", "Which harbour is busiest of all?"]
-    lone = [g.token_ids for g in engine.generate_batch(prompts, max_new_tokens=40)]  # compiles the 2-row step
+    """compile=True under concurrent RAG callers: rows copy the modules they import alike (a step
+    over shared parts runs eagerly, and the schema's system prompt is shared by every RAG batch),
+    and a newcomer joining a running row rebuilds the batch without reserved rows (a compiled
+    step runs only over a buffer its views span). So every decode step, before and after the
+    join, runs compiled, and the tokens equal lone eager calls. Sharing, every batched step ran
+    eagerly; with rows reserved, the joined batch's did; before that, a compiled step seen first
+    over an unreserved buffer of the same shape failed the joined batch outright."""
+    engine, eager = make_engine("llama", compile=True), make_engine("llama")
+    for e in (engine, eager):
+        e.stop_token_ids.clear()
+        names = e.add_documents([f"Harbour {i} handles {i * 11} ships a day." for i in range(4)], ids=[f"h{i}" for i in range(4)],
+                                progress=False)
+    prompts = [build_prompt("Tell me about the harbours.", names[:3]), build_prompt("Which harbour is busiest?", names[1:])]
+    lone = [eager.generate(p, max_new_tokens=40).token_ids for p in prompts]
+    assert [g.token_ids for g in engine.generate_batch(prompts, max_new_tokens=40)] == lone  # compiles the 2-row step
+    assert engine.forward.compiled_steps == engine.scheduler.stats()["steps"] == 39
     compiled, steps = engine.forward.compiled_steps, engine.scheduler.stats()["steps"]
     stream = engine.stream(prompts[0], max_new_tokens=40)
     next(stream)  # decoding alone
