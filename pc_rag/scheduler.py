@@ -58,6 +58,17 @@ from .prompt.plan import Plan
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING = 16
+
+
+def reserved_rows(device: torch.device, compiled: bool, max_running: int, rows: int) -> int:
+    """Rows a rebuilt batch of ``rows`` allocates beyond them, for newcomers to join in place
+    (:meth:`RunningBatch.admit`, no rebuild). On a CPU only: there a row nobody has written
+    holds no memory, while a GPU's allocator commits every row at once, which the buffer budget
+    (it counts rows in use) would not see; and not under ``compile``, whose step runs only over
+    buffers its views span (:attr:`KVBuffer.spans_storage`)."""
+    if compiled or device.type != "cpu":
+        return 0
+    return max(max_running - rows, 0)
 DEFAULT_MAX_STEP_TOKENS = 512
 DEFAULT_MAX_QUEUED = 256
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long with nothing to do
@@ -664,9 +675,7 @@ class Scheduler:
             merged = fresh
         else:
             rows = sum(len(kept) for _, kept in sources)
-            # no reserved rows for a compiled step: it runs only over buffers whose views span their
-            # storage (KVBuffer.spans_storage), so a newcomer beyond the finished rows' slots rebuilds
-            reserve = 0 if self.forward.compiled else self.limits.max_running - rows
+            reserve = reserved_rows(self.spec.device, self.forward.compiled, self.limits.max_running, rows)
             merged = RunningBatch.combine(sources, reserve=reserve)
             self._track(merged.rows.buffer.storage.nbytes + (fresh.rows.buffer.storage.nbytes if fresh else 0))
             with self._cond:

@@ -405,6 +405,19 @@ def test_200_requests_under_a_buffer_budget_stay_within_it(make_engine):
         engine.generate_batch(prompts[:20], max_new_tokens=8)  # alone more than the budget: refused at submission
 
 
+def test_rows_are_reserved_for_newcomers_only_where_unwritten_rows_hold_no_memory():
+    """A rebuilt batch reserves rows for newcomers on a CPU (pages nobody wrote are not resident),
+    not on a GPU, whose allocator commits them at once while the buffer budget counts the rows
+    in use (16 reserved rows of 4K-token 8B KV are 8 GB the budget never saw), and not under
+    compile (its step runs only over buffers its views span)."""
+    from pc_rag.scheduler import reserved_rows
+
+    assert reserved_rows(torch.device("cpu"), False, 16, 3) == 13
+    assert reserved_rows(torch.device("cuda", 0), False, 16, 3) == 0
+    assert reserved_rows(torch.device("cpu"), True, 16, 3) == 0
+    assert reserved_rows(torch.device("cpu"), False, 4, 6) == 0  # a generate_batch wider than max_running
+
+
 def test_limits_are_checked(make_engine):
     for bad in ({"max_running": 0}, {"max_step_tokens": -1}, {"max_queued": 1.5}, {"queue_timeout_s": -1}, {"buffer_budget": 0},
                 {"fuse_prefill": "yes"}):
