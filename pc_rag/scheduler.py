@@ -58,6 +58,9 @@ from .prompt.plan import Plan
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING = 16
+DEFAULT_MAX_STEP_TOKENS = 512
+DEFAULT_MAX_QUEUED = 256
+IDLE_EXIT_S = 2.0  # the loop thread ends after this long with nothing to do
 
 
 def reserved_rows(device: torch.device, compiled: bool, max_running: int, rows: int) -> int:
@@ -69,9 +72,6 @@ def reserved_rows(device: torch.device, compiled: bool, max_running: int, rows: 
     if compiled or device.type != "cpu":
         return 0
     return max(max_running - rows, 0)
-DEFAULT_MAX_STEP_TOKENS = 512
-DEFAULT_MAX_QUEUED = 256
-IDLE_EXIT_S = 2.0  # the loop thread ends after this long with nothing to do
 
 
 @dataclass(frozen=True)
