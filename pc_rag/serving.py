@@ -150,7 +150,8 @@ class Serving:
         params = sampling_params(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                      stop=stop, seed=seed, **generation), self.generation_config)
         plans = self._prepare([prompt], use_cache, planner.scope(collections))
-        # share: admitted with other callers' rows, it shares the module KV they import alike
+        # share: admitted with other callers' rows, it shares the module KV they import alike (not
+        # when decode steps are compiled: see _shares)
         return StreamingGeneration(self._run(plans, params, use_cache, started, share=self._shares))
 
     async def agenerate(self, prompt: str, **kwargs: Any) -> Generation:

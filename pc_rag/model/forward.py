@@ -152,9 +152,9 @@ class Forward:
             self._count(1)
             self.compiled_steps += 1
             with torch.inference_mode():
-                if self.compile_mode != "reduce-overhead":  # a CUDA graph replay (on a CPU: as "default")
+                if self.compile_mode != "reduce-overhead":
                     return self._decode_step(ids, positions, mask, buffer.cache)
-                # a graph writes the KV buffer in place: its storage is a static input (no copy in
+                # a CUDA graph replay (on a CPU the step compiles as "default"): a graph writes the KV buffer in place: its storage is a static input (no copy in
                 # and out per replay; guard=False: another buffer of the same shape re-records,
                 # not recompiles), and the logits it returns are overwritten by the next replay
                 buffer.mark_static()
