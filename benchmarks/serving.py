@@ -41,7 +41,11 @@ that serve every mode in turn (the order rotating), and reports the medians.
 Part ``reads``: what the scheduler's decode steps read over one Poisson draw per rate in
 ``--rates``: the cache entries every step attends to (each row reads the batch's attended width)
 against the entries its live rows hold, split into finished rows that still sit in the batch,
-live rows' padding up to the write column (shorter prompts, skipped columns) and entries past it.
+live rows' padding up to the write column (shorter prompts, skipped columns) and entries past it;
+and what the steps read with each row within its own extent (a CPU step: ``pc_rag.model.row_extents``).
+
+Part ``extents``: a decode step of ``--callers`` rows, each row attending within its own extent
+against one attention call over the batch's whole width, for rows of even and of spread lengths.
 
     python benchmarks/serving.py concurrency --callers 1 4 8 --repeats 3
     python benchmarks/serving.py arrivals
@@ -50,6 +54,7 @@ live rows' padding up to the write column (shorter prompts, skipped columns) and
     python benchmarks/serving.py fused --set musique --skip 40 --passages 16 --callers 1 4 8
     python benchmarks/serving.py linear --set musique --skip 40 --passages 16 --callers 1 2 3 4 8 16 --overlap
     python benchmarks/serving.py reads --set musique --skip 40 --passages 16 --rates 1.0
+    python benchmarks/serving.py extents --set musique --skip 40 --passages 16 --callers 4 8 16 --steps 20
     python benchmarks/serving.py plot
 Writes ``benchmarks/results/serving_<part>.json`` and prints a markdown table; part ``plot`` draws
 the results written (``PLOTTED``) as ``benchmarks/results/serving.png``.
@@ -79,6 +84,7 @@ DATA = ROOT / "benchmarks" / "data"
 
 
 UNFUSED = "scheduler, prefill between steps"
+WHOLE_WIDTH = "scheduler, rows read the batch's width"
 SETS = {"hotpotqa": "hotpotqa_dev_distractor_more.jsonl", "musique": "musique_ans_dev_20docs.jsonl"}
 
 
@@ -285,7 +291,10 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
     serves the modes one after another, their order rotating between draws, so that a slower
     stretch of the machine falls on every mode alike. A rate's p95 and mean are the medians over
     the draws (each draw's kept in ``draws``)."""
+    from pc_rag.decode import loop
+
     engine, prompts = rag_engine(args)
+    row_extents = loop._extents
     token_ids = [engine.plan(p).input_ids for p in prompts]  # what full prefill reads: the same tokens
     one_at_a_time = threading.Lock()
     report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"),
@@ -298,6 +307,8 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
         """One Poisson draw served in ``mode``: p95 and mean latency, arrival to last token."""
         # "scheduler, prefill between steps": the same loop with a newcomer's prefill in passes of its own
         engine.scheduler.limits = replace(fused, fuse_prefill=mode != UNFUSED)
+        # WHOLE_WIDTH: every decode step one attention call over the batch's whole width (before row extents)
+        loop._extents = (lambda *_: None) if mode == WHOLE_WIDTH else row_extents
         transformers_cb = TransformersBatching(args.new_tokens) if mode == "transformers CB" else None
         if transformers_cb is not None:
             transformers_cb.generate(token_ids[0])  # warm-up
@@ -318,6 +329,7 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
             if transformers_cb is not None:
                 transformers_cb.close()
             engine.scheduler.limits = fused
+            loop._extents = row_extents
         after = engine.scheduler.stats()
         return {"p95_latency_s": p95(latencies), "mean_latency_s": statistics.mean(latencies),
                 **({k: after[k] - before[k] for k in counted} if mode.startswith("scheduler") else {})}
@@ -351,7 +363,8 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
 
 def reads(args: argparse.Namespace) -> dict[str, Any]:
     """Cache entries read by the scheduler's decode steps against those its live rows hold, over
-    one Poisson draw (``--seed``) per rate; counted by wrapping :meth:`RunningBatch.feed` (one
+    one Poisson draw (``--seed``) per rate, each row reading the batch's whole width and within
+    its extent (what a CPU step reads: :mod:`pc_rag.model.row_extents`); counted by wrapping :meth:`RunningBatch.feed` (one
     host read of the rows' validity per step: the counts, not the timings, are the result)."""
     from pc_rag.decode import loop
 
@@ -364,8 +377,11 @@ def reads(args: argparse.Namespace) -> dict[str, Any]:
         width = batch.cursor.end if batch.cursor.fixed else batch.length + 1  # what each row attends to
         held = int(batch.rows.valid[live, :width].sum()) + len(live) if live else 0  # + the entry this step writes
         ahead = max(0, width - batch.length - 1)
+        # what the step reads with each row within its extent (pc_rag.model.row_extents), where it applies
+        extents = loop._extents(batch.rows, batch.cursor, batch.spec, [token is not None for token in batch.fed])
+        within = batch.batch * width if extents is None else sum((r.stop - r.start) * (e.stop - e.start) for r, e in extents.spans())
         steps.append({"read": batch.batch * width, "live": held, "finished_rows": (batch.batch - len(live)) * width,
-                      "ahead_of_column": len(live) * ahead, "padding": len(live) * (width - ahead) - held})
+                      "ahead_of_column": len(live) * ahead, "padding": len(live) * (width - ahead) - held, "read_within_extents": within})
         return feed(batch, alongside)
 
     report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": settings(args), "rows": []}
@@ -378,6 +394,7 @@ def reads(args: argparse.Namespace) -> dict[str, Any]:
             total = {key: sum(step[key] for step in steps) for key in steps[0]}
             row = {"rate": rate, "steps": len(steps), "p95_latency_s": p95(latencies),
                    "read_per_live_entry": total["read"] / total["live"],
+                   "read_within_extents_per_live_entry": total["read_within_extents"] / total["live"],
                    **{f"{key}_share": total[key] / total["read"] for key in ("live", "finished_rows", "padding", "ahead_of_column")}}
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
@@ -545,6 +562,62 @@ def fused(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def extents(args: argparse.Namespace) -> dict[str, Any]:
+    """A decode step over rows of private prompts, rebuilt as the scheduler rebuilds a batch: each
+    row attending within its own entries (:mod:`pc_rag.model.row_extents`) against one attention
+    call over the batch's whole width, median of ``--steps`` steps each, the two alternating. Two
+    layouts: ``even``, every prompt of ``--passages`` passages and every row decoding (what the
+    extents cannot shorten: their cost alone), and ``spread``, prompts of a quarter to all of the
+    passages and a quarter of the rows finished, waiting for a newcomer to take their slot."""
+    from pc_rag.decode import loop
+    from pc_rag.decode.request import SamplingParams
+
+    engine = PromptCache.from_pretrained()
+    engine.stop_token_ids.clear()
+    pool = records(args.data, args.skip, max(args.callers), args.passages, args.set)
+    documents = [(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
+
+    def running(prompt: str, budget: int) -> loop.RunningBatch:
+        plans = engine._prepare([prompt], True)
+        ticket = engine._ticket(plans, SamplingParams(max_new_tokens=budget), True, 0.0, share=False)
+        prefilled = engine._prefill(plans, budget, True, share=False)
+        return loop.RunningBatch(engine.forward, prefilled.rows, ticket.requests, prefilled.logits, engine.spec)
+
+    row_extents = loop._extents
+    report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": settings(args), "rows": []}
+    for rows, layout in ((rows, layout) for rows in args.callers for layout in ("even", "spread")):
+        spread = layout == "spread"
+        finished = rows // 4 if spread else 0
+        kept = [names[: max(1, len(names) * (1 + i % 4) // 4)] if spread else names for i, (_, names) in enumerate(documents[:rows])]
+        batch = loop.RunningBatch.combine([(running(build_prompt(q, names), 1 if i < finished else 2 * args.steps + 8), [0])
+                                           for i, ((q, _), names) in enumerate(zip(documents, kept))])
+        batch.take()
+        batch.feed()  # the finished rows' last token
+        times: dict[str, list[float]] = {"whole width": [], "row extents": []}
+        try:
+            for step in range(2 * args.steps + 2):  # the first two warm up
+                mode = ("whole width", "row extents")[step % 2]
+                loop._extents = row_extents if mode == "row extents" else (lambda *_: None)
+                batch.take()
+                started = time.perf_counter()
+                batch.feed()
+                if step >= 2:
+                    times[mode].append(time.perf_counter() - started)
+        finally:
+            loop._extents = row_extents
+        live = [row for row, alive in enumerate(batch.alive) if alive]
+        held = int(batch.rows.valid[live, : batch.length].sum())
+        within = row_extents(batch.rows, batch.cursor, batch.spec, batch.alive)  # None: not worth it, one call
+        row = {"rows": rows, "layout": layout, "finished_rows": finished, "batch_length": batch.length,
+               "live_share": held / (rows * batch.length),
+               "extents_read_share": None if within is None else within.entries / (rows * batch.cursor.end),
+               **{f"{m} ms": 1e3 * statistics.median(t) for m, t in times.items()}}
+        row["ratio"] = row["row extents ms"] / row["whole width ms"]
+        report["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    return report
+
+
 PLOTTED = {  # panel title: [(result file, dashed: every prompt imports the same passages), ...]
     "~1K-token prompts, callers at once": [("serving_concurrency.json", False), ("serving_concurrency_overlap.json", True)],
     "~3.7K-token prompts, callers at once": [("serving_concurrency_4k.json", False), ("serving_concurrency_4k_overlap.json", True)],
@@ -648,7 +721,8 @@ def linear(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("concurrency", "arrivals", "reads", "overhead", "compiled", "fused", "linear", "plot"))
+    parser.add_argument("part", choices=("concurrency", "arrivals", "reads", "overhead", "compiled", "fused", "linear", "extents",
+                                                 "plot"))
     parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
     parser.add_argument("--set", choices=tuple(SETS), default="hotpotqa", help="the QA set the prompts come from")
     parser.add_argument("--skip", type=int, default=100, help="records skipped (HotpotQA-more's first 100 were used in development)")
@@ -658,7 +732,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--overlap", action="store_true", help="every prompt imports the same passages")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (arrivals: Poisson draws per rate)")
-    parser.add_argument("--steps", type=int, default=200, help="overhead: decode steps per request")
+    parser.add_argument("--steps", type=int, default=200, help="overhead: decode steps per request; extents: steps per mode")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0], help="arrivals, reads: requests/s")
     parser.add_argument("--requests", type=int, default=16, help="arrivals, reads: requests per rate")
     parser.add_argument("--arrival-modes", nargs="+", default=["scheduler", UNFUSED, "one at a time", "transformers CB"],
@@ -672,7 +746,8 @@ def main() -> None:
         plot(folder, args.out or folder / "serving.png")
         return
     torch.set_num_threads(2)
-    report = {"concurrency": concurrency, "arrivals": arrivals, "reads": reads, "overhead": overhead, "compiled": compiled, "fused": fused, "linear": linear}[args.part](args)
+    report = {"concurrency": concurrency, "arrivals": arrivals, "reads": reads, "overhead": overhead, "compiled": compiled, "fused": fused, "linear": linear,
+              "extents": extents}[args.part](args)
     out = args.out or ROOT / f"benchmarks/results/serving_{args.part}{'_overlap' if args.overlap else ''}.json"
     out.write_text(json.dumps(report, indent=1))
     if args.part == "concurrency":

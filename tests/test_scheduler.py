@@ -450,7 +450,7 @@ def _step(batch, out: dict) -> bool:
 def test_arrivals_join_in_place_and_a_rebuild_packs_the_rows(engine):
     """Rows that join a running batch are written into a finished row's slot or a reserved row
     (the running rows are not copied, the write column jumps past a longer newcomer); a rebuild
-    packs each row's live entries to the front. Every row's tokens equal its lone call's."""
+    packs each row's live entries together. Every row's tokens equal its lone call's."""
     from pc_rag.decode.loop import RunningBatch, live_runs
 
     engine.stop_token_ids.clear()
@@ -484,6 +484,50 @@ def test_arrivals_join_in_place_and_a_rebuild_packs_the_rows(engine):
     while not _step(packed, out):
         pass
     requests = [first.requests[0], second.requests[0], *(batch.requests[row] for row in (2, 3, 0))]
+    assert [out.get(id(r)) for r in requests] == lone
+
+
+def test_rows_end_at_the_write_column_and_a_cpu_step_attends_within_each_rows_own_entries(engine, monkeypatch):
+    """A rebuild and an in-place admission align each row's entries to end at the write column,
+    so a row's prompt and what it decodes are one range; a CPU step's rows attend within their
+    ranges (pc_rag.model.row_extents) and a finished row to nothing. The logits are those of one
+    attention call over the batch's whole width, and every row's tokens its lone call's."""
+    from pc_rag.decode import loop
+    from pc_rag.decode.loop import RunningBatch, live_runs
+
+    engine.stop_token_ids.clear()
+    names = engine.names
+    prompts = [(build_prompt("Tell me about harbour 1.", names[1:5]), 20), (build_prompt("Harbour 2?", names[2:3]), 3),
+               (build_prompt("And harbour 3, briefly?", names[3:5]), 16), (build_prompt("Harbour 6?", names[6:7]), 8)]
+    lone = [engine.generate(p, max_new_tokens=n).token_ids for p, n in prompts]
+    out: dict[int, list[int]] = {}
+    twin = RunningBatch.combine([(_running(engine, *p), [0]) for p in prompts[:3]], reserve=1)
+    batch = RunningBatch.combine([(_running(engine, *p), [0]) for p in prompts[:3]], reserve=1)
+
+    def one_range_to_the_column(rows):
+        runs = [live_runs(batch.rows.valid[row, : batch.length]) for row in rows]
+        assert all(len(r) == 1 and r[0][1] == batch.length for r in runs), runs
+        return [r[0][0] for r in runs]
+
+    starts = one_range_to_the_column(range(3))
+    assert len(set(starts)) == 3 and min(starts) == 0  # three lengths, the longest from the first entry
+    twin_out: dict[int, list[int]] = {}
+    while not batch.requests[1].done:
+        _step(batch, out)
+        with monkeypatch.context() as whole_width:
+            whole_width.setattr(loop, "_extents", lambda *_: None)
+            _step(twin, twin_out)
+        alive = [row for row, live in enumerate(batch.alive) if live]
+        torch.testing.assert_close(batch.logits[alive], twin.logits[alive], rtol=1e-4, atol=1e-5)
+    extents = loop._extents(batch.rows, batch.cursor, batch.spec, batch.alive)
+    assert extents is not None and extents.starts[1] is None  # the finished row attends to nothing
+    assert [extents.starts[row] for row in (0, 2)] == starts[::2]
+    finished = batch.requests[1]
+    assert batch.admit(_running(engine, *prompts[3])) == [1]  # into the finished row's slot, aligned to the column
+    assert one_range_to_the_column([1])[0] > 0
+    while not _step(batch, out):
+        pass
+    requests = [batch.requests[0], finished, batch.requests[2], batch.requests[1]]
     assert [out.get(id(r)) for r in requests] == lone
 
 

@@ -18,6 +18,7 @@ import torch
 from ..kv.buffers import KVBuffer, batch_capacity
 from ..model.attention import attention_mask
 from ..model.forward import Forward, NewTokens
+from ..model.row_extents import RowExtents, extents_for
 from ..model.shared_attention import SharedKV, SharedPart, row_list, row_set
 from ..model.spec import ModelSpec
 from ..prefill.rows import Rows
@@ -46,6 +47,7 @@ class Cursor:
         # step sees a few shapes across requests instead of one per prompt length
         self.end = rows.buffer.capacity if whole else start + max(steps, 0)
         self.column = torch.tensor([start], dtype=torch.long, device=device)
+        self.at = start  # the same column, on the host
         if self.fixed:
             rows.valid[:, start : self.end] = False
             rows.buffer.fix(self.end, self.column)
@@ -53,28 +55,41 @@ class Cursor:
     def advance(self) -> None:
         self.positions += 1
         self.column += 1
+        self.at += 1
         self.bounds = (self.bounds[0] + 1, self.bounds[1] + 1)
 
 
-def decode_one_token(forward: Forward, rows: Rows, ids: torch.Tensor, cursor: Cursor, spec: ModelSpec) -> torch.Tensor:
-    """Feed one token per row (``ids [rows, 1]``, on the device) at the cursor; the next logits, ``[rows, vocab]``."""
+def decode_one_token(forward: Forward, rows: Rows, ids: torch.Tensor, cursor: Cursor, spec: ModelSpec,
+                     live: Sequence[bool] | None = None) -> torch.Tensor:
+    """Feed one token per row (``ids [rows, 1]``, on the device) at the cursor; the next logits, ``[rows, vocab]``.
+    ``live[row]`` False: the row has finished, its logits are not read (a CPU step leaves it out of attention)."""
     mask = _place_step(rows, cursor, spec)
-    logits = forward.decode_batch(rows.buffer, ids, cursor.positions, cursor.bounds, mask, rows.shared)
+    logits = forward.decode_batch(rows.buffer, ids, cursor.positions, cursor.bounds, mask, rows.shared,
+                                  _extents(rows, cursor, spec, live))
     cursor.advance()
     return logits
 
 
 def decode_one_token_with(forward: Forward, rows: Rows, ids: torch.Tensor, cursor: Cursor, spec: ModelSpec,
-                          other: NewTokens) -> tuple[torch.Tensor, torch.Tensor]:
+                          other: NewTokens, live: Sequence[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_one_token` and ``other`` batch's new tokens (a prefill chunk) in one packed
     forward pass (:meth:`Forward.packed`): the step rides on the chunk's weight reads. Returns
     the step's logits and ``other``'s last-column logits. Fixed shapes only (``spec.one_pass``)."""
     mask = _place_step(rows, cursor, spec)
     assert mask is not None, "a packed step needs the decode step's mask (fixed shapes)"
-    step = NewTokens(rows.buffer, ids, cursor.positions, mask, rows.shared, cursor.bounds)
+    step = NewTokens(rows.buffer, ids, cursor.positions, mask, rows.shared, cursor.bounds, _extents(rows, cursor, spec, live))
     logits, other_logits = forward.packed([step, other], spec.window_layers)
     cursor.advance()
     return logits, other_logits
+
+
+def _extents(rows: Rows, cursor: Cursor, spec: ModelSpec, live: Sequence[bool] | None) -> RowExtents | None:
+    """Where each row of a step attends (:mod:`pc_rag.model.row_extents`): for a batch in a CPU's
+    memory with fixed shapes (its rows' entries are where the mask says) and ``pc_rag_sdpa``
+    attention, which reads them, where that reads enough less; None otherwise (one batched call)."""
+    if live is None or rows.batch == 1 or not cursor.fixed or not spec.split or rows.valid.device.type != "cpu":
+        return None
+    return extents_for(rows.valid, cursor.at + 1, live, spec.kv_heads, width=cursor.end)
 
 
 def _place_step(rows: Rows, cursor: Cursor, spec: ModelSpec) -> Any:
@@ -159,9 +174,9 @@ class RunningBatch:
             ids = torch.where(self.live, self._tokens[:, None], self.placeholder)
         other = None
         if alongside is None:
-            self.logits = decode_one_token(self.forward, self.rows, ids, self.cursor, self.spec)
+            self.logits = decode_one_token(self.forward, self.rows, ids, self.cursor, self.spec, self.alive)
         else:
-            self.logits, other = decode_one_token_with(self.forward, self.rows, ids, self.cursor, self.spec, alongside)
+            self.logits, other = decode_one_token_with(self.forward, self.rows, ids, self.cursor, self.spec, alongside, self.alive)
         # after the pass: a pass that raised may be run again (the same entries rewritten, nothing counted twice)
         if self.history is not None:
             self.history.append(ids)
@@ -213,7 +228,7 @@ class RunningBatch:
                 self.cursor.end = end
             if column > self.length:  # every row writes further on; the entries between stay masked
                 self.cursor.column.fill_(column)
-                self.length = column
+                self.cursor.at = self.length = column
             for new, slot in enumerate(slots):
                 self._write_row(slot, fresh, new, end)
             index = torch.tensor(slots, dtype=torch.long, device=self.logits.device)
@@ -240,19 +255,26 @@ class RunningBatch:
         self.alive += [False] * count
 
     def _write_row(self, slot: int, fresh: "RunningBatch", new: int, end: int) -> None:
-        """Row ``new`` of ``fresh`` (its cache, positions, request) as this batch's row ``slot``."""
+        """Row ``new`` of ``fresh`` (its cache, positions, request) as this batch's row ``slot``,
+        aligned to end at the write column (its entries and what it decodes are one range:
+        :mod:`pc_rag.model.row_extents`)."""
         rows, filled = self.rows, fresh.length
-        rows.buffer.write(fresh.rows.buffer.slice(0, filled, new), 0, row=slot)
-        rows.buffer.storage[:, :, slot, :, filled:end] = 0  # to the end it attends: 0 x NaN is NaN
-        rows.key_positions[slot, :filled] = fresh.rows.key_positions[new, :filled]
+        at = self.length - filled
+        taken = slice(at, self.length)
+        rows.buffer.write(fresh.rows.buffer.slice(0, filled, new), at, row=slot)
+        # the rest of what a batched step attends to: masked, but 0 x NaN (uninitialised memory) is NaN
+        rows.buffer.storage[:, :, slot, :, :at] = 0
+        rows.buffer.storage[:, :, slot, :, self.length : end] = 0
+        rows.key_positions[slot, taken] = fresh.rows.key_positions[new, :filled]
         rows.valid[slot] = False
-        rows.valid[slot, :filled] = fresh.rows.valid[new, :filled]
+        rows.valid[slot, taken] = fresh.rows.valid[new, :filled]
         if rows.bias is not None:
             rows.bias[slot] = 0
             if fresh.rows.bias is not None:
-                rows.bias[slot, :filled] = fresh.rows.bias[new, :filled]
+                rows.bias[slot, taken] = fresh.rows.bias[new, :filled]
         if rows.copies is not None:
-            rows.copies[slot] = list(fresh.rows.copies[new]) if fresh.rows.copies is not None else []
+            held = fresh.rows.copies[new] if fresh.rows.copies is not None else []
+            rows.copies[slot] = [(sig, start + at, stop + at) for sig, start, stop in held]
         self.requests[slot] = fresh.requests[new]
         self.alive[slot] = True
 
@@ -310,10 +332,11 @@ class RunningBatch:
         buffer reserves ``reserve`` more rows for later arrivals (:meth:`admit`).
 
         Every source waits between steps (its pending logits unread). Each row's live entries
-        (its prompt and what it decoded, not the masked ones between) are packed to the front of
-        one new buffer, as runs of slices; rows shorter than the longest are padded with masked
-        entries, which cost nothing but their place. Packing keeps the batch's length that of its
-        longest row, however long the batch has been running. What a row read in place (shared
+        (its prompt and what it decoded, not the masked ones between) are packed into one new
+        buffer, as runs of slices, aligned to end where the batch writes next; rows shorter than
+        the longest start later, after masked entries (a CPU step does not read them:
+        :mod:`pc_rag.model.row_extents`). Packing keeps the batch's length that of its longest
+        row, however long the batch has been running. What a row read in place (shared
         parts) it still reads in place. Sources need a model whose attention follows a position
         mask (``spec.one_pass``); their buffers are left to the caller.
         """
@@ -322,7 +345,7 @@ class RunningBatch:
         requests = [batch.requests[row] for batch, rows in sources for row in rows]
         count = len(requests)
         runs = [[live_runs(batch.rows.valid[row, : batch.length]) for row in rows] for batch, rows in sources]
-        length = max(sum(stop - start for start, stop in row_runs) for source in runs for row_runs in source)
+        length = max(_entries(row_runs) for source in runs for row_runs in source)
         steps = max(request.budget - request.steps for request in requests)
         capacity = batch_capacity(length + max(steps, 0))
         device = first.logits.device
@@ -339,8 +362,8 @@ class RunningBatch:
         for (batch, rows), source_runs in zip(sources, runs):
             old = batch.rows
             for row, row_runs in zip(rows, source_runs):
-                copies.append(_packed(old.copies[row] if old.copies is not None else [], row_runs))
-                filled = 0
+                begin = filled = length - _entries(row_runs)
+                copies.append(_packed(old.copies[row] if old.copies is not None else [], row_runs, begin))
                 for start, stop in row_runs:
                     taken = slice(filled, filled + stop - start)
                     buffer.write(old.buffer.slice(start, stop, row), filled, row=at)
@@ -348,8 +371,8 @@ class RunningBatch:
                     if bias is not None and old.bias is not None:
                         bias[at, taken] = old.bias[row, start:stop]
                     filled = taken.stop
-                valid[at, :filled] = True
-                buffer.storage[:, :, at, :, filled:length] = 0  # masked, but 0 x NaN of uninitialised memory is NaN
+                valid[at, begin:length] = True
+                buffer.storage[:, :, at, :, :begin] = 0  # masked, but 0 x NaN of uninitialised memory is NaN
                 at += 1
             if old.shared is not None:
                 parts += old.shared.select(rows, at - len(rows))
@@ -361,10 +384,14 @@ class RunningBatch:
         return cls(forward, rows_, requests, torch.cat(logits), spec)
 
 
-def _packed(copies: Sequence[tuple[tuple, int, int]], runs: Sequence[tuple[int, int]]) -> list[tuple[tuple, int, int]]:
-    """A row's copied segments after its live ``runs`` are packed to the front (each copy lies
-    within one run: its entries are live together or masked together)."""
-    out, filled = [], 0
+def _entries(runs: Sequence[tuple[int, int]]) -> int:
+    return sum(stop - start for start, stop in runs)
+
+
+def _packed(copies: Sequence[tuple[tuple, int, int]], runs: Sequence[tuple[int, int]], first: int) -> list[tuple[tuple, int, int]]:
+    """A row's copied segments after its live ``runs`` are packed together from entry ``first``
+    (each copy lies within one run: its entries are live together or masked together)."""
+    out, filled = [], first
     for start, stop in runs:
         out += [(sig, filled + a - start, filled + b - start) for sig, a, b in copies if start <= a and b <= stop]
         filled += stop - start

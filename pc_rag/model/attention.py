@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..errors import PromptCacheError
 from . import packed as packed_mod
-from . import shared_attention
+from . import row_extents, shared_attention
 from .probe import PROBE_KWARG
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ def _pc_rag_sdpa(
     if packed is not None:  # several batches' tokens in one pass: each attends to its own cache
         return packed.attend(module, query, key, value, scaling, _pc_rag_sdpa, **kwargs), None
     shared = kwargs.pop(shared_attention.KWARG, None)
+    extents = kwargs.pop(row_extents.KWARG, None) if query.shape[2] == 1 else None  # decode steps only
     probe = kwargs.pop(PROBE_KWARG, None)
     if probe is not None:  # recovery reads this layer's attention (and may stop the pass here)
         probe.observe(module, query, key, attention_mask, scaling)
@@ -54,9 +55,12 @@ def _pc_rag_sdpa(
         if special:
             raise PromptCacheError("shared-module attention does not support position biases or soft-capping")
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-        return shared_attention.split_attention(module, query, key, value, attention_mask, scaling, shared, window=window), None
+        return shared_attention.split_attention(module, query, key, value, attention_mask, scaling, shared, window=window,
+                                                extents=extents), None
     groups = getattr(module, "num_key_value_groups", 1)
     special = special or kwargs.get("output_attentions")
+    if extents is not None and not special:  # a CPU decode step: rows attend over their own extents
+        return row_extents.attend(query, key, value, attention_mask, scaling, extents), None
     if query.device.type != "cpu" or groups == 1 or query.shape[2] == 1 or special:
         # decode steps (q_len 1) are already copy-free upstream (pack_gqa); everything else as upstream
         return sdpa_attention_forward(

@@ -17,6 +17,8 @@ from ..kv.buffers import KVBuffer, ModuleKV
 from .packed import KWARG as PACKED_KWARG
 from .packed import Pass, PackedStep
 from .probe import PROBE_KWARG, Probe, ProbeDone
+from .row_extents import KWARG as EXTENTS_KWARG
+from .row_extents import RowExtents
 from .shared_attention import KWARG, SharedKV
 
 
@@ -41,6 +43,7 @@ class NewTokens:
     mask: Any  # the batch's attention mask over its buffer and the new tokens (never None)
     shared: SharedKV | None  # KV the rows read in place
     bounds: tuple[int, int]  # the smallest and largest of ``positions`` (on the host)
+    extents: RowExtents | None = None  # a decode step's rows attend within these (pc_rag.model.row_extents)
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -144,10 +147,11 @@ class Forward:
 
     def decode_batch(
         self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, bounds: tuple[int, int], mask: Any,
-        shared: SharedKV | None = None,
+        shared: SharedKV | None = None, extents: RowExtents | None = None,
     ) -> torch.Tensor:
         """One decoding step for every row of a batched ``buffer``: ``ids [rows, 1]`` at ``positions
-        [rows, 1]`` (their smallest and largest in ``bounds``): logits ``[rows, vocab]``."""
+        [rows, 1]`` (their smallest and largest in ``bounds``): logits ``[rows, vocab]``. ``extents``:
+        the rows attend within them (eager steps; see :mod:`pc_rag.model.row_extents`)."""
         if self._decode_step is not None and shared is None and buffer.fixed and buffer.spans_storage:
             self._count(1)
             self.compiled_steps += 1
@@ -160,7 +164,7 @@ class Forward:
                 buffer.mark_static()
                 torch.compiler.cudagraph_mark_step_begin()
                 return self._decode_step(ids, positions, mask, buffer.cache).clone()
-        return self._step(buffer, ids, positions, mask, shared, bounds)
+        return self._step(buffer, ids, positions, mask, shared, bounds, extents)
 
     def _model_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, cache: Any, **extra: Any) -> torch.Tensor:
         """The model over ``ids`` at ``positions``; the last token's logits (logits_to_keep=1: the
@@ -180,13 +184,14 @@ class Forward:
     @torch.inference_mode()
     def _step(
         self, buffer: KVBuffer, ids: torch.Tensor, pos: torch.Tensor, mask: Any, shared: SharedKV | None = None,
-        bounds: tuple[int, int] | None = None,
+        bounds: tuple[int, int] | None = None, extents: RowExtents | None = None,
     ) -> torch.Tensor:
         """Run ``ids [rows, n]`` at ``pos``; the last token's logits of each row, ``[rows, vocab]``."""
         self._count(1)
         device = self.model.device
         pos = pos.to(device)
-        return self._model_step(ids.to(device), pos, mask, buffer.cache, **_shared_kwargs(shared, pos, bounds))
+        extra = {} if extents is None else {EXTENTS_KWARG: extents}
+        return self._model_step(ids.to(device), pos, mask, buffer.cache, **_shared_kwargs(shared, pos, bounds), **extra)
 
     @torch.inference_mode()
     def packed(self, batches: Sequence[NewTokens], window_layers: Sequence[bool] = ()) -> list[torch.Tensor]:
@@ -201,7 +206,7 @@ class Forward:
             rows, width = batch.ids.shape
             pos = batch.positions.to(device)
             shared = None if batch.shared is None else batch.shared.for_queries(pos, batch.bounds)
-            passes.append(Pass(batch.buffer, rows, width, batch.mask, shared))
+            passes.append(Pass(batch.buffer, rows, width, batch.mask, shared, batch.extents))
             ids.append(batch.ids.reshape(-1))
             positions.append(pos.reshape(-1))
             keep.append(torch.arange(start + width - 1, start + rows * width, width))  # each row's last column

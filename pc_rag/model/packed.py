@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from ..kv.buffers import KVBuffer
+from .row_extents import KWARG as EXTENTS_KWARG
+from .row_extents import RowExtents
 from .shared_attention import KWARG as SHARED_KWARG
 from .shared_attention import SharedStep
 
@@ -36,6 +38,7 @@ class Pass:
     width: int
     mask: Any  # what its own forward pass would take: [rows, 1, width, keys] (or per layer type)
     shared: SharedStep | None = None  # KV read in place besides its buffer
+    extents: RowExtents | None = None  # a decode step's rows attend within these (pc_rag.model.row_extents)
 
     @property
     def tokens(self) -> int:
@@ -72,6 +75,8 @@ class PackedStep:
             cut = lambda t: t[0, :, start : start + p.tokens].unflatten(1, (p.rows, p.width)).transpose(0, 1)  # noqa: E731
             keys, values = p.buffer.cache.layers[layer].update(cut(key), cut(value))
             extra = {} if p.shared is None else {SHARED_KWARG: p.shared}
+            if p.extents is not None:
+                extra[EXTENTS_KWARG] = p.extents
             out, _ = inner(module, cut(query), keys, values, self._mask(p, layer), scaling=scaling, **kwargs, **extra)
             outs.append(out.reshape(p.tokens, *out.shape[2:]))  # [rows, width, h, d] -> [tokens, h, d]
         return torch.cat(outs)[None]

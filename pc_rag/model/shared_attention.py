@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
+from .row_extents import RowExtents
 
 KWARG = "pc_rag_shared"
 
@@ -283,6 +284,20 @@ def _attend(
     return out, lse.float()
 
 
+def _attend_extents(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, mask: _PartMask | None, extents: RowExtents
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_attend` a few rows at a time, each call within its rows' extents; rows no call
+    covers (finished) get output 0 and log-sum-exp -inf."""
+    out = query.new_zeros(query.shape)
+    lse = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
+    for rows, entries in extents.spans():
+        span_mask = None if mask is None else _PartMask(mask.bias[rows, :, :, entries],
+                                                        None if mask.dead is None else mask.dead[rows])
+        out[rows], lse[rows] = _attend(query[rows], key[rows, :, entries], value[rows, :, entries], scale, span_mask)
+    return out, lse
+
+
 def _merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,11 +320,13 @@ def split_attention(
     step: SharedStep,
     *,
     window: int | None = None,
+    extents: RowExtents | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [rows, heads, q, dim]`` over the rows' own ``key``/``value``
-    ``[rows, kv_heads, k, dim]`` (masked by ``attention_mask``: boolean, additive, or causal when None)
-    and over every shared part (seen through the layer's sliding ``window``, if any); returns
-    ``[rows, q, heads, dim]`` like transformers' kernels."""
+    ``[rows, kv_heads, k, dim]`` (masked by ``attention_mask``: boolean, additive, or causal when None;
+    within each row's ``extents``, if given: :mod:`pc_rag.model.row_extents`) and over every shared
+    part (seen through the layer's sliding ``window``, if any); returns ``[rows, q, heads, dim]``
+    like transformers' kernels."""
     rows, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
@@ -319,7 +336,8 @@ def split_attention(
     # the rows' own keys: each kv head's query heads stacked, [rows, kv_heads, groups * q, dim]
     grouped = query.reshape(rows, kv_heads, groups * q_len, dim)
     # out [rows, kv_heads, groups * q, dim], lse [rows, kv_heads, groups * q]
-    out, lse = _attend(grouped, key, value, scale, step.own_mask(attention_mask, q_len, groups, key.shape[2], query))
+    own = step.own_mask(attention_mask, q_len, groups, key.shape[2], query)
+    out, lse = _attend(grouped, key, value, scale, own) if extents is None else _attend_extents(grouped, key, value, scale, own, extents)
     if step.shared.groups:
         out = out.float()  # the merge accumulates in float32, in place for groups of some rows only
 
