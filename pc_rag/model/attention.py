@@ -46,7 +46,8 @@ def _pc_rag_sdpa(
     if packed is not None:  # several batches' tokens in one pass: each attends to its own cache
         return packed.attend(module, query, key, value, scaling, _pc_rag_sdpa, **kwargs), None
     shared = kwargs.pop(shared_attention.KWARG, None)
-    extents = kwargs.pop(row_extents.KWARG, None) if query.shape[2] == 1 else None  # decode steps only
+    extents = kwargs.pop(row_extents.KWARG, None)
+    extents = extents if query.shape[2] == 1 else None  # decode steps only
     probe = kwargs.pop(PROBE_KWARG, None)
     if probe is not None:  # recovery reads this layer's attention (and may stop the pass here)
         probe.observe(module, query, key, attention_mask, scaling)

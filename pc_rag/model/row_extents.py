@@ -30,7 +30,7 @@ import torch.nn.functional as F
 KWARG = "pc_rag_extents"
 # calls a few rows each cost more per entry read than one call over every row (the kernel's
 # threads have less to share out): measured over rows of 74-85% live entries, they took 0.98-1.05x
-# the time of one call, so they are used where they read at most this share of what one call reads
+# the time of one call, so they are used where they cost at most this share of one call
 WORTHWHILE = 0.85
 
 
@@ -66,14 +66,24 @@ def extents_for(valid: torch.Tensor, stop: int, live: Sequence[bool], kv_heads: 
     ``stop`` and after unwritten; ``live[row]`` False for a finished row. Read on the host: meant
     for a cache on the CPU, where that costs no device sync. Rows are grouped so that every
     call's (row, kv head) pairs divide evenly among torch's threads. None where the calls would
-    read more than :data:`WORTHWHILE` of what one call over every row's ``width`` entries reads."""
+    cost more than :data:`WORTHWHILE` of one call over every row's ``width`` entries.
+
+    A call's cost is its busiest thread's: ``ceil(rows * kv_heads / threads)`` (row, kv head)
+    pairs, each over the call's entries. A last group of fewer rows than the others leaves
+    threads idle, which is why few rows (a batch of 3 rows of 3 kv heads on 2 threads: two calls
+    of 3 and 2 pairs' time against one of 5) seldom gain."""
     first = valid[:, :stop].to(torch.uint8).argmax(dim=1).tolist()  # the first True of each row (0 for none)
     threads = torch.get_num_threads()
     group = threads // math.gcd(threads, kv_heads)
     extents = RowExtents(tuple(start if alive else None for start, alive in zip(first, live)), stop, group)
-    if width is not None and extents.entries > WORTHWHILE * len(first) * width:
-        return None
-    return extents
+    if width is None:
+        return extents
+
+    def cost(rows: int, entries: int) -> int:
+        return -(-rows * kv_heads // threads) * entries
+
+    calls = sum(cost(rows.stop - rows.start, entries.stop - entries.start) for rows, entries in extents.spans())
+    return extents if calls <= WORTHWHILE * cost(len(first), width) else None
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
