@@ -98,3 +98,20 @@ def test_rows_that_fill_the_batch_keep_one_call_and_finished_rows_make_calls_wor
         assert fewer is not None and fewer.entries == 37 + 40
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_call_costs_its_busiest_threads_share_so_an_odd_row_out_must_save_enough():
+    """3 rows of 3 kv heads on 2 threads: one call is 5 (row, head) pairs a thread at most, two
+    calls 3 and 2, so splitting pays only where the rows' ranges shrink enough."""
+    valid = torch.ones(3, 100, dtype=torch.bool)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert extents_for(valid, 100, [True] * 3, kv_heads=3, width=100) is None  # 300 + 200 against 500
+        valid[2, :50] = False
+        assert extents_for(valid, 100, [True] * 3, kv_heads=3, width=100) is not None  # 300 + 100 against 500
+        valid[2, :50] = True
+        valid[2, :30] = False
+        assert extents_for(valid, 100, [True] * 3, kv_heads=3, width=100) is None  # 300 + 140 against 500: not 0.85
+    finally:
+        torch.set_num_threads(threads)
