@@ -54,7 +54,7 @@ against one attention call over the batch's whole width, for rows of even and of
     python benchmarks/serving.py fused --set musique --skip 40 --passages 16 --callers 1 4 8
     python benchmarks/serving.py linear --set musique --skip 40 --passages 16 --callers 1 2 3 4 8 16 --overlap
     python benchmarks/serving.py reads --set musique --skip 40 --passages 16 --rates 1.0
-    python benchmarks/serving.py extents --set musique --skip 40 --passages 16 --callers 4 8 16 --steps 20
+    python benchmarks/serving.py extents --set musique --skip 40 --passages 16 --callers 2 3 4 8 16 --steps 20
     python benchmarks/serving.py plot
 Writes ``benchmarks/results/serving_<part>.json`` and prints a markdown table; part ``plot`` draws
 the results written (``PLOTTED``) as ``benchmarks/results/serving.png``.
@@ -364,8 +364,9 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
 def reads(args: argparse.Namespace) -> dict[str, Any]:
     """Cache entries read by the scheduler's decode steps against those its live rows hold, over
     one Poisson draw (``--seed``) per rate, each row reading the batch's whole width and within
-    its extent (what a CPU step reads: :mod:`pc_rag.model.row_extents`); counted by wrapping :meth:`RunningBatch.feed` (one
-    host read of the rows' validity per step: the counts, not the timings, are the result)."""
+    its extent (what a CPU step reads: :mod:`pc_rag.model.row_extents`); counted by wrapping
+    :meth:`RunningBatch.feed` (one host read of the rows' validity per step: the counts, not the
+    timings, are the result)."""
     from pc_rag.decode import loop
 
     engine, prompts = rag_engine(args)
@@ -379,7 +380,7 @@ def reads(args: argparse.Namespace) -> dict[str, Any]:
         ahead = max(0, width - batch.length - 1)
         # what the step reads with each row within its extent (pc_rag.model.row_extents), where it applies
         extents = loop._extents(batch.rows, batch.cursor, batch.spec, [token is not None for token in batch.fed])
-        within = batch.batch * width if extents is None else sum((r.stop - r.start) * (e.stop - e.start) for r, e in extents.spans())
+        within = batch.batch * width if extents is None else extents.entries
         steps.append({"read": batch.batch * width, "live": held, "finished_rows": (batch.batch - len(live)) * width,
                       "ahead_of_column": len(live) * ahead, "padding": len(live) * (width - ahead) - held, "read_within_extents": within})
         return feed(batch, alongside)

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 
 KWARG = "pc_rag_extents"
 # calls a few rows each cost more per entry read than one call over every row (the kernel's
-# threads have less to share out): measured over rows of 74-85% live entries, they took 0.98-1.05x
-# the time of one call, so they are used where they cost at most this share of one call
+# threads have less to share out): over rebuilt batches of 4-16 rows with 71-85% live entries they
+# took 0.89-1.05x the time of one call (benchmarks/serving.py extents, before this bound), so they
+# are used where they cost at most this share of one call
 WORTHWHILE = 0.85
 
 
