@@ -47,7 +47,7 @@ class Cursor:
         # step sees a few shapes across requests instead of one per prompt length
         self.end = rows.buffer.capacity if whole else start + max(steps, 0)
         self.column = torch.tensor([start], dtype=torch.long, device=device)
-        self.at = start  # the same column, on the host
+        self.at = start  # the same column, on the host: cache entries written
         if self.fixed:
             rows.valid[:, start : self.end] = False
             rows.buffer.fix(self.end, self.column)
@@ -122,7 +122,6 @@ class RunningBatch:
 
     def __init__(self, forward: Forward, rows: Rows, requests: Sequence[RequestState], logits: torch.Tensor, spec: ModelSpec) -> None:
         self.forward, self.rows, self.requests, self.logits, self.spec = forward, rows, list(requests), logits, spec
-        self.length = len(rows.buffer)  # cache entries written (read on the host: the cursor's column)
         steps = max((request.budget - request.steps for request in self.requests), default=0)
         self.cursor = Cursor(rows, [request.next_position for request in self.requests], steps, spec, whole=forward.compiled)
         self.history = None
@@ -141,6 +140,11 @@ class RunningBatch:
     @property
     def batch(self) -> int:
         return len(self.requests)
+
+    @property
+    def length(self) -> int:
+        """Cache entries written: the cursor's column, read on the host."""
+        return self.cursor.at
 
     @property
     def finished(self) -> bool:
@@ -180,7 +184,6 @@ class RunningBatch:
         # after the pass: a pass that raised may be run again (the same entries rewritten, nothing counted twice)
         if self.history is not None:
             self.history.append(ids)
-        self.length += 1
         for request in self.requests:
             request.next_position += 1
         return other
@@ -228,7 +231,7 @@ class RunningBatch:
                 self.cursor.end = end
             if column > self.length:  # every row writes further on; the entries between stay masked
                 self.cursor.column.fill_(column)
-                self.cursor.at = self.length = column
+                self.cursor.at = column
             for new, slot in enumerate(slots):
                 self._write_row(slot, fresh, new, end)
             index = torch.tensor(slots, dtype=torch.long, device=self.logits.device)
