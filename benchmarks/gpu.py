@@ -131,8 +131,7 @@ def main() -> None:
     prompts = [build_prompt(QUESTIONS[i % len(QUESTIONS)], ids) for i in range(args.batch)]
     n = args.new_tokens
     on_device.generate(prompts[0], max_new_tokens=n)  # warm-up (with --compile: the compilation)
-    ours = on_device.generate(prompts[0], max_new_tokens=n).stats
-    decode_ms = 1000 * (ours.total_s - ours.ttft_s) / max(1, ours.generated_tokens - 1)
+    decode_ms = median_decode_ms(on_device, prompts[0], n, args.runs)
     reference = transformers_generate(model, tokenizer, on_device, prompts, n, args.runs)
     batch_s = median_time(timed(lambda: on_device.generate_batch(prompts, max_new_tokens=n, share_modules=True)), args.runs)
     # each row its own copy of the documents (what a compiled engine does by default): with
@@ -147,6 +146,8 @@ def main() -> None:
         "decode_ms_per_token": {"pc-rag": decode_ms, "transformers generate": reference["decode_ms"]},
         "weight_read_ms": weight_read_ms, "decode_vs_weight_read": decode_ms / weight_read_ms,
         "callers": concurrent_callers(model, tokenizer, docs, ids, args.callers, n, args.runs, on_device),
+        # the (rows, capacity) shapes the compiled step ran at: one CUDA graph each under "reduce-overhead"
+        "compiled_shapes": sorted(on_device.forward.compiled_shapes),
         "batch": args.batch, "new_tokens": n,
         "batch_tokens_per_s": {"pc-rag generate_batch (shared)": args.batch * n / batch_s,
                                "pc-rag generate_batch (modules copied per row)": args.batch * n / copied_s,
@@ -155,6 +156,15 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "ttft"}, indent=1))
+
+
+def median_decode_ms(engine: PromptCache, prompt: str, n: int, runs: int) -> float:
+    """ms per decoded token after the first (the call's time past its TTFT), median of ``runs`` calls."""
+    per_token = []
+    for _ in range(max(runs, 1)):
+        stats = engine.generate(prompt, max_new_tokens=n).stats
+        per_token.append(1000 * (stats.total_s - stats.ttft_s) / max(1, stats.generated_tokens - 1))
+    return sorted(per_token)[len(per_token) // 2]
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -213,8 +223,9 @@ def transformers_generate(model: Any, tokenizer: Any, engine: PromptCache, promp
                               do_sample=False, pad_token_id=pad)
 
     with torch.inference_mode():
-        first = median_time(timed(lambda: generate(1, 1)), runs)
-        whole = median_time(timed(lambda: generate(1, n)), runs)
+        # the decode time is a difference of two calls' times: one sample of each (--runs 1) was noise enough to make it negative
+        first = median_time(timed(lambda: generate(1, 1)), max(runs, 3))
+        whole = median_time(timed(lambda: generate(1, n)), max(runs, 3))
         batch = median_time(timed(lambda: generate(len(prompts), n)), runs)
     return {"decode_ms": 1000 * (whole - first) / max(1, n - 1), "batch_tokens_per_s": len(prompts) * n / batch}
 

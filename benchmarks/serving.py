@@ -493,7 +493,8 @@ def compiled(args: argparse.Namespace) -> dict[str, Any]:
         limit_hits = sum(v for k, v in counters["unimplemented"].items() if "recompile limit" in k.lower())
         report[mode] = {"wall_s": time.perf_counter() - started, "compilations": counters["frames"].get("ok", 0),
                         "recompile_limit_hit": limit_hits, "step_shapes": len(shapes), "steps": stats["steps"],
-                        "compiled_steps": engine.forward.compiled_steps, "merges": stats["merges"],
+                        "compiled_steps": engine.forward.compiled_steps, "merges": stats["merges"], "in_place": stats["in_place"],
+                        "compiled_shapes": sorted(engine.forward.compiled_shapes),  # a CUDA graph each under "reduce-overhead"
                         "failed": sum(isinstance(o, str) for o in out)}
         tokens[mode] = out
         print(json.dumps({mode: report[mode]}), flush=True)

@@ -74,6 +74,17 @@ def reserved_rows(device: torch.device, compiled: bool, max_running: int, rows: 
     return max(max_running - rows, 0)
 
 
+def vacant_rows(compiled: bool, max_running: int, rows: int) -> int:
+    """Rows a batch of ``rows`` holds beyond them under ``compile``: it is padded to a power of two
+    rows (at most ``max_running``, at least ``rows``), so that the compiled step, recorded as a
+    CUDA graph per shape under "reduce-overhead", sees a few batch sizes (vLLM and SGLang capture
+    theirs the same way), and newcomers join in place in the vacant rows. None eagerly, where a
+    vacant row would be compute for nothing."""
+    if not compiled:
+        return 0
+    return max(min(1 << (rows - 1).bit_length(), max_running) - rows, 0)
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the scheduler holds at once, and how it admits.
@@ -275,7 +286,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._batch: RunningBatch | None = None
-        self._owners: list[tuple[Ticket, int]] = []  # row of the running batch -> (ticket, index in the ticket)
+        # row of the running batch -> (ticket, index in the ticket); None: a vacant row (compiled batches, vacant_rows)
+        self._owners: list[tuple[Ticket, int] | None] = []
         self._pooled: set[int] = set()  # ids of buffers that came from the pool (single-row prefills)
         self._chunked: _Chunked | None = None
         self._admitting: list[Ticket] = []  # taken from the queue, not yet running (failed with the step if it fails)
@@ -612,14 +624,16 @@ class Scheduler:
         if budget is None:
             return True
         plans = [(p, r) for t in cohort for p, r in zip(t.plans, t.requests)]
-        own = self._bytes(len(plans), max(t.entries for t in cohort))
+        entries = max(t.entries for t in cohort)
+        own = self._bytes(len(plans), entries)
         batch = self._batch
-        if batch is None:
-            return own <= budget
+        if batch is None:  # under compile, with its copy padded with vacant rows (_padded)
+            padded = self._batch_bytes(len(plans), entries) if self._vacant(len(plans)) else 0
+            return own + padded <= budget
         live = [r for r in batch.requests if not r.done]
         length = max(batch.length, max(len(p.input_ids) for p, _ in plans))
         steps = max([r.budget - r.steps for r in live] + [r.budget for _, r in plans])
-        merged = self._bytes(len(live) + len(plans), length + steps)
+        merged = self._batch_bytes(len(live) + len(plans), length + steps)
         return self._held_bytes() + own + merged <= budget
 
     def _compaction_fits(self, batch: RunningBatch) -> bool:
@@ -628,7 +642,14 @@ class Scheduler:
             return True
         live = [r for r in batch.requests if not r.done]
         steps = max((r.budget - r.steps for r in live), default=0)
-        return self._held_bytes() + self._bytes(len(live), batch.length + steps) <= self.limits.buffer_budget
+        return self._held_bytes() + self._batch_bytes(len(live), batch.length + steps) <= self.limits.buffer_budget
+
+    def _vacant(self, rows: int) -> int:
+        return vacant_rows(self.forward.compiled, self.limits.max_running, rows)
+
+    def _batch_bytes(self, rows: int, entries: int) -> int:
+        """A running batch's buffer bytes: ``rows`` and, under compile, its vacant rows."""
+        return self._bytes(rows + self._vacant(rows), entries)
 
     def _track(self, extra: int = 0) -> None:
         with self._cond:
@@ -645,7 +666,8 @@ class Scheduler:
         batch = self._batch
         if batch is None:
             assert fresh is not None
-            self._batch, self._owners = fresh, owners
+            self._batch = self._padded(fresh)
+            self._owners = [*owners, *[None] * (self._batch.batch - len(owners))]
             return
         if fresh is not None:
             if fresh.rows.shared is not None:  # running rows that copied what the newcomers share read it with them
@@ -672,30 +694,45 @@ class Scheduler:
             self._drop_batch()
             return
         if len(sources) == 1 and fresh is not None:
-            merged = fresh
+            merged = self._padded(fresh)
         else:
             rows = sum(len(kept) for _, kept in sources)
             reserve = reserved_rows(self.spec.device, self.forward.compiled, self.limits.max_running, rows)
-            merged = RunningBatch.combine(sources, reserve=reserve)
+            merged = RunningBatch.combine(sources, reserve=reserve, vacant=self._vacant(rows))
             self._track(merged.rows.buffer.storage.nbytes + (fresh.rows.buffer.storage.nbytes if fresh else 0))
             with self._cond:
                 self._stats.merges += 1
+            if fresh is not None:
+                self._release(fresh.rows.buffer)
         self._release(batch.rows.buffer)
-        if fresh is not None and merged is not fresh:
-            self._release(fresh.rows.buffer)
         self._owners = [self._owners[row] for row in keep] + owners
+        self._owners += [None] * (merged.batch - len(self._owners))
         self._batch = merged
+
+    def _padded(self, fresh: RunningBatch) -> RunningBatch:
+        """``fresh`` as the running batch: as it is, or under ``compile`` copied into a batch with
+        vacant rows (:func:`vacant_rows`), its buffer released."""
+        vacant = self._vacant(fresh.batch)
+        if not vacant:
+            return fresh
+        padded = RunningBatch.combine([(fresh, range(fresh.batch))], vacant=vacant)
+        self._track(padded.rows.buffer.storage.nbytes + fresh.rows.buffer.storage.nbytes)
+        self._release(fresh.rows.buffer)
+        return padded
 
     def _drop_batch(self) -> None:
         if self._batch is not None:
             self._release(self._batch.rows.buffer)
         self._batch, self._owners = None, []
 
-    def _hand_out(self, batch: RunningBatch, deltas: list[str], owners: list[tuple[Ticket, int]]) -> None:
+    def _hand_out(self, batch: RunningBatch, deltas: list[str], owners: list[tuple[Ticket, int] | None]) -> None:
         """Each row's new text to its caller; a finished row's result at once."""
         finished = 0
         for row, (request, delta) in enumerate(zip(batch.requests, deltas)):
-            ticket, index = owners[row]
+            owner = owners[row]
+            if owner is None:  # a vacant row
+                continue
+            ticket, index = owner
             if ticket.closed:
                 continue
             if delta and ticket.single:
@@ -719,7 +756,10 @@ class Scheduler:
         if batch is None:
             return
         for row, request in enumerate(batch.requests):
-            ticket, _ = self._owners[row]
+            owner = self._owners[row]
+            if owner is None:
+                continue
+            ticket, _ = owner
             if ticket.cancelled and not request.done:
                 request.done = True
                 if not ticket.closed:
@@ -751,7 +791,7 @@ class Scheduler:
         cohort[0].finish("error", err)
 
     def _fail_running(self, err: Exception) -> None:
-        tickets = {id(t): t for t, _ in self._owners}
+        tickets = {id(owner[0]): owner[0] for owner in self._owners if owner is not None}
         tickets.update((id(t), t) for t in self._admitting)
         self._admitting = []
         if self._chunked is not None:

@@ -163,6 +163,38 @@ def test_a_compiled_engine_runs_every_step_compiled_when_callers_join(make_engin
     assert engine.forward.compiled_steps - compiled == stats["steps"] - steps < 2 * 39  # every step compiled, rows together
 
 
+def test_a_compiled_engine_steps_a_few_batch_sizes_and_newcomers_join_its_vacant_rows(make_engine):
+    """Under compile a batch is padded with vacant rows to a power of two rows (at most
+    ``max_running``): the compiled step, a CUDA graph per shape under "reduce-overhead", sees
+    1, 2, 4 and 8 rows as callers arrive one at a time, not every count from 1 to 7, and a
+    newcomer takes a vacant row in place instead of rebuilding the batch. Tokens equal lone
+    eager calls. Before, every arrival rebuilt the batch with exactly its rows."""
+    engine, eager = make_engine("llama", compile=True), make_engine("llama")
+    for e in (engine, eager):
+        e.stop_token_ids.clear()
+        names = e.add_documents([f"Harbour {i} handles {i * 11} ships a day." for i in range(8)], ids=[f"h{i}" for i in range(8)],
+                                progress=False)
+    prompts = [build_prompt(f"Which harbour is number {i}?", names[i : i + 2]) for i in range(7)]
+    lone = [eager.generate(p, max_new_tokens=60).token_ids for p in prompts]
+    torch._dynamo.reset()
+    streams = []
+    for prompt in prompts:  # each arrives while the ones before it decode
+        streams.append(engine.stream(prompt, max_new_tokens=60))
+        next(streams[-1])
+    for stream in streams:
+        for _ in stream:
+            pass
+    assert [s.result.token_ids for s in streams] == lone
+    assert {rows for rows, _ in engine.forward.compiled_shapes} == {1, 2, 4, 8}
+    stats = engine.scheduler.stats()
+    assert stats["in_place"] == 3, stats  # the 2nd, 3rd (to 4 rows) and 5th (to 8) rebuild; the 4th, 6th and 7th join
+    assert engine.forward.compiled_steps == stats["steps"]
+    three = [g.token_ids for g in engine.generate_batch(prompts[:3], max_new_tokens=8)]
+    assert three == [g.token_ids for g in eager.generate_batch(prompts[:3], max_new_tokens=8)]
+    assert {rows for rows, _ in engine.forward.compiled_shapes} == {1, 2, 4, 8}  # three prompts: a batch of 4
+    assert engine.scheduler.stats()["failed"] == 0
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(make_engine):
     engine = make_engine("llama", max_step_tokens=64)
     engine.stop_token_ids.clear()
@@ -416,6 +448,14 @@ def test_rows_are_reserved_for_newcomers_only_where_unwritten_rows_hold_no_memor
     assert reserved_rows(torch.device("cuda", 0), False, 16, 3) == 0
     assert reserved_rows(torch.device("cpu"), True, 16, 3) == 0
     assert reserved_rows(torch.device("cpu"), False, 4, 6) == 0  # a generate_batch wider than max_running
+
+
+def test_a_compiled_batch_is_padded_to_a_power_of_two_rows_within_max_running():
+    from pc_rag.scheduler import vacant_rows
+
+    assert [vacant_rows(True, 16, rows) for rows in (1, 2, 3, 5, 8, 9, 16)] == [0, 0, 1, 3, 0, 7, 0]
+    assert vacant_rows(True, 12, 9) == 3 and vacant_rows(True, 4, 6) == 0  # capped by max_running; never fewer rows
+    assert vacant_rows(False, 16, 3) == 0  # eager steps: a vacant row would be compute for nothing
 
 
 def test_limits_are_checked(make_engine):

@@ -109,6 +109,21 @@ def _place_step(rows: Rows, cursor: Cursor, spec: ModelSpec) -> Any:
     return attention_mask(positions, rows.key_positions[:, :keys], rows.valid[:, :keys], spec, rows.bias) if masked else None
 
 
+class VacantRow:
+    """A row a batch holds for a newcomer under ``compile`` (:meth:`RunningBatch.combine`'s
+    ``vacant``), so that the compiled step sees a few batch sizes: done from the start, it feeds
+    placeholders (attending only to them) until :meth:`RunningBatch.admit` writes a request into it."""
+
+    done = True
+    greedy = True
+    matcher = None
+    processors = None
+    budget = steps = 0
+
+    def __init__(self, next_position: int) -> None:
+        self.next_position = next_position  # a live row's: the step's position bounds stay theirs
+
+
 class RunningBatch:
     """Rows decoding together, one token per row per step: the state :func:`decode` loops over,
     and what the scheduler (:mod:`pc_rag.scheduler`) keeps running while callers come and go.
@@ -330,9 +345,11 @@ class RunningBatch:
         return sum(len(row_list(part.rows)) for part in joined)
 
     @classmethod
-    def combine(cls, sources: Sequence[tuple["RunningBatch", Sequence[int]]], *, reserve: int = 0) -> "RunningBatch":
+    def combine(cls, sources: Sequence[tuple["RunningBatch", Sequence[int]]], *, reserve: int = 0, vacant: int = 0) -> "RunningBatch":
         """Rows ``rows`` (ascending) of each source batch, in that order, as one new batch whose
-        buffer reserves ``reserve`` more rows for later arrivals (:meth:`admit`).
+        buffer reserves ``reserve`` more rows for later arrivals (:meth:`admit`), or holds
+        ``vacant`` more rows (:class:`VacantRow`, last) that later arrivals take the same way;
+        none where a request carries logits processors (their history has no vacant rows).
 
         Every source waits between steps (its pending logits unread). Each row's live entries
         (its prompt and what it decoded, not the masked ones between) are packed into one new
@@ -346,6 +363,9 @@ class RunningBatch:
         first = sources[0][0]
         spec, forward = first.spec, first.forward
         requests = [batch.requests[row] for batch, rows in sources for row in rows]
+        real = len(requests)
+        if all(request.processors is None for request in requests):
+            requests += [VacantRow(requests[0].next_position) for _ in range(max(vacant, 0))]
         count = len(requests)
         runs = [[live_runs(batch.rows.valid[row, : batch.length]) for row in rows] for batch, rows in sources]
         length = max(_entries(row_runs) for source in runs for row_runs in source)
@@ -360,31 +380,42 @@ class RunningBatch:
         bias = torch.zeros(count, capacity, dtype=biased[0].dtype, device=device) if biased else None
         parts: list[SharedPart] = []
         copies: list[list[tuple[tuple, int, int]]] = []
+        packed = Rows(buffer, key_positions, valid, None, ordered=False, bias=bias, copies=copies)
         logits = []
         at = 0
         for (batch, rows), source_runs in zip(sources, runs):
             old = batch.rows
             for row, row_runs in zip(rows, source_runs):
-                begin = filled = length - _entries(row_runs)
+                begin = length - _entries(row_runs)
                 copies.append(_packed(old.copies[row] if old.copies is not None else [], row_runs, begin))
-                for start, stop in row_runs:
-                    taken = slice(filled, filled + stop - start)
-                    buffer.write(old.buffer.slice(start, stop, row), filled, row=at)
-                    key_positions[at, taken] = old.key_positions[row, start:stop]
-                    if bias is not None and old.bias is not None:
-                        bias[at, taken] = old.bias[row, start:stop]
-                    filled = taken.stop
-                valid[at, begin:length] = True
-                buffer.storage[:, :, at, :, :begin] = 0  # masked, but 0 x NaN of uninitialised memory is NaN
+                _pack_row(old, row, row_runs, packed, at, begin)
                 at += 1
             if old.shared is not None:
                 parts += old.shared.select(rows, at - len(rows))
             logits.append(batch.logits.index_select(0, torch.tensor(list(rows), dtype=torch.long, device=device)))
+        if count > real:  # vacant rows: nothing valid, zeroed (0 x NaN), their logits never read
+            buffer.storage[:, :, real:, :, :length] = 0
+            copies += [[] for _ in range(count - real)]
+            logits.append(logits[0].new_zeros(count - real, logits[0].shape[-1]))
         buffer.grow_to(length)
         old_shared = first.rows.shared or next((b.rows.shared for b, _ in sources if b.rows.shared is not None), None)
-        shared = old_shared.like(parts) if old_shared is not None else None  # a part two sources read: one part
-        rows_ = Rows(buffer, key_positions, valid, shared, ordered=False, bias=bias, copies=copies)
-        return cls(forward, rows_, requests, torch.cat(logits), spec)
+        packed.shared = old_shared.like(parts) if old_shared is not None else None  # a part two sources read: one part
+        return cls(forward, packed, requests, torch.cat(logits), spec)
+
+
+def _pack_row(old: Rows, row: int, runs: Sequence[tuple[int, int]], new: Rows, at: int, begin: int) -> None:
+    """Row ``row``'s live ``runs`` of ``old`` written one after another into row ``at`` of
+    ``new`` from entry ``begin`` on: KV, key positions, bias; valid from there to the end."""
+    filled = begin
+    for start, stop in runs:
+        taken = slice(filled, filled + stop - start)
+        new.buffer.write(old.buffer.slice(start, stop, row), filled, row=at)
+        new.key_positions[at, taken] = old.key_positions[row, start:stop]
+        if new.bias is not None and old.bias is not None:
+            new.bias[at, taken] = old.bias[row, start:stop]
+        filled = taken.stop
+    new.valid[at, begin:filled] = True
+    new.buffer.storage[:, :, at, :, :begin] = 0  # masked, but 0 x NaN of uninitialised memory is NaN
 
 
 def _entries(runs: Sequence[tuple[int, int]]) -> int:

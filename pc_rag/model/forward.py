@@ -81,6 +81,7 @@ class Forward:
         self._decode_step = (torch.compile(self._model_step, dynamic=None, mode=self.compile_mode)
                              if self.compile_mode is not None else None)
         self.compiled_steps = 0  # decode steps run compiled
+        self.compiled_shapes: set[tuple[int, int]] = set()  # the (rows, capacity) they ran at: a CUDA graph each
         # what transformers is handed as the mask of a packed pass (a 4D mask passes through as it
         # is; each pass applies its own): made once, not per step
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
@@ -155,6 +156,7 @@ class Forward:
         if self._decode_step is not None and shared is None and buffer.fixed and buffer.spans_storage:
             self._count(1)
             self.compiled_steps += 1
+            self.compiled_shapes.add((ids.shape[0], buffer.capacity))
             with torch.inference_mode():
                 if self.compile_mode != "reduce-overhead":
                     return self._decode_step(ids, positions, mask, buffer.cache)
