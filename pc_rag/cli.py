@@ -179,7 +179,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.tenants import Tenants
 
     tenants = Tenants.from_file(expand(args.api_keys)) if args.api_keys else None  # a bad key file fails before the model loads
-    limits = dict(max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued)
+    limits = dict(max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued,
+                  buffer_budget=None if args.buffer_budget_mb is None else int(args.buffer_budget_mb * 2**20))
     memory_budget = None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
     name = args.served_model_name or (Path(args.model.rstrip("/")).name if args.model else "SmolLM2-135M-Instruct")
     if args.replicas:
@@ -236,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("files", nargs="+", help="text files, JSONL files (a 'text' field per line) or folders")
     encode.add_argument("--workers", type=int, default=0, help="Ray workers (RAY_ADDRESS joins a cluster; 0: this process)")
     encode.set_defaults(func=cmd_encode)
+    _add_serve(sub, common)
+    return parser
+
+
+def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``pc-rag serve``'s options."""
     serve = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (chat and text completions, documents)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: localhost only)")
     serve.add_argument("--port", type=int, default=8000)
@@ -245,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running", type=int, default=16, help="rows decoding at once")
     serve.add_argument("--max-step-tokens", type=int, default=512, help="prompt tokens prefilled per scheduler step")
     serve.add_argument("--max-queued", type=int, default=256, help="requests waiting for admission; past it a request gets 429")
+    serve.add_argument("--buffer-budget-mb", type=float, default=None, metavar="MB",
+                       help="KV buffers of the requests served at once, per engine (default: no bound); "
+                            "past it admission waits, and a request that alone needs more gets 400")
     serve.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body not received within this answers 408")
     serve.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
                        help="module KV held in memory, per engine (default: no bound; the least recently used leave first)")
@@ -253,7 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--router", choices=("affinity", "default"), default="affinity",
                        help="with --replicas: send a request to the replica that holds its documents, or Ray Serve's default")
     serve.set_defaults(func=cmd_serve)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,7 +105,7 @@ class PromptCache(Registration, Serving):
         max_step_tokens: tokens prefilled per step while the others decode.
         max_queued: requests waiting; past it :class:`~pc_rag.errors.QueueFull`.
         queue_timeout_s: wait up to this long for a queue place instead of failing at once.
-        buffer_budget: bytes of KV buffers held by running rows.
+        buffer_budget: bytes of KV buffers held at once (running and admitted rows', the pool's idle ones: let go first).
         fuse_prefill: a request admitted while others decode is prefilled in chunks that share
             a forward pass with their decode step (False: between steps).
         compile: run decode steps through ``torch.compile``: True (mode "default") or a mode by

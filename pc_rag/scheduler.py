@@ -356,7 +356,7 @@ class Scheduler:
             return {"queued": len(self._waiting), "running": self.running, "steps": s.steps, "admitted": s.admitted,
                     "finished": s.finished, "cancelled": s.cancelled, "failed": s.failed, "refused": s.refused,
                     "chunks": s.chunks, "fused": s.fused, "merges": s.merges, "in_place": s.in_place, "promoted": s.promoted, "buffer_bytes_peak": s.buffer_bytes_peak,
-                    "buffer_bytes": self._held_bytes()}
+                    "buffer_bytes": self._held_bytes(idle=False), "buffer_bytes_idle": self.buffers.idle_bytes}
 
     @property
     def running(self) -> int:
@@ -591,7 +591,8 @@ class Scheduler:
                     break
                 if cohort and tokens + ticket.tokens > limits.max_step_tokens:
                     break
-                if not alone and not self._fits(cohort + [ticket]):
+                # a lone ticket fits (checked at submission); for it too idle pool buffers in its way go
+                if not self._fits(cohort + [ticket]) and not alone:
                     break
                 cohort.append(ticket)
                 rows += ticket.rows
@@ -611,11 +612,25 @@ class Scheduler:
             return -(-entries // granularity) * granularity * self.kv_bytes_per_token
         return rows * batch_capacity(entries) * self.kv_bytes_per_token
 
-    def _held_bytes(self) -> int:
+    def _held_bytes(self, *, idle: bool = True) -> int:
+        """The KV buffers held: the running batch's, a chunked newcomer's and (``idle``) the
+        pool's idle ones, kept for reuse."""
         held = 0 if self._batch is None else self._batch.rows.buffer.storage.nbytes
         if self._chunked is not None:
             held += self._chunked.assembled.rows.buffer.storage.nbytes
-        return held
+        return held + (self.buffers.idle_bytes if idle else 0)
+
+    def _room_for(self, needed: int) -> bool:
+        """Whether ``needed`` more bytes fit in the budget beside what is held; the pool's idle
+        buffers (a cache: a new buffer costs page faults, not a request) are let go where only
+        they stand in the way."""
+        budget = self.limits.buffer_budget
+        if budget is None or self._held_bytes() + needed <= budget:
+            return True
+        if self._held_bytes(idle=False) + needed > budget:
+            return False
+        self.buffers.drop_idle()
+        return True
 
     def _fits(self, cohort: list[Ticket]) -> bool:
         """Whether admitting ``cohort`` keeps the buffers within the budget: the running batch's,
@@ -629,12 +644,12 @@ class Scheduler:
         batch = self._batch
         if batch is None:  # under compile, with its copy padded with vacant rows (_padded)
             padded = self._batch_bytes(len(plans), entries) if self._vacant(len(plans)) else 0
-            return own + padded <= budget
+            return self._room_for(own + padded)
         live = [r for r in batch.requests if not r.done]
         length = max(batch.length, max(len(p.input_ids) for p, _ in plans))
         steps = max([r.budget - r.steps for r in live] + [r.budget for _, r in plans])
         merged = self._batch_bytes(len(live) + len(plans), length + steps)
-        return self._held_bytes() + own + merged <= budget
+        return self._room_for(own + merged)
 
     def _compaction_fits(self, batch: RunningBatch) -> bool:
         """Whether the running batch rebuilt without its finished rows fits beside it in the budget."""
@@ -642,7 +657,7 @@ class Scheduler:
             return True
         live = [r for r in batch.requests if not r.done]
         steps = max((r.budget - r.steps for r in live), default=0)
-        return self._held_bytes() + self._batch_bytes(len(live), batch.length + steps) <= self.limits.buffer_budget
+        return self._room_for(self._batch_bytes(len(live), batch.length + steps))
 
     def _vacant(self, rows: int) -> int:
         return vacant_rows(self.forward.compiled, self.limits.max_running, rows)

@@ -270,6 +270,7 @@ def pcrag_server(tmp_path_factory):
     standard suite against it share it)."""
     from .servers import ServerProcess
 
-    server = ServerProcess(tmp_path_factory.mktemp("server"), "--body-timeout-s", "2")
+    # a buffer budget that every test's requests fit (tests/test_server.py: one that does not is refused)
+    server = ServerProcess(tmp_path_factory.mktemp("server"), "--body-timeout-s", "2", "--buffer-budget-mb", "320")
     yield server
     server.close()

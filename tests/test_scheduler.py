@@ -437,6 +437,24 @@ def test_200_requests_under_a_buffer_budget_stay_within_it(make_engine):
         engine.generate_batch(prompts[:20], max_new_tokens=8)  # alone more than the budget: refused at submission
 
 
+def test_the_pools_idle_buffers_count_in_the_buffer_budget_and_go_before_a_request_waits(make_engine):
+    """The buffer pool keeps finished requests' single-row buffers for reuse. They were outside
+    the budget: idle buffers filling it and a batch's own buffers beside them held more than the
+    budget. Now they count (``buffer_bytes_idle``) and are let go when a request needs their room."""
+    budget = 2 * 1024 * 1024  # four of the pool's 1,024-entry single-row buffers of the tiny model's 512-byte tokens
+    engine = make_engine("llama", buffer_budget=budget)
+    engine.stop_token_ids.clear()
+    taken = [engine.buffers.acquire(1024) for _ in range(4)]  # four requests' buffers at once, then all idle
+    for buffer in taken:
+        engine.buffers.release(buffer)
+    assert engine.buffers.idle == 4 and engine.scheduler.stats()["buffer_bytes_idle"] == budget
+    prompts = [f"Question {i}: what comes next?" for i in range(4)]
+    assert len(engine.generate_batch(prompts, max_new_tokens=8)) == 4  # served, not left waiting for room
+    stats = engine.scheduler.stats()
+    assert engine.buffers.idle == 0 and stats["buffer_bytes"] == stats["buffer_bytes_idle"] == 0
+    assert 0 < stats["buffer_bytes_peak"] <= budget  # idle buffers included
+
+
 def test_rows_are_reserved_for_newcomers_only_where_unwritten_rows_hold_no_memory():
     """A rebuilt batch reserves rows for newcomers on a CPU (pages nobody wrote are not resident),
     not on a GPU, whose allocator commits them at once while the buffer budget counts the rows

@@ -183,6 +183,7 @@ def test_disconnects_free_their_rows(pcrag_server):
     # the streaming client is gone: its row is let go, long before 2000 tokens
     pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_scheduler_cancelled_total") > cancelled, "stream cancelled")
     pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_running_rows") == 0, "rows free")
+    pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_kv_buffer_bytes") == 0, "its KV buffer let go")
     # a client waiting for a whole reply that hangs up is let go too
     payload = json.dumps({**body, "stream": False}).encode()
     with socket.create_connection(("127.0.0.1", pcrag_server.port)) as sock:
@@ -191,6 +192,14 @@ def test_disconnects_free_their_rows(pcrag_server):
         pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_running_rows") == 1, "request admitted")
     pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_scheduler_cancelled_total") > cancelled + 1, "request cancelled")
     assert pcrag_server.metric("pcrag_requests_total", endpoint="chat", status="499") >= 1
+
+
+def test_a_request_needing_more_kv_buffer_than_the_budget_is_refused_with_400(client, pcrag_server):
+    """``--buffer-budget-mb 320``: 8,000 new tokens need a ~377 MB buffer of the embedded model's
+    45 KB a token, so the request is refused at once, saying why, and the server serves on."""
+    with pytest.raises(openai.BadRequestError, match="buffer_budget"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8000)
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3).choices
 
 
 def test_metrics_count_requests_and_tokens(client, pcrag_server):

@@ -297,5 +297,16 @@ class BufferPool:
         return len(self._idle)
 
     @property
+    def idle_bytes(self) -> int:
+        """Bytes the idle buffers hold."""
+        with self._lock:
+            return sum(buffer.storage.nbytes for buffer in self._idle)
+
+    def drop_idle(self) -> None:
+        """Let go of the idle buffers (a memory budget needs their room)."""
+        with self._lock:
+            self._idle.clear()
+
+    @property
     def in_use(self) -> int:
         return self._in_use

@@ -36,6 +36,9 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("pcrag_scheduler_cancelled", "Requests let go before they finished (cancelled, disconnected)",
                                   value=scheduler["cancelled"])
         yield CounterMetricFamily("pcrag_scheduler_steps", "Forward passes the scheduler ran", value=scheduler["steps"])
+        yield GaugeMetricFamily("pcrag_kv_buffer_bytes", "KV buffer bytes held by running and admitted rows", value=scheduler["buffer_bytes"])
+        yield GaugeMetricFamily("pcrag_kv_buffer_bytes_idle", "KV buffer bytes the buffer pool keeps for reuse",
+                                value=scheduler["buffer_bytes_idle"])
         store = self.engine.store_stats()
         for name in _TIER_COUNTERS:
             yield CounterMetricFamily(f"pcrag_kv_{name}", f"Module KV: {name.replace('_', ' ')} (engine.store_stats())", value=store.get(name, 0))
