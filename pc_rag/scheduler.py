@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .decode.loop import RunningBatch
+from .decode.loop import RunningBatch, VacantRow
 from .decode.request import Generation, RequestState
 from .errors import PromptCacheError, QueueFull
 from .kv.buffers import BufferPool, batch_capacity
@@ -412,7 +412,9 @@ class Scheduler:
         self._let_go_of_cancelled()
         fresh = self._admit()
         batch = self._batch
-        dead = 0 if batch is None else sum(1 for request in batch.requests if request.done)
+        # finished rows (not vacant ones: counting those, a compiled batch padded to 16 rows for 9
+        # would rebuild to 8 when one row finished, and back to 16 for the next newcomer)
+        dead = 0 if batch is None else sum(1 for request in batch.requests if request.done and not isinstance(request, VacantRow))
         if fresh is not None:
             self._merge(*fresh)
         elif batch is not None and dead and 2 * dead >= batch.batch and self._chunked is None and self._compaction_fits(batch):

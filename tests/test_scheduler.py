@@ -195,6 +195,33 @@ def test_a_compiled_engine_steps_a_few_batch_sizes_and_newcomers_join_its_vacant
     assert engine.scheduler.stats()["failed"] == 0
 
 
+def test_a_compiled_batch_with_vacant_rows_keeps_its_shape_when_a_row_finishes(make_engine):
+    """9 callers fill a compiled batch of 16 rows (7 vacant). When one finishes, the batch keeps
+    its rows and the next newcomer takes a free row in place. Counting vacant rows as finished
+    ones, the batch was rebuilt down to 8 rows at once and back up to 16 for the newcomer: two
+    copies and two shapes (CUDA graphs) for one request."""
+    engine = make_engine("llama", compile=True)
+    engine.stop_token_ids.clear()
+    prompts = [f"Caller {i} asks a question about harbours." for i in range(10)]
+    torch._dynamo.reset()
+    streams = []
+    for i, prompt in enumerate(prompts[:9]):
+        streams.append(engine.stream(prompt, max_new_tokens=24 if i == 0 else 400))
+        next(streams[-1])
+    list(streams[0])  # the first caller finishes; the other 8 decode on
+    finished_at = engine.scheduler.stats()["steps"]
+    while engine.scheduler.stats()["steps"] < finished_at + 2:  # the loop has seen it finish (a wait for an event, not a timing)
+        threading.Event().wait(0.001)
+    before = engine.scheduler.stats()
+    late = engine.stream(prompts[9], max_new_tokens=4)
+    next(late)
+    after = engine.scheduler.stats()
+    assert after["merges"] == before["merges"] and after["in_place"] == before["in_place"] + 1
+    assert {rows for rows, _ in engine.forward.compiled_shapes} == {1, 2, 4, 8, 16}
+    for stream in [late, *streams[1:]]:
+        stream.close()
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(make_engine):
     engine = make_engine("llama", max_step_tokens=64)
     engine.stop_token_ids.clear()
