@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,7 @@ def median_decode_ms(engine: PromptCache, prompt: str, n: int, runs: int) -> flo
     for _ in range(max(runs, 1)):
         stats = engine.generate(prompt, max_new_tokens=n).stats
         per_token.append(1000 * (stats.total_s - stats.ttft_s) / max(1, stats.generated_tokens - 1))
-    return sorted(per_token)[len(per_token) // 2]
+    return statistics.median(per_token)
 
 
 def copy_bandwidth(device: torch.device) -> float:

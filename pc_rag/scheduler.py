@@ -302,6 +302,8 @@ class Scheduler:
         wait (after ``queue_timeout_s`` for room, when set), and refuses a ticket that alone
         would exceed the buffer budget."""
         needed = self._bytes(ticket.rows, ticket.entries)
+        if self._vacant(ticket.rows):  # under compile, admitted alone it is copied into a padded batch (_padded)
+            needed += self._batch_bytes(ticket.rows, ticket.entries)
         budget = self.limits.buffer_budget
         if budget is not None and needed > budget:
             with self._cond:
