@@ -182,17 +182,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = dict(max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued,
                   buffer_budget=None if args.buffer_budget_mb is None else int(args.buffer_budget_mb * 2**20))
     memory_budget = None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
+    compile = args.compile or False
     name = args.served_model_name or (Path(args.model.rstrip("/")).name if args.model else "SmolLM2-135M-Instruct")
     if args.replicas:
         from .server.replicas import run
 
         options = dict(device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store,
-                       kv_quantization=args.kv_quantization, memory_budget=memory_budget, **limits)
+                       kv_quantization=args.kv_quantization, memory_budget=memory_budget, compile=compile, **limits)
         run(args.model, name, options, replicas=args.replicas, host=args.host, port=args.port,
             keys_file=str(expand(args.api_keys)) if args.api_keys else None, router=args.router)
         return 0
-    serve(_engine(args, memory_budget=memory_budget, **limits), host=args.host, port=args.port, tenants=tenants, model_name=name,
-          body_timeout_s=args.body_timeout_s)
+    engine = _engine(args, memory_budget=memory_budget, compile=compile, **limits)
+    if compile:  # before the port opens: no caller waits for a compilation
+        done = engine.warm_up()
+        print(f"pc-rag: decode step compiled ({args.compile}) for {len(done.shapes)} shapes in {done.seconds:.1f} s", file=sys.stderr)
+    serve(engine, host=args.host, port=args.port, tenants=tenants, model_name=name, body_timeout_s=args.body_timeout_s)
     return 0
 
 
@@ -240,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub, common)
     return parser
 
+# pc_rag.model.forward.COMPILE_MODES, spelled out: importing it loads torch, which --help need not wait for
+SERVE_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
 
 def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     """``pc-rag serve``'s options."""
@@ -255,6 +262,9 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--buffer-budget-mb", type=float, default=None, metavar="MB",
                        help="KV buffers of the requests served at once, per engine (default: no bound); "
                             "past it admission waits, and a request that alone needs more gets 400")
+    serve.add_argument("--compile", choices=SERVE_COMPILE_MODES, default=None,
+                       help="run decode steps through torch.compile in this mode (reduce-overhead: CUDA graphs on a GPU), "
+                            "compiled for every batch size before the port opens (default: eager)")
     serve.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body not received within this answers 408")
     serve.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
                        help="module KV held in memory, per engine (default: no bound; the least recently used leave first)")

@@ -63,7 +63,9 @@ def decode_one_token(forward: Forward, rows: Rows, ids: torch.Tensor, cursor: Cu
                      live: Sequence[bool] | None = None) -> torch.Tensor:
     """Feed one token per row (``ids [rows, 1]``, on the device) at the cursor; the next logits, ``[rows, vocab]``.
     ``live[row]`` False: the row has finished, its logits are not read (a CPU step leaves it out of attention)."""
-    mask = _place_step(rows, cursor, spec)
+    # compiled: always an additive mask, whether or not a row carries APE's bias, so that plain and
+    # RAG rows run one compiled graph (a boolean mask and a float one are two, each compiled apart)
+    mask = _place_step(rows, cursor, spec, additive=forward.compiled)
     logits = forward.decode_batch(rows.buffer, ids, cursor.positions, cursor.bounds, mask, rows.shared,
                                   _extents(rows, cursor, spec, live))
     cursor.advance()
@@ -92,8 +94,9 @@ def _extents(rows: Rows, cursor: Cursor, spec: ModelSpec, live: Sequence[bool] |
     return extents_for(rows.valid, cursor.at + 1, live, spec.kv_heads, width=cursor.end)
 
 
-def _place_step(rows: Rows, cursor: Cursor, spec: ModelSpec) -> Any:
-    """Record the step's new entries (positions, validity); its attention mask, or None where none is needed."""
+def _place_step(rows: Rows, cursor: Cursor, spec: ModelSpec, *, additive: bool = False) -> Any:
+    """Record the step's new entries (positions, validity); its attention mask (``additive``: a
+    float one whatever the attention takes), or None where none is needed."""
     positions = cursor.positions
     if cursor.fixed:
         rows.key_positions.index_copy_(1, cursor.column, positions)
@@ -106,7 +109,9 @@ def _place_step(rows: Rows, cursor: Cursor, spec: ModelSpec) -> Any:
         rows.valid[:, keys - 1] = True  # finished rows feed a placeholder nobody reads
         # one row's new token comes after every key, so only padding or a window needs a mask
         masked = rows.batch > 1 or rows.holes or rows.bias is not None or (spec.sliding_window is not None and not rows.ordered)
-    return attention_mask(positions, rows.key_positions[:, :keys], rows.valid[:, :keys], spec, rows.bias) if masked else None
+    if not masked:
+        return None
+    return attention_mask(positions, rows.key_positions[:, :keys], rows.valid[:, :keys], spec, rows.bias, additive=additive)
 
 
 class VacantRow:

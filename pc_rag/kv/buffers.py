@@ -207,6 +207,17 @@ class KVBuffer:
             for tensor in (layer._keys_all, layer._values_all, layer.keys, layer.values):
                 torch._dynamo.mark_static_address(tensor, guard=False)
 
+    def mark_dynamic_capacity(self) -> None:
+        """Tell torch.compile that the number of entries a decode step reads is not fixed: the
+        first compilation takes it symbolic, so a buffer of another capacity runs the same graph
+        instead of compiling a second one on some caller's request (a hint: where torch
+        specializes the size anyway, no error). Checked on the first layer as :meth:`mark_static` is."""
+        if getattr(self._layers[0].keys, "_dynamo_weak_dynamic_indices", None):
+            return
+        for layer in self._layers:
+            for tensor in (layer._keys_all, layer._values_all, layer.keys, layer.values):
+                torch._dynamo.maybe_mark_dynamic(tensor, 2)
+
     def append(self, kv: torch.Tensor, rotate: Any = None) -> None:
         """Append stored module KV ``[layers, 2, heads, n, dim]`` after what the buffer holds.
 

@@ -125,7 +125,7 @@ def accepts_custom_mask(model: Any) -> bool:
 
 def attention_mask(
     query_positions: torch.Tensor, key_positions: torch.Tensor, valid: torch.Tensor | None, spec: Any,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, *, additive: bool = False,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The mask for queries at ``query_positions [rows, q]`` over keys at ``key_positions [rows, k]``.
 
@@ -136,7 +136,7 @@ def attention_mask(
     transformers' own masks do; a model whose layers differ gets one mask per layer type.
     Boolean (True = attend) for SDPA, additive for eager, as ``spec.attn_implementation`` takes;
     additive for both when ``bias [rows, k]`` (added to the attention logits of every query,
-    APE's scale) is given.
+    APE's scale) is given, or when asked for (``additive``).
     """
     allowed = key_positions[:, None, :] <= query_positions[:, :, None]
     if valid is not None:
@@ -144,15 +144,15 @@ def attention_mask(
     allowed = allowed[:, None]  # [rows, 1, q, k]
     window = spec.sliding_window
     if window is None:
-        return _as_mask(allowed, spec, bias)
+        return _as_mask(allowed, spec, bias, additive)
     windowed = allowed & (key_positions[:, None, None, :] > query_positions[:, None, :, None] - window)
     if not spec.mixed_window:
-        return _as_mask(windowed, spec, bias)
-    return {"full_attention": _as_mask(allowed, spec, bias), "sliding_attention": _as_mask(windowed, spec, bias)}
+        return _as_mask(windowed, spec, bias, additive)
+    return {"full_attention": _as_mask(allowed, spec, bias, additive), "sliding_attention": _as_mask(windowed, spec, bias, additive)}
 
 
-def _as_mask(allowed: torch.Tensor, spec: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if spec.attn_implementation in BOOLEAN_MASK and bias is None:
+def _as_mask(allowed: torch.Tensor, spec: Any, bias: torch.Tensor | None = None, additive: bool = False) -> torch.Tensor:
+    if spec.attn_implementation in BOOLEAN_MASK and bias is None and not additive:
         return allowed
     if bias is None:
         mask = torch.zeros(allowed.shape, dtype=spec.dtype, device=allowed.device)

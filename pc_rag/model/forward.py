@@ -61,6 +61,14 @@ def compile_mode(compile: bool | str) -> str | None:
     raise PromptCacheError(f"compile must be True, False or one of {', '.join(map(repr, COMPILE_MODES))}, got {compile!r}")
 
 
+def _mark_dynamic_keys(mask: Any) -> None:
+    """The key dimension of a decode step's mask (one tensor, or one per layer type) is symbolic
+    to torch.compile, as the KV buffer's capacity is (:meth:`KVBuffer.mark_dynamic_capacity`)."""
+    for tensor in mask.values() if isinstance(mask, dict) else (mask,):
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1)
+
+
 class Forward:
     """Runs the model over new tokens at explicit positions, appending to a :class:`KVBuffer`.
 
@@ -157,6 +165,8 @@ class Forward:
             self._count(1)
             self.compiled_steps += 1
             self.compiled_shapes.add((ids.shape[0], buffer.capacity))
+            buffer.mark_dynamic_capacity()
+            _mark_dynamic_keys(mask)
             with torch.inference_mode():
                 if self.compile_mode != "reduce-overhead":
                     return self._decode_step(ids, positions, mask, buffer.cache)

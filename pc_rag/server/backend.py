@@ -69,4 +69,4 @@ class LocalBackend:
 
     async def health(self) -> dict[str, Any]:
         stats = self.engine.scheduler.stats()
-        return {"running": stats["running"], "queued": stats["queued"]}
+        return {"running": stats["running"], "queued": stats["queued"], "compile": self.engine.forward.compile_mode}

@@ -40,6 +40,8 @@ class EngineReplica:
 
         # another replica's documents reach this one within a second (deletions too)
         self.engine = PromptCache.from_pretrained(model, **{"remote_sync_interval_s": 1.0, **options})
+        if options.get("compile"):  # before Ray Serve routes to this replica: no caller waits for a compilation
+            self.engine.warm_up()
         self.local = LocalBackend(self.engine)  # what the ingress would run in-process, run here
 
     async def generate(self, call: dict[str, Any]) -> Generation:
