@@ -39,6 +39,11 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("pcrag_kv_buffer_bytes", "KV buffer bytes held by running and admitted rows", value=scheduler["buffer_bytes"])
         yield GaugeMetricFamily("pcrag_kv_buffer_bytes_idle", "KV buffer bytes the buffer pool keeps for reuse",
                                 value=scheduler["buffer_bytes_idle"])
+        forward = self.engine.forward  # under --compile: how much of the decoding the compiled step runs
+        yield CounterMetricFamily("pcrag_compiled_steps", "Decode steps run through torch.compile (--compile; the rest ran eagerly)",
+                                  value=forward.compiled_steps)
+        yield GaugeMetricFamily("pcrag_compiled_shapes", "(rows, capacity) shapes the compiled decode step has run at: "
+                                "a CUDA graph each under --compile reduce-overhead", value=len(forward.compiled_shapes))
         store = self.engine.store_stats()
         for name in _TIER_COUNTERS:
             yield CounterMetricFamily(f"pcrag_kv_{name}", f"Module KV: {name.replace('_', ' ')} (engine.store_stats())", value=store.get(name, 0))
