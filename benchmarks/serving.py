@@ -19,9 +19,15 @@ decode steps through the scheduler against the bare decode loop (``generate.deco
 same prefilled rows: the time the scheduler adds per step.
 
 Part ``compiled`` (the same tiny model): ``max(--callers)`` callers arriving one after another
-while the others decode, prompts and budgets of growing length, served with ``compile=True`` and
-eagerly: how often the step compiles, the step shapes it served, the steps run compiled, the
-requests failed, and whether every caller's tokens equal eager serving's.
+while the others decode, prompts and budgets of growing length, every other one over documents,
+served eagerly, with ``compile=True`` as they come, and with ``compile=True`` after
+``engine.warm_up()``: how often the step compiles while serving, the first caller's latency, the
+step shapes it served, the steps run compiled, the requests failed, and whether every caller's
+tokens equal eager serving's.
+
+Part ``warm-up`` (the embedded SmolLM2-135M, ``compile=True``): how long ``engine.warm_up()``
+takes, then ``max(--callers)`` concurrent RAG callers (``--passages`` passages of HotpotQA
+records from ``--skip``) and a ``generate_batch`` of three: the compilations while serving them.
 
 Part ``fused``: one step that admits a newcomer, its prefill and the running rows' decode step
 as two passes against one packed pass (``fuse_prefill``), for running batches of ``--callers`` rows.
@@ -51,6 +57,7 @@ against one attention call over the batch's whole width, for rows of even and of
     python benchmarks/serving.py arrivals
     python benchmarks/serving.py overhead
     python benchmarks/serving.py compiled
+    python benchmarks/serving.py warm-up --callers 6 --passages 4
     python benchmarks/serving.py fused --set musique --skip 40 --passages 16 --callers 1 4 8
     python benchmarks/serving.py linear --set musique --skip 40 --passages 16 --callers 1 2 3 4 8 16 --overlap
     python benchmarks/serving.py reads --set musique --skip 40 --passages 16 --rates 1.0
@@ -515,6 +522,31 @@ def compiled(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def warmed(args: argparse.Namespace) -> dict[str, Any]:
+    """The embedded model compiled: ``warm_up()``'s time, then RAG callers' compilations (none expected)."""
+    from torch._dynamo.utils import counters
+
+    engine = PromptCache.from_pretrained(compile=True)
+    counters.clear()
+    warm = engine.warm_up()
+    report: dict[str, Any] = {"warm_up_s": warm.seconds, "warm_up_compilations": counters["frames"].get("ok", 0),
+                              "warm_up_shapes": warm.shapes}
+    print(json.dumps(report), flush=True)
+    callers = max(args.callers)
+    pool = records(args.data, args.skip, callers, args.passages, args.set)
+    prompts = [build_prompt(q, engine.add_documents(passages, progress=False)) for q, passages in pool]
+    before = counters["frames"].get("ok", 0)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(callers) as workers:
+        list(workers.map(lambda prompt: engine.generate(prompt, max_new_tokens=args.new_tokens), prompts))
+    report["callers_wall_s"] = time.perf_counter() - started
+    engine.generate_batch(prompts[:3], max_new_tokens=args.new_tokens)
+    report.update(compilations_while_serving=counters["frames"].get("ok", 0) - before, shapes_served=sorted(engine.forward.compiled_shapes),
+                  compiled_steps=engine.forward.compiled_steps, steps=engine.scheduler.stats()["steps"])
+    print(json.dumps(report), flush=True)
+    return report
+
+
 def table(report: dict[str, Any]) -> str:
     modes = list(report["rows"][0]["modes"])
     lines = ["| callers | prompt tokens | " + " | ".join(f"{m}: wall s / tok/s / mean TTFT s / mean latency s / p95 latency s" for m in modes) + " |",
@@ -736,7 +768,7 @@ def linear(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=("concurrency", "arrivals", "reads", "overhead", "compiled", "fused", "linear", "extents",
-                                                 "plot"))
+                                                 "warm-up", "plot"))
     parser.add_argument("--data", type=Path, default=DATA, help="folder of the data sets (benchmarks/data/README.md)")
     parser.add_argument("--set", choices=tuple(SETS), default="hotpotqa", help="the QA set the prompts come from")
     parser.add_argument("--skip", type=int, default=100, help="records skipped (HotpotQA-more's first 100 were used in development)")
@@ -761,7 +793,7 @@ def main() -> None:
         return
     torch.set_num_threads(2)
     report = {"concurrency": concurrency, "arrivals": arrivals, "reads": reads, "overhead": overhead, "compiled": compiled, "fused": fused, "linear": linear,
-              "extents": extents}[args.part](args)
+              "extents": extents, "warm-up": warmed}[args.part](args)
     out = args.out or ROOT / f"benchmarks/results/serving_{args.part}{'_overlap' if args.overlap else ''}.json"
     out.write_text(json.dumps(report, indent=1))
     if args.part == "concurrency":

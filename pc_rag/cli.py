@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub, common)
     return parser
 
+
 # pc_rag.model.forward.COMPILE_MODES, spelled out: importing it loads torch, which --help need not wait for
 SERVE_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
