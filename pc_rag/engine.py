@@ -44,7 +44,6 @@ from .registry import Registry, Schema
 from .registry_sync import RegistrySync
 from .scheduler import DEFAULT_MAX_QUEUED, DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, Limits, Scheduler
 from .serving import Serving
-from .warm_up import WarmUp, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +110,8 @@ class PromptCache(Registration, Serving):
             a forward pass with their decode step (False: between steps).
         compile: run decode steps through ``torch.compile``: True (mode "default") or a mode by
             name; ``"reduce-overhead"`` replays each step as a CUDA graph on a GPU (on a CPU it
-            compiles as "default"). Batched rows then copy the module KV they import alike instead
-            of reading it shared, since a step over shared parts runs eagerly. Call
-            :meth:`warm_up` before taking traffic, or the first callers wait for the compilations.
+            compiles as "default"). Batched rows copy the module KV they import alike (a step over
+            shared parts runs eagerly). Call :meth:`warm_up` first, or the first callers compile.
         small_batch_linear: the model's linear layers compute inputs of 2-16 rows (decode steps
             of several requests) as ``W @ x^T``, which streams the weights once on a CPU where
             ``x @ W^T`` streams them two or three times (:mod:`pc_rag.model.small_batch`). None:
@@ -283,12 +281,6 @@ class PromptCache(Registration, Serving):
         if self.remote is not None:
             stats.update(remote_errors=self.remote.errors, remote_rejected=self.remote.rejected)
         return stats
-
-    def warm_up(self, *, new_tokens: int = 3) -> WarmUp:
-        """Compile (under ``compile="reduce-overhead"`` on a GPU: record as CUDA graphs) the decode
-        step for the batch sizes the scheduler serves, with a few throwaway requests, so that no
-        caller waits for a compilation (:mod:`pc_rag.warm_up`). Eagerly: one short request."""
-        return warm_up(self, new_tokens=new_tokens)
 
 
 # the constructor's keywords (from_pretrained passes these to it, the rest to transformers)

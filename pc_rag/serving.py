@@ -39,6 +39,7 @@ from .prompt.chat import render_chat
 from .prompt.plan import Plan
 from .registry import Registry
 from .scheduler import AsyncStream, Scheduler, Ticket
+from .warm_up import WarmUp, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +214,12 @@ class Serving:
                 next(run)
         except StopIteration as done:
             return done.value
+
+    def warm_up(self, *, new_tokens: int = 3) -> WarmUp:
+        """Compile (under ``compile="reduce-overhead"`` on a GPU: record as CUDA graphs) the decode
+        step for the batch sizes the scheduler serves, with a few throwaway requests, so that no
+        caller waits for a compilation (:mod:`pc_rag.warm_up`). Eagerly: one short request."""
+        return warm_up(self, new_tokens=new_tokens)
 
     def min_json_tokens(self, json_schema: Any) -> int | None:
         """Tokens of the shortest document of ``json_schema`` that constrained decoding closes a

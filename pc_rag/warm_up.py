@@ -26,12 +26,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import PromptCacheError
-
-if TYPE_CHECKING:
-    from .engine import PromptCache
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +51,10 @@ def batch_sizes(max_running: int) -> list[int]:
     return sorted({1 << i for i in range(max_running.bit_length()) if 1 << i < max_running} | {max_running})
 
 
-def warm_up(engine: PromptCache, *, new_tokens: int = 3) -> WarmUp:
-    """Compile (and under "reduce-overhead" record) ``engine``'s decode step for the shapes its
-    scheduler will serve; see the module docstring. Each request decodes ``new_tokens``."""
+def warm_up(engine: Any, *, new_tokens: int = 3) -> WarmUp:
+    """Compile (and under "reduce-overhead" record) the decode step of ``engine`` (a
+    :class:`pc_rag.PromptCache`; :meth:`pc_rag.serving.Serving.warm_up` calls this) for the shapes
+    its scheduler will serve; see the module docstring. Each request decodes ``new_tokens``."""
     started = time.perf_counter()
     if not engine.forward.compiled:
         engine.generate(PROMPT, max_new_tokens=1, do_sample=False)

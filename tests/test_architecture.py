@@ -21,7 +21,7 @@ LAYERS = (
     ("prefill",),
     ("decode",),
     ("registry", "registry_sync", "planner", "embedding"),
-    ("background", "scheduler", "registration", "serving"),
+    ("background", "scheduler", "registration", "serving", "warm_up"),
     ("engine", "engine_parts"),
     ("integrations", "retrievers", "server", "distributed", "corpus", "demo", "cli"),
 )
