@@ -80,6 +80,19 @@ def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+def staggered(engine: PromptCache, prompts: list, **settings) -> list:
+    """Each prompt's stream opened once the one before it has its first token (arrivals while
+    the others decode), then every stream read to its end: their results, in order."""
+    streams = []
+    for prompt in prompts:
+        streams.append(engine.stream(prompt, **settings))
+        next(streams[-1])
+    for stream in streams:
+        for _ in stream:
+            pass
+    return [stream.result for stream in streams]
+
+
 DATA = Path(__file__).resolve().parent / "data"  # tests/data/README.md: each file's source and licence
 SQUAD = DATA / "squad_v1.1_dev_super_bowl_50.json"
 

@@ -19,6 +19,8 @@ import torch
 from pc_rag import PromptCacheError, QueueFull, build_prompt
 from pc_rag.prompt.tools import call_schema
 
+from .conftest import staggered
+
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
           "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -177,14 +179,8 @@ def test_a_compiled_engine_steps_a_few_batch_sizes_and_newcomers_join_its_vacant
     prompts = [build_prompt(f"Which harbour is number {i}?", names[i : i + 2]) for i in range(7)]
     lone = [eager.generate(p, max_new_tokens=60).token_ids for p in prompts]
     torch._dynamo.reset()
-    streams = []
-    for prompt in prompts:  # each arrives while the ones before it decode
-        streams.append(engine.stream(prompt, max_new_tokens=60))
-        next(streams[-1])
-    for stream in streams:
-        for _ in stream:
-            pass
-    assert [s.result.token_ids for s in streams] == lone
+    # each arrives while the ones before it decode
+    assert [result.token_ids for result in staggered(engine, prompts, max_new_tokens=60)] == lone
     assert {rows for rows, _ in engine.forward.compiled_shapes} == {1, 2, 4, 8}
     stats = engine.scheduler.stats()
     assert stats["in_place"] == 3, stats  # the 2nd, 3rd (to 4 rows) and 5th (to 8) rebuild; the 4th, 6th and 7th join

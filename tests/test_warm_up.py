@@ -14,6 +14,8 @@ from pc_rag import PromptCache, build_prompt
 from pc_rag.model.forward import COMPILE_MODES
 from pc_rag.warm_up import batch_sizes
 
+from .conftest import staggered
+
 DOCS = [f"Harbour {i} handles {i * 11} ships a day and lies {i * 3} km from the old town." for i in range(10)]
 
 
@@ -50,14 +52,8 @@ def test_after_warm_up_no_caller_waits_for_a_compilation(make_tiny, tokenizer):
     want = [eager.generate(p, max_new_tokens=30).token_ids for p in prompts]
 
     assert engine.generate(prompts[0], max_new_tokens=30).token_ids == want[0]
-    streams = []
-    for prompt in prompts:  # each arrives while the ones before it decode: 1, 2, 4 and 8 rows
-        streams.append(engine.stream(prompt, max_new_tokens=30))
-        next(streams[-1])
-    for stream in streams:
-        for _ in stream:
-            pass
-    assert [s.result.token_ids for s in streams] == want
+    # each arrives while the ones before it decode: 1, 2, 4 and 8 rows
+    assert [result.token_ids for result in staggered(engine, prompts, max_new_tokens=30)] == want
     assert [g.token_ids for g in engine.generate_batch(prompts[:3], max_new_tokens=6)] == \
         [g.token_ids for g in eager.generate_batch(prompts[:3], max_new_tokens=6)]
     assert [g.token_ids for g in engine.generate_batch([long_plain, prompts[1]], max_new_tokens=4)] == \
