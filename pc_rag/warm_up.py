@@ -55,6 +55,8 @@ def warm_up(engine: Any, *, new_tokens: int = 3) -> WarmUp:
     """Compile (and under "reduce-overhead" record) the decode step of ``engine`` (a
     :class:`pc_rag.PromptCache`; :meth:`pc_rag.serving.Serving.warm_up` calls this) for the shapes
     its scheduler will serve; see the module docstring. Each request decodes ``new_tokens``."""
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
+        raise PromptCacheError(f"warm_up's new_tokens must be an integer >= 2 (the first token is prefill's), got {new_tokens!r}")
     started = time.perf_counter()
     if not engine.forward.compiled:
         engine.generate(PROMPT, max_new_tokens=1, do_sample=False)

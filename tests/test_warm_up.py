@@ -7,10 +7,11 @@ a RAG prompt whose APE bias made its mask a float one where a plain prompt's was
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from pc_rag import PromptCache, build_prompt
+from pc_rag import PromptCache, PromptCacheError, build_prompt
 from pc_rag.model.forward import COMPILE_MODES
 from pc_rag.warm_up import batch_sizes
 
@@ -79,6 +80,8 @@ def test_an_eager_engine_warms_up_with_one_short_request(make_engine):
     engine = make_engine("llama")
     warm = engine.warm_up()
     assert warm.shapes == [] and engine.forward.passes >= 1 and engine.forward.compiled_steps == 0
+    with pytest.raises(PromptCacheError, match="new_tokens must be an integer >= 2"):
+        engine.warm_up(new_tokens=1)  # one token is the prefill's: no decode step would compile
 
 
 def test_serve_offers_the_compile_modes_the_engine_takes():
