@@ -15,8 +15,8 @@ symbolic). The capacity is symbolic from the first compilation
 (:meth:`pc_rag.kv.buffers.KVBuffer.mark_dynamic_capacity`) and every compiled step's mask is
 additive whether or not its rows carry APE's bias (:func:`pc_rag.decode.loop.decode_one_token`),
 so plain warm-up prompts compile the graphs RAG prompts of any length run. Under
-"reduce-overhead" each new capacity still records a CUDA graph when it first comes (recording,
-unlike compiling, takes milliseconds). A size whose requests the buffer budget refuses is left
+"reduce-overhead" each new capacity still records a CUDA graph when it first comes (a recording,
+not a compilation; what it costs on a GPU is not measured yet). A size whose requests the buffer budget refuses is left
 out, logged; it is served all the same and compiled when it first comes. Eagerly, one short
 request settles first-call allocations.
 """
