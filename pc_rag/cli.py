@@ -182,18 +182,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = dict(max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued,
                   buffer_budget=None if args.buffer_budget_mb is None else int(args.buffer_budget_mb * 2**20))
     memory_budget = None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
-    compile = args.compile or False
+    compile_mode = args.compile or False  # False: eager
     name = args.served_model_name or (Path(args.model.rstrip("/")).name if args.model else "SmolLM2-135M-Instruct")
     if args.replicas:
         from .server.replicas import run
 
         options = dict(device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store,
-                       kv_quantization=args.kv_quantization, memory_budget=memory_budget, compile=compile, **limits)
+                       kv_quantization=args.kv_quantization, memory_budget=memory_budget, compile=compile_mode, **limits)
         run(args.model, name, options, replicas=args.replicas, host=args.host, port=args.port,
             keys_file=str(expand(args.api_keys)) if args.api_keys else None, router=args.router)
         return 0
-    engine = _engine(args, memory_budget=memory_budget, compile=compile, **limits)
-    if compile:  # before the port opens: no caller waits for a compilation
+    engine = _engine(args, memory_budget=memory_budget, compile=compile_mode, **limits)
+    if compile_mode:  # before the port opens: no caller waits for a compilation
         done = engine.warm_up()
         print(f"pc-rag: decode step compiled ({args.compile}) for {len(done.shapes)} shapes in {done.seconds:.1f} s", file=sys.stderr)
     serve(engine, host=args.host, port=args.port, tenants=tenants, model_name=name, body_timeout_s=args.body_timeout_s)

@@ -16,6 +16,7 @@ fixed-length ones written at a column held on the device, so that every step has
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,9 +204,8 @@ class KVBuffer:
         look at the first layer's tells whether they are marked already (a step costs no loop)."""
         if getattr(self._layers[0].keys, "_dynamo_static_input_type", None) is not None:
             return
-        for layer in self._layers:
-            for tensor in (layer._keys_all, layer._values_all, layer.keys, layer.values):
-                torch._dynamo.mark_static_address(tensor, guard=False)
+        for tensor in self._step_tensors():
+            torch._dynamo.mark_static_address(tensor, guard=False)
 
     def mark_dynamic_capacity(self) -> None:
         """Tell torch.compile that the number of entries a decode step reads is not fixed: the
@@ -214,9 +214,13 @@ class KVBuffer:
         specializes the size anyway, no error). Checked on the first layer as :meth:`mark_static` is."""
         if getattr(self._layers[0].keys, "_dynamo_weak_dynamic_indices", None):
             return
+        for tensor in self._step_tensors():
+            torch._dynamo.maybe_mark_dynamic(tensor, 2)
+
+    def _step_tensors(self) -> Iterator[torch.Tensor]:
+        """What a compiled decode step reads of each layer: its storage and its views."""
         for layer in self._layers:
-            for tensor in (layer._keys_all, layer._values_all, layer.keys, layer.values):
-                torch._dynamo.maybe_mark_dynamic(tensor, 2)
+            yield from (layer._keys_all, layer._values_all, layer.keys, layer.values)
 
     def append(self, kv: torch.Tensor, rotate: Any = None) -> None:
         """Append stored module KV ``[layers, 2, heads, n, dim]`` after what the buffer holds.
