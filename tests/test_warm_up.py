@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
 from pc_rag.model.forward import COMPILE_MODES
@@ -62,6 +63,38 @@ def test_after_warm_up_no_caller_waits_for_a_compilation(make_tiny, tokenizer):
     assert len({capacity for _, capacity in engine.forward.compiled_shapes}) > 1  # capacities the warm-up never ran
     assert compilations() == compiled
     assert engine.forward.compiled_steps == engine.scheduler.stats()["steps"]
+
+
+def test_a_lone_row_left_in_a_batch_buffer_runs_the_lone_rows_graph(make_tiny, tokenizer, tmp_path):
+    """The warm-up's lone row decodes in a pool buffer (capacity 1024); a row left alone when
+    its batch-mate finishes goes on in the compacted batch's buffer (256). The step's inputs are
+    views of one tensor, whose capacity torch.compile's guards do not check but its compiled
+    code does: unless that tensor's capacity is symbolic too, a freshly compiled lone-row graph
+    failed the row with "expected size 256==1024" (CI, a clean compile cache; a cache filled by
+    other compilations hid it, hence an empty one here)."""
+    engine = PromptCache(make_tiny("llama"), tokenizer, compile=True, max_running=4)
+    eager = PromptCache(make_tiny("llama"), tokenizer, max_running=4)
+    for e in (engine, eager):
+        e.stop_token_ids.clear()
+    torch._dynamo.reset()
+    counters.clear()
+    with temporary_cache_dir(str(tmp_path)):
+        warm = engine.warm_up()
+        assert (1, 1024) in warm.shapes
+        compiled = compilations()
+
+        def both(e: PromptCache) -> list[list[int]]:
+            long = e.stream("Caller one counts: one, two,", max_new_tokens=30)
+            next(long)
+            short = e.stream("Caller two counts: one, two,", max_new_tokens=3)  # joins, then leaves first
+            for stream in (short, long):
+                for _ in stream:
+                    pass
+            return [stream.result.token_ids for stream in (long, short)]
+
+        assert both(engine) == both(eager)
+    assert (1, 256) in engine.forward.compiled_shapes
+    assert compilations() == compiled and engine.scheduler.stats()["failed"] == 0
 
 
 def test_a_batch_size_the_buffer_budget_refuses_is_left_out_not_an_error(make_engine):

@@ -211,11 +211,15 @@ class KVBuffer:
         """Tell torch.compile that the number of entries a decode step reads is not fixed: the
         first compilation takes it symbolic, so a buffer of another capacity runs the same graph
         instead of compiling a second one on some caller's request (a hint: where torch
-        specializes the size anyway, no error). Checked on the first layer as :meth:`mark_static` is."""
+        specializes the size anyway, no error). The views' base too: the compiled code asserts the
+        base's shape, which the guards do not check, and a freshly compiled graph took the base's
+        capacity as fixed (a lone row at 1024 entries, then one at 256, failed the step instead
+        of running it). Checked on the first layer as :meth:`mark_static` is."""
         if getattr(self._layers[0].keys, "_dynamo_weak_dynamic_indices", None):
             return
         for tensor in self._step_tensors():
             torch._dynamo.maybe_mark_dynamic(tensor, 2)
+        torch._dynamo.maybe_mark_dynamic(self._all, 4)
 
     def _step_tensors(self) -> Iterator[torch.Tensor]:
         """What a compiled decode step reads of each layer: its storage and its views."""
