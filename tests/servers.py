@@ -24,7 +24,7 @@ def free_port() -> int:
 class ServerProcess:
     """``pc-rag serve ARGS`` on 127.0.0.1, ready once ``/health`` answers."""
 
-    def __init__(self, folder: Path, *args: str, keys: dict[str, list[str]] | None = None, startup_s: float = 300.0) -> None:
+    def __init__(self, folder: Path, *args: str, keys: dict[str, object] | None = None, startup_s: float = 300.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "pc_rag.cli", "serve", "--port", str(self.port), *args]

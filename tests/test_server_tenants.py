@@ -1,24 +1,33 @@
-"""``pc-rag serve --api-keys``: tenants that never see each other, and a flood that gets 429s
-without losing or doubling a request. A real server process with two keys and small limits."""
+"""``pc-rag serve --api-keys``: tenants that never see each other, a flood that gets 429s without
+losing or doubling a request, and a key held to its ``max_in_flight`` while the others are served.
+A real server process with three keys and small limits."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
 
 import httpx
 import pytest
 
+from pc_rag import PromptCacheError
+from pc_rag.cli import main
+from pc_rag.server.quota import Quota
+from pc_rag.server.tenants import Tenants
+from pc_rag.server.wire import ApiError
+
 from .conftest import SQUAD
 from .servers import MODEL, ServerProcess
 
-KEY_A, KEY_B = "key-of-tenant-a-0001", "key-of-tenant-b-0002"
+KEY_A, KEY_B, KEY_C = "key-of-tenant-a-0001", "key-of-tenant-b-0002", "key-of-tenant-c-0003"
 
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     server = ServerProcess(tmp_path_factory.mktemp("keyed"), "--max-running", "2", "--max-queued", "2",
-                           keys={KEY_A: ["alpha"], KEY_B: ["beta"]})
+                           keys={KEY_A: ["alpha"], KEY_B: ["beta"], KEY_C: {"collections": ["gamma"], "max_in_flight": 1}})
     yield server
     server.close()
 
@@ -82,3 +91,100 @@ async def test_a_flood_gets_429s_and_every_request_one_answer(keyed):
     # the server counted each request once, with the status its client got
     assert keyed.metric("pcrag_requests_total", endpoint="chat", status="200") - before["200"] == statuses.count(200)
     assert keyed.metric("pcrag_requests_total", endpoint="chat", status="429") - before["429"] == statuses.count(429)
+
+
+def test_a_key_past_its_max_in_flight_gets_429_while_other_keys_are_served(keyed):
+    """Key C (``max_in_flight: 1``) holds its slot with a request whose body is still arriving
+    (deterministic: the slot is taken before the body is read); its next request is refused at
+    once, key B's is served, and C's slot comes back when its first request is answered."""
+    refused_before = keyed.metric("pcrag_tenant_refused_total", tenant="key #3")
+    payload = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}).encode()
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=120) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {KEY_C}\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                     + payload[:10])
+        keyed.wait_for(lambda: keyed.metric("pcrag_tenant_in_flight", tenant="key #3") == 1, "key C's slot taken")
+        refused = ask(keyed, KEY_C, "Say hello.")
+        assert refused.status_code == 429 and refused.headers["Retry-After"]
+        error = refused.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+        assert "key #3" in refused.json()["error"]["message"] and KEY_C not in refused.text  # named by position, never by key
+        assert ask(keyed, KEY_B, "Say hello.").status_code == 200  # another key is served meanwhile
+        sock.sendall(payload[10:])  # the held request's body arrives: it is answered
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200") and b'"chat.completion"' in reply
+    assert keyed.metric("pcrag_tenant_in_flight", tenant="key #3") == 0
+    assert ask(keyed, KEY_C, "Say hello.").status_code == 200  # its slot came back
+    assert keyed.metric("pcrag_tenant_refused_total", tenant="key #3") - refused_before == 1
+    # a text completion of two prompts holds two slots: more than C may ever hold, so 400, not 429
+    too_many = call(keyed, "POST", "/v1/completions", KEY_C, json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2})
+    assert too_many.status_code == 400 and "max_in_flight" in too_many.json()["error"]["message"]
+    assert keyed.metric("pcrag_tenant_in_flight", tenant="key #3") == 0
+
+
+def test_a_stream_holds_its_slot_until_it_ends_or_its_client_leaves(keyed):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 2000, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY_C}"}
+    with httpx.stream("POST", keyed.url + "/v1/chat/completions", json=body, headers=headers, timeout=120) as response:
+        events = response.iter_lines()  # kept: a dropped iterator closes the response
+        assert next(events).startswith("data: ")
+        assert ask(keyed, KEY_C, "Say hello.").status_code == 429  # the stream holds C's one slot
+    # the client hung up mid-stream: the slot comes back (and the row is let go)
+    keyed.wait_for(lambda: keyed.metric("pcrag_tenant_in_flight", tenant="key #3") == 0, "the stream's slot given back")
+    keyed.wait_for(lambda: keyed.metric("pcrag_running_rows") == 0, "the stream's row let go")
+    # a stream read to its end gives its slot back too
+    short = {**body, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    with httpx.stream("POST", keyed.url + "/v1/chat/completions", json=short, headers=headers, timeout=120) as response:
+        assert response.status_code == 200 and "data: [DONE]" in list(response.iter_lines())
+    keyed.wait_for(lambda: keyed.metric("pcrag_tenant_in_flight", tenant="key #3") == 0, "the finished stream's slot given back")
+    assert ask(keyed, KEY_C, "Say hello.").status_code == 200
+
+
+def test_in_flight_bounds_from_the_key_file_and_the_flag():
+    tenants = Tenants({KEY_A: ["alpha"], KEY_B: {"collections": ["beta"], "max_in_flight": 5},
+                       KEY_C: {"collections": [], "max_in_flight": None}}, max_in_flight=2)
+    a, b, c = (tenants.authenticate(f"Bearer {key}") for key in (KEY_A, KEY_B, KEY_C))
+    assert (a.max_in_flight, b.max_in_flight, c.max_in_flight) == (2, 5, None)  # the flag, the key's own, none
+    assert (a.name, b.name, c.name) == ("key #1", "key #2", "key #3")
+    twins = Tenants({KEY_A: ["alpha"], KEY_B: ["alpha"]}, max_in_flight=1)  # the same rights, two tenants
+    quota = Quota()
+    quota.take(twins.authenticate(f"Bearer {KEY_A}"))
+    quota.take(twins.authenticate(f"Bearer {KEY_B}"))  # not refused: key #1's slot is not key #2's
+    for bad, says in [({KEY_A: {"collections": ["a"], "max_in_flight": 0}},
+                       "key #1 of the API key file: max_in_flight must be an integer >= 1"),
+                      ({KEY_A: {"collections": ["a"], "max_in_flight": True}}, "max_in_flight must be an integer"),
+                      ({KEY_A: {"collections": ["a"], "max_in_flight": "3"}}, "max_in_flight must be an integer"),
+                      ({KEY_A: {"max_in_flight": 3}}, 'takes "collections" (required)'),
+                      ({KEY_A: {"collections": ["a"], "max_inflight": 3}}, "not ['max_inflight']"),
+                      ({KEY_A: {"collections": "alpha"}}, "key #1 of the API key file: its collections must be a list")]:
+        with pytest.raises(PromptCacheError, match=re.escape(says)):
+            Tenants(bad)
+    with pytest.raises(PromptCacheError, match="max_in_flight_per_key must be an integer >= 1"):
+        Tenants({KEY_A: ["alpha"]}, max_in_flight=0)
+
+
+def test_slots_are_given_back_once():
+    tenant = Tenants({KEY_A: ["alpha"]}, max_in_flight=3).authenticate(f"Bearer {KEY_A}")
+    quota = Quota()
+    first = quota.take(tenant)
+    first.grow(2)
+    assert quota.held(tenant) == 2
+    with pytest.raises(ApiError) as refused:
+        quota.take(tenant, 2)
+    assert refused.value.status == 429 and quota.held(tenant) == 2  # a refusal holds nothing
+    with pytest.raises(PromptCacheError, match="asks for 4 generations"):
+        quota.take(tenant).grow(4)  # more than the bound: never servable (its one slot stays held until released)
+    streamed = first.hand_over()
+    first.release()  # handed over: gives back nothing
+    assert quota.held(tenant) == 3
+    streamed.release()
+    streamed.release()
+    assert quota.held(tenant) == 1
+
+
+def test_the_in_flight_flag_needs_api_keys(capsys):
+    assert main(["serve", "--max-in-flight-per-key", "2"]) == 2
+    assert "needs --api-keys" in capsys.readouterr().err

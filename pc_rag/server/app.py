@@ -33,6 +33,7 @@ from ..integrations._shared import model_name as engine_model_name
 from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_reference
 from .backend import LocalBackend, call_payload
 from .metrics import CONTENT_TYPE, Metrics
+from .quota import Quota, Slots
 from .tenants import SINGLE_USER, Tenant, Tenants
 from .wire import (
     ApiError,
@@ -48,6 +49,7 @@ from .wire import (
     completion_response,
     new_id,
     not_found,
+    rate_limited,
     read_body,
     reply_message,
     usage_chunk,
@@ -57,7 +59,6 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 BODY_TIMEOUT_S = 30.0
-RETRY_AFTER_S = 1
 DOCUMENTS_WAIT_S = 120.0  # a request naming documents still being encoded waits this long for them
 
 
@@ -86,30 +87,40 @@ class Server:
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.metrics = Metrics(engine)
+        self.quota = Quota(self.metrics.tenant)  # generations each key has in flight
         self.started = int(time.time())
 
     # -- the endpoints ----------------------------------------------------------------------------
     async def chat_completions(self, request: Request, tenant: Tenant) -> Response:
-        body: ChatRequest = read_body(ChatRequest, await self._body(request))
-        self._check_model(body.model)
-        references = await self._references(body.documents, body.collection, tenant)
-        call = chat_call(body, self.backend.render_chat, references)
-        request_id = new_id("chatcmpl")
-        documents = body.documents or ()
-        if call.stream:
-            return await self._stream(request_id, call, tenant, documents, chat=True)
-        result = await _unless_disconnected(request, self._generate(call, tenant, documents))
-        return JSONResponse(chat_response(request_id, self.model, result, call.tools))
+        slots = self.quota.take(tenant)  # before the body: a slow body holds its key's slot
+        try:
+            body: ChatRequest = read_body(ChatRequest, await self._body(request))
+            self._check_model(body.model)
+            references = await self._references(body.documents, body.collection, tenant)
+            call = chat_call(body, self.backend.render_chat, references)
+            request_id = new_id("chatcmpl")
+            documents = body.documents or ()
+            if call.stream:
+                return await self._stream(request_id, call, tenant, documents, slots, chat=True)
+            result = await _unless_disconnected(request, self._generate(call, tenant, documents))
+            return JSONResponse(chat_response(request_id, self.model, result, call.tools))
+        finally:
+            slots.release()  # nothing after a stream's hand-over: the stream gives them back as it ends
 
     async def completions(self, request: Request, tenant: Tenant) -> Response:
-        body: CompletionRequest = read_body(CompletionRequest, await self._body(request))
-        self._check_model(body.model)
-        calls = completion_calls(body)
-        request_id = new_id("cmpl")
-        if calls[0].stream:
-            return await self._stream(request_id, calls[0], tenant, (), chat=False)
-        results = await _unless_disconnected(request, asyncio.gather(*(self._generate(call, tenant) for call in calls)))
-        return JSONResponse(completion_response(request_id, self.model, results))
+        slots = self.quota.take(tenant)
+        try:
+            body: CompletionRequest = read_body(CompletionRequest, await self._body(request))
+            self._check_model(body.model)
+            calls = completion_calls(body)
+            slots.grow(len(calls))  # one per prompt: each is a row of the scheduler
+            request_id = new_id("cmpl")
+            if calls[0].stream:
+                return await self._stream(request_id, calls[0], tenant, (), slots, chat=False)
+            results = await _unless_disconnected(request, asyncio.gather(*(self._generate(call, tenant) for call in calls)))
+            return JSONResponse(completion_response(request_id, self.model, results))
+        finally:
+            slots.release()
 
     async def models(self, request: Request, tenant: Tenant) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "created": self.started, "owned_by": "pc-rag"}]})
@@ -159,9 +170,11 @@ class Server:
         self.metrics.generation(result)
         return result
 
-    async def _stream(self, request_id: str, call: Call, tenant: Tenant, documents: Sequence[str], *, chat: bool) -> Response:
+    async def _stream(self, request_id: str, call: Call, tenant: Tenant, documents: Sequence[str], slots: Slots, *,
+                      chat: bool) -> Response:
         """Server-sent events. The first piece is awaited before the response starts, so a request
-        refused at submission (queue full, too long, bad) still gets its status code."""
+        refused at submission (queue full, too long, bad) still gets its status code. The stream
+        holds ``slots`` until it ends."""
         stream = self.backend.stream(call_payload(call.prompt, call.params, tenant.scope, documents))
         try:
             first: str | None = await stream.__anext__()
@@ -170,8 +183,13 @@ class Server:
         except BaseException:
             await stream.aclose()
             raise
-        return StreamingResponse(self._events(request_id, call, stream, first, chat), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        held = slots.hand_over()
+
+        async def close() -> None:
+            await stream.aclose()  # a disconnect cancels the events: the row is let go
+            held.release()
+
+        return _EventStream(self._events(request_id, call, stream, first, chat), close)
 
     async def _events(self, request_id: str, call: Call, stream: Any, first: str | None, chat: bool) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -201,8 +219,6 @@ class Server:
                 yield _sse(usage_chunk(request_id, self.model, kind, result))
         except Exception as exc:  # headers are sent: the error is the stream's last event
             yield _sse(_error(exc).body())  # _error logs what is not the client's fault
-        finally:
-            await stream.aclose()  # a disconnect cancels this generator: the row is let go
         yield "data: [DONE]\n\n"
 
     # -- request parts ----------------------------------------------------------------------------
@@ -260,6 +276,22 @@ class Server:
 
 
 # -- plumbing -------------------------------------------------------------------------------------
+class _EventStream(StreamingResponse):
+    """Server-sent events that run ``close`` however the response ends: sent whole, cut by a
+    disconnect, or never started (a client gone before the first byte: the events' generator
+    never runs, so its own ``finally`` could not be relied on)."""
+
+    def __init__(self, events: AsyncIterator[str], close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._close = close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
+
+
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -308,7 +340,7 @@ def _error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, QueueFull):
-        return ApiError(429, str(exc), kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return rate_limited(str(exc), "queue_full")
     if isinstance(exc, PromptCacheError):
         return ApiError(400, str(exc))
     logger.error("request failed", exc_info=exc)

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (``GET /metrics``), in a registry of its own.
 
 Counted as requests finish: requests by endpoint and status, TTFT and latency histograms, prompt
-tokens reused and computed, tokens generated. Read at each scrape from the engine: queue depth
+tokens reused and computed, tokens generated; per API key, generations in flight and requests
+refused for its ``max_in_flight``. Read at each scrape from the engine: queue depth
 and running rows (the scheduler), and where module KV came from (memory, disk and remote tier
 hits, misses, tokens recomputed because a tier was slower than prefill: ``engine.store_stats()``).
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..decode.request import Generation
+from .tenants import Tenant
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -63,6 +65,11 @@ class Metrics:
         self.cached = Counter("pcrag_prompt_tokens_cached", "Prompt tokens whose KV was reused", registry=self.registry)
         self.computed = Counter("pcrag_prompt_tokens_computed", "Prompt tokens computed", registry=self.registry)
         self.generated = Counter("pcrag_generated_tokens", "Tokens generated", registry=self.registry)
+        # per key, named by its place in the key file ("key #2"), never by the key
+        self.tenant_in_flight = Gauge("pcrag_tenant_in_flight", "Generations a key has in flight (against its max_in_flight)",
+                                      ["tenant"], registry=self.registry)
+        self.tenant_refused = Counter("pcrag_tenant_refused", "Requests refused for their key's max_in_flight (429)", ["tenant"],
+                                      registry=self.registry)
         if engine is not None:  # an engine in this process (replicas report through Ray's metrics)
             self.registry.register(_EngineCollector(engine))
 
@@ -76,6 +83,12 @@ class Metrics:
         self.cached.inc(stats.cached_tokens)
         self.computed.inc(stats.computed_tokens)
         self.generated.inc(len(result.token_ids))
+
+    def tenant(self, tenant: Tenant, held: int, refused: bool) -> None:
+        """A key's slots changed (:class:`pc_rag.server.quota.Quota`'s listener)."""
+        self.tenant_in_flight.labels(tenant=tenant.name).set(held)
+        if refused:
+            self.tenant_refused.labels(tenant=tenant.name).inc()
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)

@@ -172,19 +172,20 @@ class RayBackend:
         return await self._call("health")
 
 
-def _ingress_app(model: str | None, model_name: str, keys_file: str | None) -> Any:
+def _ingress_app(model: str | None, model_name: str, keys_file: str | None, max_in_flight_per_key: int | None = None) -> Any:
     """Built on the ingress replica (Ray Serve calls it there)."""
     from .app import create_app
     from .tenants import Tenants
 
     handle = serve.get_deployment_handle("EngineReplica", app_name=APP_NAME)
-    tenants = Tenants.from_file(keys_file) if keys_file else None
+    tenants = Tenants.from_file(keys_file, max_in_flight=max_in_flight_per_key) if keys_file else None
     return create_app(backend=RayBackend(handle, model), tenants=tenants, model_name=model_name)
 
 
 def build(model: str | None, model_name: str, options: dict[str, Any], *, replicas: int, keys_file: str | None = None,
-          router: str = "affinity") -> Any:
-    """The Ray Serve application: ``replicas`` EngineReplicas and the HTTP ingress.
+          max_in_flight_per_key: int | None = None, router: str = "affinity") -> Any:
+    """The Ray Serve application: ``replicas`` EngineReplicas and the HTTP ingress (which holds
+    each key to its ``max_in_flight`` across all replicas: every request passes through it).
     ``router``: "affinity" (:class:`~pc_rag.server.routing.AffinityRouter`) or "default" (Ray
     Serve's power of two choices, for comparison)."""
     from ray.serve.config import RequestRouterConfig
@@ -197,7 +198,7 @@ def build(model: str | None, model_name: str, options: dict[str, Any], *, replic
     engines = EngineReplica.options(**config).bind(model, options)
 
     def ingress_app() -> Any:  # a plain function: Ray Serve calls it on the ingress replica
-        return _ingress_app(model, model_name, keys_file)
+        return _ingress_app(model, model_name, keys_file, max_in_flight_per_key)
 
     @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})  # parsing only: the replicas get the cores
     @serve.ingress(ingress_app)
@@ -209,7 +210,8 @@ def build(model: str | None, model_name: str, options: dict[str, Any], *, replic
 
 
 def run(model: str | None, model_name: str, options: dict[str, Any], *, replicas: int, host: str, port: int,
-        keys_file: str | None = None, router: str = "affinity", blocking: bool = True) -> None:
+        keys_file: str | None = None, max_in_flight_per_key: int | None = None, router: str = "affinity",
+        blocking: bool = True) -> None:
     """Start Ray (the cluster ``RAY_ADDRESS`` names, or a local one) and the application."""
     import signal
     import sys
@@ -221,7 +223,8 @@ def run(model: str | None, model_name: str, options: dict[str, Any], *, replicas
     # SIGTERM (a service manager's stop) shuts the application and a local runtime down, as Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve.start(http_options={"host": host, "port": port})
-    ingress, _ = build(model, model_name, options, replicas=replicas, keys_file=keys_file, router=router)
+    ingress, _ = build(model, model_name, options, replicas=replicas, keys_file=keys_file, max_in_flight_per_key=max_in_flight_per_key,
+                       router=router)
     try:
         serve.run(ingress, name=APP_NAME, route_prefix="/", blocking=blocking)
     finally:

@@ -1,13 +1,21 @@
-"""API keys: which collections each caller may read and write.
+"""API keys: which collections each caller may read and write, and how many requests it may have in flight.
 
-``--api-keys FILE`` is a JSON object mapping each key to the list of collections it may use::
+``--api-keys FILE`` is a JSON object mapping each key to the list of collections it may use, or
+to an object with that list and the key's own ``max_in_flight``::
 
-    {"key-of-team-a": ["handbook", "tickets"], "key-of-team-b": ["contracts"]}
+    {"key-of-team-a": ["handbook", "tickets"],
+     "key-of-team-b": {"collections": ["contracts"], "max_in_flight": 4}}
 
 A request presents ``Authorization: Bearer KEY``; it then sees only its key's collections (the
 engine's ``collections=`` scope: nothing outside them is imported, matched or named). Keys are
 compared in constant time against every key (no early exit that would time a prefix) and never
-logged. Without a key file the server is single-user: every request sees every collection.
+logged: logs, errors and metrics name a key by its position in the file (``key #2``). Without a
+key file the server is single-user: every request sees every collection.
+
+``max_in_flight`` (a key's own, else ``--max-in-flight-per-key``, else no bound) is how many
+generations a key may have between arriving and their last token at once
+(:mod:`pc_rag.server.quota`): past it the key's requests get 429 while other keys' are served, so
+one tenant cannot fill the queue the scheduler shares among all of them.
 """
 
 from __future__ import annotations
@@ -25,11 +33,15 @@ from ..prompt.documents import check_name
 from .wire import ApiError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity, not value: two keys with the same rights are two tenants
 class Tenant:
-    """One caller's rights: ``collections`` it may read and write (None: all, single-user)."""
+    """One caller's rights: ``collections`` it may read and write (None: all, single-user),
+    ``max_in_flight`` generations at once (None: no bound of its own), and ``name``, what logs,
+    errors and metrics call it (never the key)."""
 
     collections: frozenset[str] | None
+    max_in_flight: int | None = None
+    name: str = "single-user"
 
     def may_use(self, collection: str) -> bool:
         return self.collections is None or collection in self.collections
@@ -46,27 +58,28 @@ SINGLE_USER = Tenant(None)
 class Tenants:
     """Keys and the collections each may use (see the module docstring)."""
 
-    def __init__(self, keys: Mapping[str, Any]) -> None:
+    def __init__(self, keys: Mapping[str, Any], *, max_in_flight: int | None = None) -> None:
+        """``keys``: the key file's object; ``max_in_flight``: the bound of every key that sets none."""
         if not isinstance(keys, Mapping) or not keys:
             raise PromptCacheError("the API key file must be a non-empty JSON object: {\"KEY\": [\"collection\", ...], ...}")
+        default = _in_flight(max_in_flight, "max_in_flight_per_key")
         self._keys: list[tuple[bytes, Tenant]] = []
-        for index, (key, collections) in enumerate(keys.items()):
+        for index, (key, value) in enumerate(keys.items()):
             # the key itself never appears in a message: entries are named by their position
+            name = f"key #{index + 1}"
             if not isinstance(key, str) or len(key) < 8 or key.strip() != key:
-                raise PromptCacheError(f"API key #{index + 1}: a key is a string of at least 8 characters, no surrounding spaces")
-            if not isinstance(collections, list) or not all(isinstance(c, str) for c in collections):
-                raise PromptCacheError(f"API key #{index + 1}: its value must be a list of collection names")
-            names = frozenset(check_name(c, "collection name") for c in collections)
-            self._keys.append((_digest(key), Tenant(names)))
+                raise PromptCacheError(f"{name} of the API key file: a key is a string of at least 8 characters, no surrounding spaces")
+            collections, limit = _entry(value, name, default)
+            self._keys.append((_digest(key), Tenant(collections, limit, name)))
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> "Tenants":
+    def from_file(cls, path: str | os.PathLike[str], *, max_in_flight: int | None = None) -> "Tenants":
         try:
             with open(path, encoding="utf-8") as handle:
                 keys = json.load(handle)
         except (OSError, json.JSONDecodeError) as exc:
             raise PromptCacheError(f"cannot read the API key file {os.fspath(path)!r}: {exc}") from None
-        return cls(keys)
+        return cls(keys, max_in_flight=max_in_flight)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -83,6 +96,28 @@ class Tenants:
             raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)", kind="authentication_error",
                            code="invalid_api_key")
         return found
+
+
+def _entry(value: Any, name: str, default: int | None) -> tuple[frozenset[str], int | None]:
+    """A key's collections and in-flight bound, from its value in the key file."""
+    limit = default
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"collections", "max_in_flight"})
+        if unknown or "collections" not in value:
+            raise PromptCacheError(f"{name} of the API key file: an object value takes \"collections\" (required) and \"max_in_flight\""
+                                   + (f", not {unknown}" if unknown else ""))
+        if "max_in_flight" in value:
+            limit = _in_flight(value["max_in_flight"], f"{name} of the API key file: max_in_flight")
+        value = value["collections"]
+    if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+        raise PromptCacheError(f"{name} of the API key file: its collections must be a list of collection names")
+    return frozenset(check_name(c, "collection name") for c in value), limit
+
+
+def _in_flight(value: Any, what: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise PromptCacheError(f"{what} must be an integer >= 1 (or null: no bound), got {value!r}")
+    return value
 
 
 def _digest(key: str) -> bytes:

@@ -43,6 +43,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait (the openai SDK and ChatOpenAI retry after it)
+
+
+def rate_limited(message: str, code: str) -> ApiError:
+    """429 with ``Retry-After``: the server is full (``queue_full``) or the key is at its bound
+    (``rate_limit_exceeded``); the request was not started."""
+    return ApiError(429, message, kind="rate_limit_error", code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def not_found(what: str) -> ApiError:
     """The one answer for a collection or document that does not exist *or* that the caller's key
     may not see: the two are indistinguishable from outside."""
