@@ -188,3 +188,31 @@ def test_slots_are_given_back_once():
 def test_the_in_flight_flag_needs_api_keys(capsys):
     assert main(["serve", "--max-in-flight-per-key", "2"]) == 2
     assert "needs --api-keys" in capsys.readouterr().err
+
+
+async def test_a_stream_whose_client_is_gone_before_its_first_byte_still_closes():
+    """A client gone before the response starts: the events' generator never runs (so its own
+    ``finally`` could not free anything); the response still closes the scheduler stream and
+    gives back the key's slots."""
+    from starlette.requests import ClientDisconnect
+
+    from pc_rag.server.app import _EventStream
+
+    started, closed = [], []
+
+    async def events():
+        started.append(True)
+        yield "data: never sent\n\n"
+
+    async def close() -> None:
+        closed.append(True)
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        raise OSError("the client is gone")
+
+    with pytest.raises(ClientDisconnect):
+        await _EventStream(events(), close)({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+    assert closed == [True] and started == []
