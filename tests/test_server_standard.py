@@ -31,7 +31,7 @@ class TestChatOpenAIAgainstServer(EmbeddedModelSettings, ChatModelIntegrationTes
     @property
     def chat_model_params(self) -> dict:
         # the in-process suite's settings (greedy, no repeated 10-gram), sent as vLLM-style extra fields
-        return {"model": MODEL, "base_url": f"{_url}/v1", "api_key": "unused", "max_tokens": 256, "stream_usage": True,
+        return {"model": MODEL, "base_url": f"{_url}/v1", "api_key": "unused", "max_tokens": 96, "stream_usage": True,
                 "max_retries": 0, "extra_body": {"no_repeat_ngram_size": 10},
                 # a client per model: langchain-openai's default async client is cached process-wide and
                 # bound to the event loop of its first request, which pytest-asyncio closes after each test
