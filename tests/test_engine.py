@@ -84,6 +84,11 @@ def test_plain_text_prompt_runs_without_modules(engine):
         ({"temperature": -1}, "temperature must be >= 0"),
         ({"top_p": 0}, "top_p must be in"),
         ({"stop": [""]}, "stop sequences must be non-empty"),
+        # past torch's 64-bit range the generator raised a bare ValueError (a 500 behind the server)
+        ({"temperature": 1.0, "seed": 2**64}, "seed must be an integer in"),
+        ({"temperature": 1.0, "seed": -(2**63) - 1}, "seed must be an integer in"),
+        ({"temperature": 1.0, "seed": 1.5}, "seed must be an integer in"),
+        ({"temperature": 1.0, "seed": True}, "seed must be an integer in"),
     ],
 )
 def test_bad_generation_arguments(engine, kwargs, message):

@@ -137,6 +137,14 @@ def test_documents_listed_paged_and_deleted(pcrag_server):
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}).encode(), 400,
      "response_format"),
     (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "gpt-4o"),
+    # a seed past 64 bits was a 500; a logit_bias was ignored (the reply unbiased, nothing said)
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2**80, "temperature": 1}).encode(), 400,
+     "seed"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"50": 100}}).encode(), 400,
+     "logit_bias is not supported"),
+    # an image part: the error names the part's type, not the string the content could have been
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(),
+     400, "'image_url'"),
 ])
 def test_bad_requests_get_openai_shaped_errors(pcrag_server, body, status, says):
     response = httpx.post(pcrag_server.url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})

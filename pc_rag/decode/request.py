@@ -59,6 +59,9 @@ class Generation:
     logits: list[torch.Tensor] | None = None  # with output_logits=True: each step's logits [vocab], on the CPU
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
@@ -105,6 +108,8 @@ class SamplingParams:
             raise PromptCacheError(f"top_p must be in (0, 1], got {top_p!r}")
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise PromptCacheError(f"top_k must be a positive integer or None, got {top_k!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
+            raise PromptCacheError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (torch's generator), got {seed!r}")
         if stop is not None and stop_strings is not None:
             raise PromptCacheError("give stop or stop_strings (the same thing), not both")
         if do_sample is not None:

@@ -3,7 +3,7 @@
 Bodies are validated by pydantic in strict JSON mode (``"1"`` is not a number), so a wrong type
 is a 400 that names the field. Fields this server does not know are ignored and logged by name,
 as OpenAI-compatible servers do, since clients send many; known fields with values it cannot
-honour (``n`` other than 1, penalties, log-probabilities) are a 400 that says so.
+honour (``n`` other than 1, penalties, log-probabilities, a logit bias) are a 400 that says so.
 
 Nothing here touches the model: :func:`chat_call` and :func:`completion_call` turn a body into
 the prompt (plain text: nothing a client sends becomes PML) and ``generate`` keywords, and the
@@ -123,6 +123,7 @@ class _Sampling(RequestBody):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # beyond OpenAI's fields, with vLLM's names (clients pass them as extra_body)
     top_k: Annotated[int, Field(ge=1)] | None = None
@@ -157,16 +158,44 @@ def read_body(model: type[RequestBody], raw: bytes) -> Any:
         body = model.model_validate_json(raw)
     except ValidationError as exc:
         error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
         if error["type"] == "json_invalid":
             raise ApiError(400, f"the body is not valid JSON: {error['msg']}") from None
         if error["type"] == "model_type" and not error["loc"]:
             raise ApiError(400, "the body must be a JSON object") from None
-        raise ApiError(400, f"{where or 'body'}: {error['msg']}", param=where or None) from None
+        where, says = _first_error(exc.errors())
+        raise ApiError(400, f"{where or 'body'}: {says}", param=where or None) from None
     unknown = body.unknown_fields()
     if unknown:
         logger.info("ignored fields this server does not know: %s", ", ".join(unknown[:20]))
     return body
+
+
+def _first_error(errors: list[Any]) -> tuple[str, str]:
+    """Where and what, for the deepest of pydantic's errors: a field that may take several types
+    (a message's content: text or a list of text parts) fails in every branch, and the deepest
+    failure says the most (an image part: "messages.0.content.0.type: Input should be 'text',
+    got 'image_url'", not "content.str: Input should be a valid string"). The branches' tags
+    (``str``, ``list[TextPart]``) are left out of the path; branches failing at the same place
+    are joined with "or"."""
+
+    def path(error: Any) -> tuple[Any, ...]:
+        # a branch's tag is a type's name: a string no field has ("str", "list[TextPart]", "int")
+        return tuple(part for part in error["loc"] if not (isinstance(part, str) and (part in _BRANCH_TAGS or "[" in part)))
+
+    deepest = max(len(path(error)) for error in errors)
+    at = next(path(error) for error in errors if len(path(error)) == deepest)
+    here = [error for error in errors if path(error) == at]
+    said = list(dict.fromkeys(error["msg"] for error in here))
+    lead = "Input should be "
+    if len(said) > 1 and all(s.startswith(lead) for s in said):  # "Input should be a valid string or a valid array"
+        said = [said[0]] + [s[len(lead):] for s in said[1:]]
+    value = here[0].get("input")
+    shown = repr(value) if isinstance(value, (str, int, float, bool)) or value is None else ""
+    got = f", got {shown}" if shown and len(shown) <= 80 and here[0]["type"] != "missing" else ""
+    return ".".join(str(part) for part in at), " or ".join(said) + got
+
+
+_BRANCH_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "function-after", "function-before"})
 
 
 # -- requests as engine calls --------------------------------------------------------------------
@@ -189,6 +218,8 @@ def _refuse_unsupported(body: _Sampling) -> None:
             raise ApiError(400, f"{name} is not supported (only 0); repetition_penalty and no_repeat_ngram_size are", param=name)
     if body.logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
 
 def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
