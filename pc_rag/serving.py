@@ -242,6 +242,8 @@ class Serving:
 
     def _prepare(self, prompts: Sequence[str], use_cache: bool, collections: frozenset[str] | None = None) -> list[Plan]:
         """Plan every prompt and refuse, before any work, what cannot be served."""
+        if not isinstance(use_cache, bool):  # "no" would read as True
+            raise PromptCacheError(f"use_cache must be True or False, got {use_cache!r}")
         self.sync_if_due()
         plans = []
         for index, prompt in enumerate(prompts):

@@ -81,7 +81,7 @@ def test_plain_text_prompt_runs_without_modules(engine):
     ("kwargs", "message"),
     [
         ({"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
-        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"temperature": -1}, "temperature must be a finite number >= 0"),
         ({"top_p": 0}, "top_p must be in"),
         ({"stop": [""]}, "stop sequences must be non-empty"),
         # past torch's 64-bit range the generator raised a bare ValueError (a 500 behind the server)
@@ -89,6 +89,15 @@ def test_plain_text_prompt_runs_without_modules(engine):
         ({"temperature": 1.0, "seed": -(2**63) - 1}, "seed must be an integer in"),
         ({"temperature": 1.0, "seed": 1.5}, "seed must be an integer in"),
         ({"temperature": 1.0, "seed": True}, "seed must be an integer in"),
+        # these raised TypeError, or (NaN) failed the scheduler's step and every row sharing it
+        ({"temperature": "hot"}, "temperature must be a finite number"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"top_p": "x"}, "top_p must be in"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number"),
+        ({"stop": 5}, "stop must be a string or a list of strings"),
+        ({"do_sample": "yes"}, "do_sample must be True, False or None"),
+        ({"max_new_tokens": True}, "max_new_tokens must be a positive integer"),
+        ({"use_cache": "no"}, "use_cache must be True or False"),
     ],
 )
 def test_bad_generation_arguments(engine, kwargs, message):

@@ -142,6 +142,9 @@ def test_documents_listed_paged_and_deleted(pcrag_server):
      "seed"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"50": 100}}).encode(), 400,
      "logit_bias is not supported"),
+    # JSON's Infinity passed the wire's check (> 0) and reached the sampler
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": float("inf")}).encode(), 400,
+     "repetition_penalty must be a finite number"),
     # an image part: the error names the part's type, not the string the content could have been
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(),
      400, "'image_url'"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +64,15 @@ class Generation:
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """An int or float (numpy's included), not a bool, not NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
@@ -100,26 +111,32 @@ class SamplingParams:
         transformers' name for ``stop``; ``output_logits`` keeps each step's logits, before any
         processor, in ``Generation.logits``; ``json_schema`` (a JSON schema dict, its text, or
         True for any JSON object) constrains the output to documents of that schema."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        # every check types its value first: a string or a NaN that slipped through would fail the
+        # scheduler's step, and with it every row sharing that step, not just this call
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise PromptCacheError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise PromptCacheError(f"temperature must be >= 0, got {temperature!r}")
-        if not 0 < top_p <= 1:
+        if not _is_real(temperature) or not 0 <= temperature < math.inf:
+            raise PromptCacheError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not _is_real(top_p) or not 0 < top_p <= 1:
             raise PromptCacheError(f"top_p must be in (0, 1], got {top_p!r}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        if top_k is not None and (not _is_int(top_k) or top_k < 1):
             raise PromptCacheError(f"top_k must be a positive integer or None, got {top_k!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
+        if seed is not None and (not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX):
             raise PromptCacheError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (torch's generator), got {seed!r}")
         if stop is not None and stop_strings is not None:
             raise PromptCacheError("give stop or stop_strings (the same thing), not both")
+        if do_sample is not None and not isinstance(do_sample, bool):
+            raise PromptCacheError(f"do_sample must be True, False or None, got {do_sample!r}")
         if do_sample is not None:
             temperature = (temperature or 1.0) if do_sample else 0.0
-        if not repetition_penalty > 0:
-            raise PromptCacheError(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
+        if not _is_real(repetition_penalty) or not 0 < repetition_penalty < math.inf:
+            raise PromptCacheError(f"repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
         for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size), ("min_new_tokens", min_new_tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not _is_int(value) or value < 0:
                 raise PromptCacheError(f"{name} must be an integer >= 0, got {value!r}")
         stop = stop if stop is not None else stop_strings
+        if stop is not None and not isinstance(stop, (str, Sequence)):
+            raise PromptCacheError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
             raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}")
