@@ -73,6 +73,22 @@ def test_dequantizing_into_a_buffer_then_rotating_equals_rotating_the_dequantize
     assert torch.equal(out[:, 1], module.read(5, 35)[:, 1])
 
 
+def test_rotating_in_place_with_frequencies_per_layer_rotates_each_layer_by_its_own():
+    """Gemma 3's local and global layers, or a layer without RoPE: cos/sin ``[layers, 1, 1, rotary_dim]``."""
+    torch.manual_seed(0)
+    module = quantize(torch.randn(2, 2, 2, 40, 16), torch.arange(40), SCHEMES["int8"])
+    angles = torch.stack([torch.arange(8, dtype=torch.float32) * 0.3, torch.zeros(8)])  # layer 1: no rotation
+    cos, sin = torch.cat([angles, angles], -1).cos()[:, None, None], torch.cat([angles, angles], -1).sin()[:, None, None]
+    expected = torch.empty(2, 2, 30, 16)
+    rotate_with(expected, module.read(5, 35)[:, 0], cos, sin)
+    out = torch.zeros(2, 2, 2, 30, 16)
+    module.read_into(out, 5, 35)
+    rotate_in_place(out[:, 0], cos, sin)
+    assert torch.allclose(out[:, 0], expected, atol=1e-6)
+    assert torch.equal(out[1, 0], module.read(5, 35)[1, 0])  # the layer without RoPE kept its keys
+    assert not torch.allclose(out[0, 0], module.read(5, 35)[0, 0])
+
+
 def test_payloads_round_trip_and_foreign_precision_is_refused():
     kv = torch.randn(2, 2, 2, 10, 16)
     positions = torch.arange(10)

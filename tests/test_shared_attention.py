@@ -73,7 +73,7 @@ def test_share_prefixes_builds_the_prefix_tree_of_cached_segments():
     assert share_prefixes([("s",)]) == ([], [0])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3"])
 def test_zero_copy_assembly_equals_copying(make_engine, arch):
     copying = make_engine(arch, recompute=4, assembly="copy")
     in_place = PromptCache(copying.model, copying.tokenizer, recompute=4, assembly="in_place", attention_temperature=1.0, attention_scale=1.0)
@@ -111,7 +111,7 @@ def _spy_runs(monkeypatch) -> list[list[SharedRun]]:
     return seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3"])
 def test_a_batch_shares_what_its_prompts_import_at_the_same_positions(make_engine, arch, monkeypatch):
     engine = make_engine(arch, recompute=4)
     names = engine.add_documents(DOCS, progress=False)

@@ -28,19 +28,36 @@ class RopeRotator:
     already carry it once, so a rotation leaves it out.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, inv_freq: torch.Tensor | None = None) -> None:
         rotary = model.base_model.rotary_emb
-        inv_freq = getattr(rotary, "original_inv_freq", None)
-        if not isinstance(inv_freq, torch.Tensor):
-            inv_freq = rotary.inv_freq
+        if inv_freq is None:
+            found = frequency_candidates(rotary)
+            if len(found) != 1:
+                raise ValueError(f"{type(rotary).__name__} holds {len(found)} sets of RoPE frequencies: "
+                                 "give the per-layer ones (inv_freq [layers, rotary_dim / 2]; probe_positions fits them)")
+            inv_freq = found[0]
+        # [rotary_dim / 2]: every layer alike; [layers, rotary_dim / 2]: a frequency set per layer
+        # (Gemma 3's local and global layers; zeros for a layer without RoPE, whose keys never move)
         self.inv_freq = inv_freq.detach().to(torch.float32).clone()
-        self.scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        scalings = [float(getattr(rotary, name) or 1.0) for name in dir(rotary)
+                    if name.endswith("attention_scaling") and isinstance(getattr(rotary, name, None), (int, float))]
+        self.scaling = scalings[0] if len(set(scalings)) == 1 else 1.0
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether layers rotate by different frequencies (a move's cos/sin then carry a layer dimension)."""
+        return self.inv_freq.dim() == 2
 
     def cos_sin_many(self, deltas: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` ``[len(deltas), rotary_dim]`` for several moves at once (float32 math, as the model's)."""
+        """``cos, sin`` for several moves at once (float32 math, as the model's): ``[len(deltas),
+        rotary_dim]``, or with frequencies per layer ``[len(deltas), layers, 1, 1, rotary_dim]``, which
+        broadcasts over keys ``[layers, kv_heads, tokens, head_dim]``."""
         inv_freq = self.inv_freq.to(like.device)
-        angles = deltas.to(like.device, torch.float32)[:, None] * inv_freq[None, :]
+        deltas = deltas.to(like.device, torch.float32)
+        angles = deltas.view(-1, *([1] * inv_freq.dim())) * inv_freq[None]
         angles = torch.cat([angles, angles], dim=-1)
+        if self.per_layer:
+            angles = angles[:, :, None, None, :]
         return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
 
     def cos_sin(self, delta: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,11 +92,35 @@ def rotate_in_place(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     five per layer: launches are what a segment's rotation costs there)."""
     rot = cos.shape[-1]
     half = rot // 2
-    for part in (keys,) if keys.device.type != "cpu" else keys:
+    if keys.device.type != "cpu":
+        parts = [(keys, cos, sin)]
+    else:  # per layer; frequencies per layer (cos [layers, 1, 1, rotary_dim]) go with their layer
+        parts = [(part, cos[layer] if cos.dim() == 4 else cos, sin[layer] if sin.dim() == 4 else sin) for layer, part in enumerate(keys)]
+    for part, c, s in parts:
         first, second = part[..., :half], part[..., half:rot]
         saved = first.clone()
-        first.mul_(cos[..., :half]).addcmul_(second, sin[..., :half], value=-1.0)
-        second.mul_(cos[..., half:rot]).addcmul_(saved, sin[..., half:rot])
+        first.mul_(c[..., :half]).addcmul_(second, s[..., :half], value=-1.0)
+        second.mul_(c[..., half:rot]).addcmul_(saved, s[..., half:rot])
+
+
+def frequency_candidates(rotary: Any) -> list[torch.Tensor]:
+    """The distinct RoPE frequency sets a rotary module holds: ``inv_freq`` (or, where a
+    length-dependent variant rescales it in place, ``original_inv_freq``), or one per layer type
+    (Gemma 3: ``sliding_attention_inv_freq``, ``full_attention_inv_freq``)."""
+    found: list[torch.Tensor] = []
+    for name, buffer in rotary.named_buffers(recurse=False):
+        if not name.endswith("inv_freq") or name.endswith("original_inv_freq"):
+            continue
+        original = getattr(rotary, name[: -len("inv_freq")] + "original_inv_freq", None)
+        chosen = original if isinstance(original, torch.Tensor) else buffer
+        if not any(f.shape == chosen.shape and torch.equal(f, chosen) for f in found):
+            found.append(chosen)
+    if not found:  # a rotary module that keeps its frequencies as plain attributes
+        for name in ("original_inv_freq", "inv_freq"):
+            value = getattr(rotary, name, None)
+            if isinstance(value, torch.Tensor):
+                return [value]
+    return found
 
 
 def rope_windows(config: Any) -> tuple[int, int]:
@@ -95,7 +136,15 @@ def rope_windows(config: Any) -> tuple[int, int]:
 
 
 def probe_position_kind(model: Any, forward_keys: Any) -> PositionKind:
-    """Measure how ``model`` encodes positions (see module docstring).
+    """How ``model`` encodes positions: :func:`probe_positions` without the rotator."""
+    return probe_positions(model, forward_keys)[0]
+
+
+def probe_positions(model: Any, forward_keys: Any) -> tuple[PositionKind, RopeRotator | None]:
+    """Measure how ``model`` encodes positions (see module docstring), and for RoPE the rotator
+    that moves its keys: one frequency set for every layer, or one per layer where layers differ
+    (Gemma 3's local and global layers; no rotation for a layer without RoPE, as SmolLM3's), each
+    layer's set chosen by which one moves its keys as the model does.
 
     ``forward_keys(token_ids, start)`` returns the layer keys of ``token_ids`` encoded alone at
     positions ``start, start+1, ...`` as ``[layers, kv_heads, n, head_dim]``. RoPE keys must
@@ -131,15 +180,43 @@ def probe_position_kind(model: Any, forward_keys: Any) -> PositionKind:
 
     moved = forward_keys(ids, delta).float()
     if _close(at_zero, moved, tol, deep):
-        return "alibi"
-    if getattr(model.base_model, "rotary_emb", None) is not None:
-        rotator = RopeRotator(model)
-        if rotates_to(delta, rotator):
+        return "alibi", None
+    rotary = getattr(model.base_model, "rotary_emb", None)
+    if rotary is not None:
+        candidates = frequency_candidates(rotary)
+        rotator = RopeRotator(model, candidates[0]) if len(candidates) == 1 else None
+        if rotator is None or not rotates_to(delta, rotator):
+            rotator = _fit_per_layer(model, candidates, at_zero, moved, delta, tol, deep, scale)
+        if rotator is not None and rotates_to(delta, rotator):
             # past the largest window: dynamic NTK rescales with the length there, LongRoPE has
             # switched to its long factors (twice the window, where the change is large)
             if high and not rotates_to(2 * high + 1, rotator):
                 logger.warning("RoPE frequencies change with the input length (dynamic/LongRoPE scaling): modules stay at schema positions")
-                return "rope_length_dependent"
-            return "rope"
+                return "rope_length_dependent", None
+            return "rope", rotator
         logger.warning("model has a rotary embedding but its keys do not rotate as RoPE: modules stay at schema positions")
-    return "learned"
+    return "learned", None
+
+
+def _fit_per_layer(model: Any, candidates: list[torch.Tensor], at_zero: torch.Tensor, moved: torch.Tensor, delta: int,
+                   tol: float, deep: float, scale: float) -> RopeRotator | None:
+    """A rotator whose layer ``l`` rotates by the candidate frequencies (or none: zeros) that move
+    ``at_zero[l]`` onto ``moved[l]``; None when some layer matches none of them."""
+    if not candidates:
+        return None
+    half = candidates[0].numel()
+    options = [c.detach().to(torch.float32) for c in candidates if c.numel() == half] + [torch.zeros(half)]
+    chosen = []
+    for layer in range(at_zero.shape[0]):
+        bound = (tol * (at_zero[0].abs().max().item() + 1e-6) if layer == 0 else deep * scale) + 1e-7 * delta * scale
+        for inv_freq in options:
+            rotated = torch.empty_like(at_zero[layer])
+            RopeRotator(model, inv_freq).rotate_into(rotated, at_zero[layer], delta)
+            if (rotated - moved[layer]).abs().max().item() <= bound:
+                chosen.append(inv_freq)
+                break
+        else:
+            return None
+    if all(not f.any() for f in chosen):
+        return None
+    return RopeRotator(model, torch.stack(chosen))

@@ -17,7 +17,7 @@ import torch
 
 from ..prompt.chat import chat_markers
 from ..prompt.layout import ChatMarkers
-from .rope import PositionKind, RopeRotator, probe_position_kind, rope_windows
+from .rope import PositionKind, RopeRotator, probe_positions, rope_windows
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> Mod
     layers, kv_heads, head_dim = kv_shape(model)  # fails early on models without the usual config fields
     config = model.config.get_text_config(decoder=True)
     markers = chat_markers(tokenizer)
-    position_kind = probe_position_kind(model, Forward(model).keys_at)
+    position_kind, rotator = probe_positions(model, Forward(model).keys_at)
     implementation = getattr(model.config, "_attn_implementation", None)
     one_pass = position_kind == "rope" and attention.accepts_custom_mask(model)
     window, window_layers = _sliding_window(config, layers)
@@ -210,7 +210,7 @@ def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> Mod
         device=model.device,
         dtype=model.dtype,
         position_kind=position_kind,
-        rotator=RopeRotator(model) if position_kind == "rope" else None,
+        rotator=rotator,
         attn_implementation=implementation,
         one_pass=one_pass,
         split=one_pass and implementation == attention.ATTENTION_NAME,
