@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, BloomConfig, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig,
-                          Qwen2Config, SmolLM3Config)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, BloomConfig, Cohere2Config, CohereConfig, Gemma3TextConfig, GPT2Config, LlamaConfig,
+                          MistralConfig, Qwen2Config, SmolLM3Config)
 
 from pc_rag import PromptCache
 from pc_rag.model.loading import default_model_dir
 
-ARCHS = ("llama", "qwen2", "gemma3", "smollm3", "gpt2", "bloom")
+ARCHS = ("llama", "qwen2", "gemma3", "smollm3", "cohere2", "gpt2", "bloom")
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +45,14 @@ def tiny_config(arch: str, vocab: int, **overrides):
         return SmolLM3Config(**{**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                                        no_rope_layers=[1, 0], pad_token_id=None, bos_token_id=None, eos_token_id=None), **overrides})
+    if arch == "cohere":  # RoPE on interleaved pairs of dims, every layer alike
+        return CohereConfig(**{**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, logit_scale=1.0,
+                                      pad_token_id=None, bos_token_id=None, eos_token_id=None), **overrides})
+    if arch == "cohere2":  # RoPE on interleaved pairs of dims, in sliding-window layers only (layer 3: global, no RoPE)
+        return Cohere2Config(**{**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=8,
+                                       logit_scale=1.0, pad_token_id=None, bos_token_id=None, eos_token_id=None), **overrides})
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
                           bos_token_id=None, eos_token_id=None, **overrides)

@@ -85,8 +85,8 @@ def test_contiguous_modules_reproduce_full_prefill(make_engine, arch, prompt):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_position_kind_is_measured(make_engine, arch):
     engine = make_engine(arch)
-    assert engine.position_kind == {"llama": "rope", "qwen2": "rope", "gemma3": "rope", "smollm3": "rope", "gpt2": "learned",
-                                    "bloom": "alibi"}[arch]
+    assert engine.position_kind == {"llama": "rope", "qwen2": "rope", "gemma3": "rope", "smollm3": "rope", "cohere2": "rope",
+                                    "gpt2": "learned", "bloom": "alibi"}[arch]
     assert engine.movable is (arch != "gpt2")
 
 
@@ -118,10 +118,11 @@ def test_moved_rope_keys_equal_keys_encoded_in_place(make_tiny, tokenizer, arch,
     assert (at_zero - in_place).abs().max().item() > 1e-3  # the move really changed the keys
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "smollm3"])
+@pytest.mark.parametrize("arch", ["gemma3", "smollm3", "cohere2"])
 def test_layers_that_differ_in_rope_rotate_by_their_own_frequencies(make_tiny, tokenizer, arch):
     # Gemma 3 crashed here (its rotary module holds one frequency set per layer type, no inv_freq);
-    # SmolLM3's layer without RoPE made the whole model measure as "learned" (modules pinned)
+    # SmolLM3's layer without RoPE, and Cohere 2's as well as its interleaved pairs of dims, made
+    # the whole model measure as "learned" (modules pinned, documents refused)
     from pc_rag import PromptCache
 
     engine = PromptCache(make_tiny(arch), tokenizer)
@@ -129,8 +130,10 @@ def test_layers_that_differ_in_rope_rotate_by_their_own_frequencies(make_tiny, t
     assert engine.position_kind == "rope" and engine.rotator.per_layer
     if arch == "gemma3":  # layer 1 is global (theta 1e6), layers 0 and 2 local (1e4)
         assert torch.equal(frequencies[0], frequencies[2]) and not torch.equal(frequencies[0], frequencies[1])
-    else:  # layer 1 has no RoPE
+    elif arch == "smollm3":  # layer 1 has no RoPE
         assert frequencies[0].any() and not frequencies[1].any()
+    else:  # layers 0-2 (sliding window) rotate neighbouring dims together; layer 3 (global) has no RoPE
+        assert engine.rotator.interleaved and all(f.any() for f in frequencies[:3]) and not frequencies[3].any()
     ids = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
     at_zero = engine.forward.keys_at(ids, 0)
     in_place = engine.forward.keys_at(ids, 123)

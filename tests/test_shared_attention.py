@@ -22,12 +22,12 @@ DOCS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "cohere"])  # cohere: queries rotated back on interleaved pairs
 def test_split_attention_equals_attention_over_the_concatenated_kv(make_tiny, arch):
     """Own keys + four shared parts (two moved, read unrotated; one query sees none of a part's
     keys; one read by rows that are not adjacent, as rows admitted at different times read a
     part) against one SDPA call over the keys concatenated, rotated and masked by position."""
-    rotator = RopeRotator(make_tiny(arch))
+    rotator = RopeRotator(make_tiny(arch), interleaved=arch == "cohere")
     torch.manual_seed(1)
     rows, heads, kv_heads, dim, q_len, layers = 4, 4, 2, 16, 3, 2
     query = torch.randn(rows, heads, q_len, dim)
@@ -73,7 +73,7 @@ def test_share_prefixes_builds_the_prefix_tree_of_cached_segments():
     assert share_prefixes([("s",)]) == ([], [0])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3", "cohere", "cohere2"])
 def test_zero_copy_assembly_equals_copying(make_engine, arch):
     copying = make_engine(arch, recompute=4, assembly="copy")
     in_place = PromptCache(copying.model, copying.tokenizer, recompute=4, assembly="in_place", attention_temperature=1.0, attention_scale=1.0)
@@ -111,7 +111,7 @@ def _spy_runs(monkeypatch) -> list[list[SharedRun]]:
     return seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3", "cohere", "cohere2"])
 def test_a_batch_shares_what_its_prompts_import_at_the_same_positions(make_engine, arch, monkeypatch):
     engine = make_engine(arch, recompute=4)
     names = engine.add_documents(DOCS, progress=False)

@@ -28,7 +28,7 @@ class RopeRotator:
     already carry it once, so a rotation leaves it out.
     """
 
-    def __init__(self, model: Any, inv_freq: torch.Tensor | None = None) -> None:
+    def __init__(self, model: Any, inv_freq: torch.Tensor | None = None, *, interleaved: bool = False) -> None:
         rotary = model.base_model.rotary_emb
         if inv_freq is None:
             found = frequency_candidates(rotary)
@@ -39,6 +39,9 @@ class RopeRotator:
         # [rotary_dim / 2]: every layer alike; [layers, rotary_dim / 2]: a frequency set per layer
         # (Gemma 3's local and global layers; zeros for a layer without RoPE, whose keys never move)
         self.inv_freq = inv_freq.detach().to(torch.float32).clone()
+        # which dims rotate together: the two halves of the rotary dims (Llama's rotate_half), or
+        # neighbouring dims (interleaved pairs: Cohere's models)
+        self.interleaved = interleaved
         scalings = [float(getattr(rotary, name) or 1.0) for name in dir(rotary)
                     if name.endswith("attention_scaling") and isinstance(getattr(rotary, name, None), (int, float))]
         self.scaling = scalings[0] if len(set(scalings)) == 1 else 1.0
@@ -55,7 +58,7 @@ class RopeRotator:
         inv_freq = self.inv_freq.to(like.device)
         deltas = deltas.to(like.device, torch.float32)
         angles = deltas.view(-1, *([1] * inv_freq.dim())) * inv_freq[None]
-        angles = torch.cat([angles, angles], dim=-1)
+        angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([angles, angles], dim=-1)
         if self.per_layer:
             angles = angles[:, :, None, None, :]
         return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
@@ -67,40 +70,48 @@ class RopeRotator:
     def rotate_into(self, out: torch.Tensor, keys: torch.Tensor, delta: int) -> None:
         """``out = keys`` moved by ``delta`` positions; keys are ``[..., seq, head_dim]``."""
         cos, sin = self.cos_sin(delta, keys)
-        rotate_with(out, keys, cos, sin)
+        rotate_with(out, keys, cos, sin, interleaved=self.interleaved)
 
 
-def rotate_with(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """``out = keys * cos + rotate_half(keys) * sin`` on the first ``cos.shape[-1]`` dims.
+def pairs(x: torch.Tensor, rot: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the dims RoPE rotates together, as two tensors ``(a, b)`` (a pair is ``a[i], b[i]``):
+    the first and second half of the ``rot`` rotary dims, or even and odd dims when ``interleaved``."""
+    if interleaved:
+        return x[..., 0:rot:2], x[..., 1:rot:2]
+    return x[..., : rot // 2], x[..., rot // 2 : rot]
+
+
+def rotate_with(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> None:
+    """``out = keys * cos + rotate_half(keys) * sin`` on the first ``cos.shape[-1]`` dims
+    (``cos``/``sin`` in the layout of ``interleaved``, as :meth:`RopeRotator.cos_sin_many` gives them).
 
     Written into the destination directly, so a move costs no temporaries beyond one product;
     partial-rotary models keep the dims past the rotary ones as they are.
     """
     rot = cos.shape[-1]
-    half = rot // 2
     torch.mul(keys[..., :rot], cos, out=out[..., :rot])
-    out[..., :half].addcmul_(keys[..., half:rot], sin[..., :half], value=-1.0)
-    out[..., half:rot].addcmul_(keys[..., :half], sin[..., half:rot])
+    (out_a, out_b), (keys_a, keys_b), (sin_a, sin_b) = (pairs(x, rot, interleaved) for x in (out, keys, sin))
+    out_a.addcmul_(keys_b, sin_a, value=-1.0)
+    out_b.addcmul_(keys_a, sin_b)
     if rot < keys.shape[-1]:
         out[..., rot:].copy_(keys[..., rot:])
 
 
-def rotate_in_place(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rotate_in_place(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> None:
     """``keys = keys * cos + rotate_half(keys) * sin`` in place, for KV dequantized straight into a
     request's buffer (:mod:`pc_rag.kv.quantize`). On a CPU one leading index (a layer) at a time, so
     the scratch (half the rotary dims) stays in cache; on a GPU all at once (five kernels, not
     five per layer: launches are what a segment's rotation costs there)."""
     rot = cos.shape[-1]
-    half = rot // 2
     if keys.device.type != "cpu":
         parts = [(keys, cos, sin)]
     else:  # per layer; frequencies per layer (cos [layers, 1, 1, rotary_dim]) go with their layer
         parts = [(part, cos[layer] if cos.dim() == 4 else cos, sin[layer] if sin.dim() == 4 else sin) for layer, part in enumerate(keys)]
     for part, c, s in parts:
-        first, second = part[..., :half], part[..., half:rot]
+        (first, second), (cos_a, cos_b), (sin_a, sin_b) = (pairs(x, rot, interleaved) for x in (part, c, s))
         saved = first.clone()
-        first.mul_(c[..., :half]).addcmul_(second, s[..., :half], value=-1.0)
-        second.mul_(c[..., half:rot]).addcmul_(saved, s[..., half:rot])
+        first.mul_(cos_a).addcmul_(second, sin_a, value=-1.0)
+        second.mul_(cos_b).addcmul_(saved, sin_b)
 
 
 def frequency_candidates(rotary: Any) -> list[torch.Tensor]:
@@ -183,10 +194,7 @@ def probe_positions(model: Any, forward_keys: Any) -> tuple[PositionKind, RopeRo
         return "alibi", None
     rotary = getattr(model.base_model, "rotary_emb", None)
     if rotary is not None:
-        candidates = frequency_candidates(rotary)
-        rotator = RopeRotator(model, candidates[0]) if len(candidates) == 1 else None
-        if rotator is None or not rotates_to(delta, rotator):
-            rotator = _fit_per_layer(model, candidates, at_zero, moved, delta, tol, deep, scale)
+        rotator = _fit(model, frequency_candidates(rotary), rotates_to, at_zero, moved, delta, tol, deep, scale)
         if rotator is not None and rotates_to(delta, rotator):
             # past the largest window: dynamic NTK rescales with the length there, LongRoPE has
             # switched to its long factors (twice the window, where the change is large)
@@ -198,8 +206,21 @@ def probe_positions(model: Any, forward_keys: Any) -> tuple[PositionKind, RopeRo
     return "learned", None
 
 
+def _fit(model: Any, candidates: list[torch.Tensor], rotates_to: Any, at_zero: torch.Tensor, moved: torch.Tensor, delta: int,
+         tol: float, deep: float, scale: float) -> RopeRotator | None:
+    """The rotator that moves ``at_zero`` onto ``moved``: the one frequency set for every layer, else
+    a set per layer; in Llama's layout (the two halves of the rotary dims), else Cohere's pairs."""
+    for interleaved in (False, True):
+        if len(candidates) == 1 and rotates_to(delta, uniform := RopeRotator(model, candidates[0], interleaved=interleaved)):
+            return uniform
+        fitted = _fit_per_layer(model, candidates, at_zero, moved, delta, tol, deep, scale, interleaved)
+        if fitted is not None:
+            return fitted
+    return None
+
+
 def _fit_per_layer(model: Any, candidates: list[torch.Tensor], at_zero: torch.Tensor, moved: torch.Tensor, delta: int,
-                   tol: float, deep: float, scale: float) -> RopeRotator | None:
+                   tol: float, deep: float, scale: float, interleaved: bool) -> RopeRotator | None:
     """A rotator whose layer ``l`` rotates by the candidate frequencies (or none: zeros) that move
     ``at_zero[l]`` onto ``moved[l]``; None when some layer matches none of them."""
     if not candidates:
@@ -211,7 +232,7 @@ def _fit_per_layer(model: Any, candidates: list[torch.Tensor], at_zero: torch.Te
         bound = (tol * (at_zero[0].abs().max().item() + 1e-6) if layer == 0 else deep * scale) + 1e-7 * delta * scale
         for inv_freq in options:
             rotated = torch.empty_like(at_zero[layer])
-            RopeRotator(model, inv_freq).rotate_into(rotated, at_zero[layer], delta)
+            RopeRotator(model, inv_freq, interleaved=interleaved).rotate_into(rotated, at_zero[layer], delta)
             if (rotated - moved[layer]).abs().max().item() <= bound:
                 chosen.append(inv_freq)
                 break
@@ -219,4 +240,4 @@ def _fit_per_layer(model: Any, candidates: list[torch.Tensor], at_zero: torch.Te
             return None
     if all(not f.any() for f in chosen):
         return None
-    return RopeRotator(model, torch.stack(chosen))
+    return RopeRotator(model, torch.stack(chosen), interleaved=interleaved)

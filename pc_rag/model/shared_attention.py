@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
+from .rope import rotate_with
 from .row_extents import RowExtents
 
 KWARG = "pc_rag_shared"
@@ -90,6 +91,7 @@ class _Group:
             self.bounds.append((start, start + part.kv.shape[3]))
             start += part.kv.shape[3]
         self.cos = self.sin = None
+        self.interleaved = bool(getattr(rotator, "interleaved", False))
         if any(p.shift for p in parts):
             if rotator is None:
                 raise PromptCacheError("moved modules read in place need a RoPE rotator")
@@ -107,13 +109,9 @@ class _Group:
             for _ in self.parts:
                 yield stacked
             return
-        rot = self.cos.shape[-1]
-        half = rot // 2
         moved = stacked.clone()  # dims past the rotary ones stay as they are
         for cos, sin in zip(self.cos, self.sin):
-            torch.mul(stacked[..., :rot], cos, out=moved[..., :rot])
-            moved[..., :half].addcmul_(stacked[..., half:rot], sin[..., :half], value=-1.0)
-            moved[..., half:rot].addcmul_(stacked[..., :half], sin[..., half:rot])
+            rotate_with(moved, stacked, cos, sin, interleaved=self.interleaved)
             yield moved
 
 

@@ -102,6 +102,7 @@ class Assembler:
         views = [self.segment_kv(plan, segment) for segment in segments]
         deltas = sorted({delta for _, delta in views if delta})
         table = {}
+        interleaved = self.spec.rotator is not None and self.spec.rotator.interleaved
         if deltas:
             cos, sin = self.spec.rotator.cos_sin_many(torch.tensor(deltas), buffer.storage)  # type: ignore[union-attr]
             table = {delta: (cos[i], sin[i]) for i, delta in enumerate(deltas)}
@@ -111,13 +112,13 @@ class Assembler:
                 dest = buffer.slice(at, at + len(segment), row)  # [layers, 2, kv_heads, len(segment), head_dim]
                 module.read_into(dest, first, last)
                 if delta:
-                    rotate_in_place(dest[:, 0], *table[delta])  # the keys [layers, kv_heads, tokens, head_dim]
+                    rotate_in_place(dest[:, 0], *table[delta], interleaved=interleaved)  # the keys [layers, kv_heads, tokens, head_dim]
                 at += len(segment)
                 continue
             rotate = None
             if delta:
                 cos, sin = table[delta]
-                rotate = lambda out, keys, cos=cos, sin=sin: rotate_with(out, keys, cos, sin)  # noqa: E731
+                rotate = lambda out, keys, cos=cos, sin=sin: rotate_with(out, keys, cos, sin, interleaved=interleaved)  # noqa: E731
             # module.read: [layers, 2, kv_heads, last - first, head_dim], into the row at `at`
             buffer.write(module.read(first, last), at, row=row if buffer.batch > 1 else None, rotate=rotate)
             at += len(segment)
