@@ -99,6 +99,16 @@ def test_learned_positions_keep_schema_positions(make_engine):
     assert plan.position_ids != list(range(len(plan.input_ids)))  # the skipped module leaves a gap
 
 
+def assert_moved_keys_equal_keys_encoded_there(engine, tokenizer) -> None:
+    ids = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
+    at_zero = engine.forward.keys_at(ids, 0)
+    in_place = engine.forward.keys_at(ids, 123)
+    moved = torch.empty_like(at_zero)
+    engine.rotator.rotate_into(moved, at_zero, 123)
+    assert (moved - in_place).abs().max().item() <= 1e-5
+    assert (at_zero - in_place).abs().max().item() > 1e-3  # the move really changed the keys
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}])
 def test_moved_rope_keys_equal_keys_encoded_in_place(make_tiny, tokenizer, arch, rope):
@@ -109,13 +119,7 @@ def test_moved_rope_keys_equal_keys_encoded_in_place(make_tiny, tokenizer, arch,
     assert engine.position_kind == "rope"
     if rope:
         assert engine.rotator.scaling != 1.0  # YaRN's attention factor is really in play
-    ids = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
-    at_zero = engine.forward.keys_at(ids, 0)
-    in_place = engine.forward.keys_at(ids, 123)
-    moved = torch.empty_like(at_zero)
-    engine.rotator.rotate_into(moved, at_zero, 123)
-    assert (moved - in_place).abs().max().item() <= 1e-5
-    assert (at_zero - in_place).abs().max().item() > 1e-3  # the move really changed the keys
+    assert_moved_keys_equal_keys_encoded_there(engine, tokenizer)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "smollm3", "cohere2"])
@@ -134,13 +138,7 @@ def test_layers_that_differ_in_rope_rotate_by_their_own_frequencies(make_tiny, t
         assert frequencies[0].any() and not frequencies[1].any()
     else:  # layers 0-2 (sliding window) rotate neighbouring dims together; layer 3 (global) has no RoPE
         assert engine.rotator.interleaved and all(f.any() for f in frequencies[:3]) and not frequencies[3].any()
-    ids = tokenizer("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
-    at_zero = engine.forward.keys_at(ids, 0)
-    in_place = engine.forward.keys_at(ids, 123)
-    moved = torch.empty_like(at_zero)
-    engine.rotator.rotate_into(moved, at_zero, 123)
-    assert (moved - in_place).abs().max().item() <= 1e-5
-    assert (at_zero - in_place).abs().max().item() > 1e-3
+    assert_moved_keys_equal_keys_encoded_there(engine, tokenizer)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -59,34 +59,36 @@ def test_packed_sizes_meet_the_targets_on_the_embedded_models_shape():
     assert module.nbytes == pytest.approx(SCHEMES["int4"].bytes_per_token(30, 3, 64, 143) * 143)
 
 
-def test_dequantizing_into_a_buffer_then_rotating_equals_rotating_the_dequantized_keys():
+def _dequantized_and_rotated(cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> tuple:
+    """A quantized module's entries 5-35 dequantized into a buffer and rotated there, the same
+    entries read and rotated into a fresh tensor, and the entries as read."""
     torch.manual_seed(0)
     module = quantize(torch.randn(2, 2, 2, 40, 16), torch.arange(40), SCHEMES["int8"])
-    angles = torch.arange(8, dtype=torch.float32) * 0.3
-    cos, sin = torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
     expected = torch.empty(2, 2, 30, 16)
-    rotate_with(expected, module.read(5, 35)[:, 0], cos, sin)
+    rotate_with(expected, module.read(5, 35)[:, 0], cos, sin, interleaved=interleaved)
     out = torch.zeros(2, 2, 2, 30, 16)
     module.read_into(out, 5, 35)
-    rotate_in_place(out[:, 0], cos, sin)
+    rotate_in_place(out[:, 0], cos, sin, interleaved=interleaved)
+    return out, expected, module.read(5, 35)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_dequantizing_into_a_buffer_then_rotating_equals_rotating_the_dequantized_keys(interleaved):
+    angles = torch.arange(8, dtype=torch.float32) * 0.3
+    angles = angles.repeat_interleave(2) if interleaved else torch.cat([angles, angles])
+    out, expected, read = _dequantized_and_rotated(angles.cos(), angles.sin(), interleaved)
     assert torch.allclose(out[:, 0], expected, atol=1e-6)
-    assert torch.equal(out[:, 1], module.read(5, 35)[:, 1])
+    assert torch.equal(out[:, 1], read[:, 1])
 
 
 def test_rotating_in_place_with_frequencies_per_layer_rotates_each_layer_by_its_own():
     """Gemma 3's local and global layers, or a layer without RoPE: cos/sin ``[layers, 1, 1, rotary_dim]``."""
-    torch.manual_seed(0)
-    module = quantize(torch.randn(2, 2, 2, 40, 16), torch.arange(40), SCHEMES["int8"])
     angles = torch.stack([torch.arange(8, dtype=torch.float32) * 0.3, torch.zeros(8)])  # layer 1: no rotation
     cos, sin = torch.cat([angles, angles], -1).cos()[:, None, None], torch.cat([angles, angles], -1).sin()[:, None, None]
-    expected = torch.empty(2, 2, 30, 16)
-    rotate_with(expected, module.read(5, 35)[:, 0], cos, sin)
-    out = torch.zeros(2, 2, 2, 30, 16)
-    module.read_into(out, 5, 35)
-    rotate_in_place(out[:, 0], cos, sin)
+    out, expected, read = _dequantized_and_rotated(cos, sin)
     assert torch.allclose(out[:, 0], expected, atol=1e-6)
-    assert torch.equal(out[1, 0], module.read(5, 35)[1, 0])  # the layer without RoPE kept its keys
-    assert not torch.allclose(out[0, 0], module.read(5, 35)[0, 0])
+    assert torch.equal(out[1, 0], read[1, 0])  # the layer without RoPE kept its keys
+    assert not torch.allclose(out[0, 0], read[0, 0])
 
 
 def test_payloads_round_trip_and_foreign_precision_is_refused():

@@ -162,7 +162,7 @@ def read_body(model: type[RequestBody], raw: bytes) -> Any:
             raise ApiError(400, f"the body is not valid JSON: {error['msg']}") from None
         if error["type"] == "model_type" and not error["loc"]:
             raise ApiError(400, "the body must be a JSON object") from None
-        where, says = _first_error(exc.errors())
+        where, says = _deepest_error(exc.errors())
         raise ApiError(400, f"{where or 'body'}: {says}", param=where or None) from None
     unknown = body.unknown_fields()
     if unknown:
@@ -170,7 +170,7 @@ def read_body(model: type[RequestBody], raw: bytes) -> Any:
     return body
 
 
-def _first_error(errors: list[Any]) -> tuple[str, str]:
+def _deepest_error(errors: list[Any]) -> tuple[str, str]:
     """Where and what, for the deepest of pydantic's errors: a field that may take several types
     (a message's content: text or a list of text parts) fails in every branch, and the deepest
     failure says the most (an image part: "messages.0.content.0.type: Input should be 'text',
