@@ -146,11 +146,6 @@ def rope_windows(config: Any) -> tuple[int, int]:
     return (min(windows), max(windows)) if windows else (0, 0)
 
 
-def probe_position_kind(model: Any, forward_keys: Any) -> PositionKind:
-    """How ``model`` encodes positions: :func:`probe_positions` without the rotator."""
-    return probe_positions(model, forward_keys)[0]
-
-
 def probe_positions(model: Any, forward_keys: Any) -> tuple[PositionKind, RopeRotator | None]:
     """Measure how ``model`` encodes positions (see module docstring), and for RoPE the rotator
     that moves its keys: one frequency set for every layer, or one per layer where layers differ
