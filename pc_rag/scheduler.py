@@ -25,8 +25,10 @@ They wait on its events: text as it is decoded, then the result. The loop, every
    same forward pass (:mod:`pc_rag.model.packed`: the step rides on the chunk's weight reads).
 
 Models whose attention cannot take per-row masks (ALiBi, learned positions, flash/flex
-attention) are served one request at a time by the same loop. An exception in a step fails the
-requests of that step and nothing else; the loop lives on.
+attention) are served one request at a time by the same loop. A row whose processors, grammar,
+sampler or detokeniser raise fails its own request and no other; a prefill that raises fails its
+request (a batched one is retried one by one); a forward pass that raises fails the requests of
+that step and nothing else. The loop lives on.
 """
 
 from __future__ import annotations
@@ -754,6 +756,11 @@ class Scheduler:
             ticket, index = owner
             if ticket.closed:
                 continue
+            if request.error is not None:  # this row alone failed (pc_rag.decode.loop.choose)
+                with self._cond:
+                    self._stats.failed += ticket.rows
+                ticket.finish("error", request.error)  # its other rows stop at the next step
+                continue
             if delta and ticket.single:
                 ticket.emit("text", delta)
             if batch.alive[row] and batch.fed[row] is None:  # finished at this step (alive: before it)
@@ -770,7 +777,8 @@ class Scheduler:
         self._count_finished(finished)
 
     def _let_go_of_cancelled(self) -> None:
-        """Rows whose caller went away stop now (they feed placeholders until the next rebuild)."""
+        """Rows whose caller went away, or whose ticket failed in another of its rows, stop now
+        (they feed placeholders until the next rebuild)."""
         batch = self._batch
         if batch is None:
             return
@@ -779,7 +787,7 @@ class Scheduler:
             if owner is None:
                 continue
             ticket, _ = owner
-            if ticket.cancelled and not request.done:
+            if (ticket.cancelled or ticket.closed) and not request.done:
                 request.done = True
                 if not ticket.closed:
                     self._cancelled(ticket)

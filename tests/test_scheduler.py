@@ -401,6 +401,74 @@ def test_a_failing_request_leaves_the_others_unchanged(engine):
     assert engine.generate(good[0], max_new_tokens=6).token_ids == alone[0].token_ids  # the loop lives on
 
 
+def test_a_vanishing_temperature_samples_the_top_token_beside_others(engine):
+    """A temperature so small that logits divided by it overflow (a valid, finite number) samples
+    the top token, its limit, and leaves the rows decoding beside it alone. (Dividing first made
+    the probabilities NaN: the sampler raised and the whole step, every caller's, failed.)"""
+    names = engine.names
+    prompts = [build_prompt(f"How far is harbour {i}?", names[i : i + 2]) for i in range(3)]
+    alone = [engine.generate(p, max_new_tokens=6) for p in prompts]
+    start = threading.Barrier(3)
+
+    def call(i):
+        start.wait()
+        if i == 1:
+            return engine.generate(prompts[i], max_new_tokens=6, temperature=1e-300, seed=5)
+        return engine.generate(prompts[i], max_new_tokens=6)
+
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(call, range(3)))
+    assert [g.token_ids for g in got] == [a.token_ids for a in alone]
+
+
+def test_a_row_that_fails_while_decoding_fails_alone(engine, monkeypatch):
+    """A row whose sampler raises mid-answer fails its own caller; the rows decoding in the same
+    steps answer as alone, and the loop lives on. The fault is injected into one request's sampler
+    (picked by its seed), as the tests above inject theirs into the encoder and the packed pass."""
+    from pc_rag.decode.request import Sampler
+
+    names = engine.names
+    prompts = [build_prompt(f"How far is harbour {i}?", names[i : i + 2]) for i in range(4)]
+    alone = [engine.generate(p, max_new_tokens=8) for p in prompts]
+    original = Sampler.__call__
+    calls = {"n": 0}
+
+    def broken(self, logits):
+        if self.params.seed == 13:
+            calls["n"] += 1
+            if calls["n"] == 3:  # a few tokens in, while the others decode
+                raise RuntimeError("this row's sampler broke")
+        return original(self, logits)
+
+    monkeypatch.setattr(Sampler, "__call__", broken)
+    start = threading.Barrier(5)
+
+    def call(i):
+        start.wait()
+        if i == 4:
+            return engine.generate(prompts[0], max_new_tokens=8, temperature=0.8, seed=13)
+        return engine.generate(prompts[i], max_new_tokens=8)
+
+    with ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(call, i) for i in range(5)]
+        outcomes = []
+        for future in futures:
+            try:
+                outcomes.append(future.result())
+            except Exception as err:  # noqa: BLE001
+                outcomes.append(err)
+    assert isinstance(outcomes[4], RuntimeError) and "sampler broke" in str(outcomes[4]), outcomes
+    assert [getattr(o, "token_ids", o) for o in outcomes[:4]] == [a.token_ids for a in alone]
+    assert engine.scheduler.stats()["failed"] == 1
+    # a batch fails whole when one of its rows does: its other rows stop with it
+    calls["n"] = 0
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        engine.generate_batch(prompts[:3], max_new_tokens=8, temperature=0.8, seed=13)
+    assert engine.scheduler.stats()["failed"] == 1 + 3
+    monkeypatch.setattr(Sampler, "__call__", original)
+    assert engine.generate(prompts[1], max_new_tokens=8).token_ids == alone[1].token_ids  # the loop lives on
+
+
 def test_a_failing_prefill_chunk_fails_its_request_alone(engine):
     """A packed pass (a newcomer's chunk riding on the running row's decode step) that raises
     fails the newcomer only: the running row takes its step without it and answers as alone.

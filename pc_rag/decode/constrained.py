@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,11 +213,15 @@ class Matcher:
         return self._bytes[token] if token < len(self._bytes) else b""
 
 
-def allowed_tokens(matchers: Sequence[Matcher | None], vocab: int, device: torch.device) -> torch.Tensor:
+def allowed_tokens(matchers: Sequence[Matcher | None], vocab: int, device: torch.device,
+                   on_error: Callable[[int, Exception], None] | None = None) -> torch.Tensor:
     """What each row may write next, ``[rows, vocab]`` bool on ``device``: its grammar's allowed
     tokens (every token for a row without a grammar). The grammars fill one bitmask on the host,
     which crosses to the device in one transfer for the whole batch; logit rows padded past the
-    tokenizer's vocabulary are never allowed to a grammar."""
+    tokenizer's vocabulary are never allowed to a grammar.
+
+    ``on_error(row, error)``: a grammar that raises is reported there (its row allows every
+    token, and its request fails alone); without it, the error propagates."""
     import llguidance.torch
 
     vocabulary = next(m.vocabulary for m in matchers if m is not None)
@@ -226,7 +230,13 @@ def allowed_tokens(matchers: Sequence[Matcher | None], vocab: int, device: torch
         if matcher is None:
             bitmask[row] = -1  # every bit set
         else:
-            matcher.fill(bitmask, row)
+            try:
+                matcher.fill(bitmask, row)
+            except Exception as err:  # noqa: BLE001 - one row's grammar fails its request alone
+                if on_error is None:
+                    raise
+                on_error(row, err)
+                bitmask[row] = -1
     allowed = vocabulary.allowed(bitmask.to(device))
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))

@@ -9,6 +9,7 @@ scheduler steps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -24,6 +25,8 @@ from ..model.spec import ModelSpec
 from ..prefill.rows import Rows
 from .constrained import allowed_tokens
 from .request import RequestState, TokenHistory
+
+logger = logging.getLogger(__name__)
 
 
 class Cursor:
@@ -453,6 +456,9 @@ def decode(
     batch = RunningBatch(forward, rows, requests, logits, spec)
     while True:
         deltas = batch.take()
+        failed = next((request.error for request in requests if request.error is not None), None)
+        if failed is not None:
+            raise failed
         yield deltas
         if batch.finished:
             return
@@ -462,13 +468,16 @@ def decode(
 def choose(requests: Sequence[RequestState], logits: torch.Tensor, history: TokenHistory | None, alive: Sequence[bool]) -> torch.Tensor:
     """Every row's next token, ``[rows]`` on the device, in transformers' order: logits
     processors, the grammar's mask (one bitmask for the batch, one transfer), then greedy choice
-    (one argmax for the batch) or sampling."""
+    (one argmax for the batch) or sampling.
+
+    A row whose processors, grammar or sampler raise fails its request alone
+    (:meth:`RequestState.fail`); the other rows' tokens are chosen as if it were not there."""
     scores = logits
     if history is not None:
-        scores = torch.stack([request.scores(logits[row], history, row).float() for row, request in enumerate(requests)])
-    matchers = [request.matcher if live else None for request, live in zip(requests, alive)]
+        scores = torch.stack([_row_scores(request, logits, history, row) for row, request in enumerate(requests)])
+    matchers = [request.matcher if live and not request.done else None for request, live in zip(requests, alive)]
     if any(matcher is not None for matcher in matchers):
-        allowed = allowed_tokens(matchers, logits.shape[-1], logits.device)
+        allowed = allowed_tokens(matchers, logits.shape[-1], logits.device, lambda row, err: _fail(requests[row], err))
         masked = scores.float().masked_fill(~allowed, float("-inf"))
         if scores is not logits:
             # the processors banned every token the grammar allows (a repeated n-gram the schema
@@ -478,9 +487,26 @@ def choose(requests: Sequence[RequestState], logits: torch.Tensor, history: Toke
         scores = masked
     tokens = scores.argmax(-1)
     for row, request in enumerate(requests):
-        if alive[row] and not request.greedy:
-            tokens[row] = request.sampler(scores[row])
+        if alive[row] and not request.greedy and not request.done:
+            try:
+                tokens[row] = request.sampler(scores[row])
+            except Exception as err:  # noqa: BLE001 - one row's failure is its request's alone
+                _fail(request, err)
     return tokens
+
+
+def _row_scores(request: RequestState, logits: torch.Tensor, history: TokenHistory, row: int) -> torch.Tensor:
+    try:
+        return request.scores(logits[row], history, row).float()
+    except Exception as err:  # noqa: BLE001 - one row's failure is its request's alone
+        _fail(request, err)
+        return logits[row].float()
+
+
+def _fail(request: RequestState, err: Exception) -> None:
+    if not request.done:
+        logger.warning("a request failed while decoding (%s: %s); the rows beside it go on", type(err).__name__, err)
+        request.fail(err)
 
 
 def _take(requests: Sequence[RequestState], logits: torch.Tensor, chosen: Sequence[int], alive: Sequence[bool]
@@ -493,7 +519,11 @@ def _take(requests: Sequence[RequestState], logits: torch.Tensor, chosen: Sequen
             tokens.append(None)
             deltas.append("")
             continue
-        token, delta = request.take(chosen[row], logits[row])
+        try:
+            token, delta = request.take(chosen[row], logits[row])
+        except Exception as err:  # noqa: BLE001 - one row's failure is its request's alone
+            _fail(request, err)
+            token, delta = None, ""
         tokens.append(token)
         deltas.append(delta)
     return tokens, deltas

@@ -237,7 +237,10 @@ class Sampler:
         p = self.params
         if p.temperature == 0:
             return torch.argmax(logits)
-        logits = logits.float() / p.temperature
+        # the top logit moved to 0 first, and the temperature kept where float32 still holds it: a
+        # tiny temperature (any finite one is valid) then sends the others to -inf, its limit,
+        # rather than every logit to inf (or 0 / 0) and the probabilities to NaN
+        logits = (logits.float() - logits.max().float()) / max(p.temperature, torch.finfo(torch.float32).tiny)
         if p.top_k is not None and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -421,7 +424,13 @@ class RequestState:
         self.steps = 0
         self.logits: list[torch.Tensor] | None = [] if params.output_logits else None
         self.done = self.budget <= 0
+        self.error: Exception | None = None  # what failed this request alone (see fail)
         self.prefill_started = time.perf_counter()
+
+    def fail(self, error: Exception) -> None:
+        """This request stops with ``error`` (its processors, grammar, sampler or detokeniser
+        raised): it alone fails, the rows decoding beside it go on."""
+        self.error, self.done = error, True
 
     def scores(self, logits: torch.Tensor, history: TokenHistory | None, row: int) -> torch.Tensor:
         """One row of ``logits`` after this request's logits processors (reading its ``history``
