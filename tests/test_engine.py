@@ -72,6 +72,27 @@ def test_sampling_is_reproducible_with_a_seed(engine):
     assert a.token_ids == b.token_ids
 
 
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"temperature": 0.8, "top_p": 1e-300},
+                                     {"temperature": 0.8, "top_p": 0.5, "top_k": 1}])
+def test_sampling_at_the_edge_of_its_ranges_takes_the_top_token(engine, extreme):
+    """Valid but extreme parameters (a temperature or top_p below float32's range) narrow sampling
+    to the top token, their limit: the greedy answer, not NaN probabilities and an error."""
+    greedy = engine.generate(PROMPT, max_new_tokens=8)
+    assert engine.generate(PROMPT, max_new_tokens=8, seed=1, **extreme).token_ids == greedy.token_ids
+
+
+def test_a_repetition_penalty_near_zero_samples_among_the_tokens_it_makes_certain(engine):
+    """A penalty near 0 divides seen tokens' positive logits to +inf: those tokens share the mass
+    (inf - inf made every probability NaN), and each one sampled is one of them."""
+    prompt_ids = set(engine.plan(PROMPT).input_ids)
+    out = engine.generate(PROMPT, max_new_tokens=8, temperature=0.8, repetition_penalty=1e-300, seed=2)
+    assert len(out.token_ids) == 8
+    seen = set(prompt_ids)
+    for token in out.token_ids:
+        assert token in seen  # only seen tokens had their logits sent to +inf
+        seen.add(token)
+
+
 def test_plain_text_prompt_runs_without_modules(engine):
     result = engine.generate("The capital of France is", max_new_tokens=3)
     assert result.stats.cached_tokens == 0 and result.stats.modules == []

@@ -239,8 +239,12 @@ class Sampler:
             return torch.argmax(logits)
         # the top logit moved to 0 first, and the temperature kept where float32 still holds it: a
         # tiny temperature (any finite one is valid) then sends the others to -inf, its limit,
-        # rather than every logit to inf (or 0 / 0) and the probabilities to NaN
-        logits = (logits.float() - logits.max().float()) / max(p.temperature, torch.finfo(torch.float32).tiny)
+        # rather than every logit to inf (or 0 / 0) and the probabilities to NaN. An infinite
+        # logit (a repetition penalty near 0 divides by it) becomes the largest finite one, so the
+        # tokens that had it share the mass rather than inf - inf making it NaN.
+        finfo = torch.finfo(torch.float32)
+        logits = logits.float().clamp(max=finfo.max)
+        logits = (logits - logits.max()) / max(p.temperature, finfo.tiny)
         if p.top_k is not None and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -249,6 +253,7 @@ class Sampler:
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            drop[0] = False  # a top_p below float32's range would drop even the first
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return torch.multinomial(probs, 1, generator=self.generator)[0]
