@@ -145,6 +145,9 @@ def test_documents_listed_paged_and_deleted(pcrag_server):
     # JSON's Infinity passed the wire's check (> 0) and reached the sampler
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": float("inf")}).encode(), 400,
      "repetition_penalty must be a finite number"),
+    # 100,000 stops in one body slowed every tenant's decode steps (each searched after every token)
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [f"{i:08d}" for i in range(100_000)]}).encode(),
+     400, "at most 16 stop sequences"),
     # an image part: the error names the part's type, not the string the content could have been
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(),
      400, "'image_url'"),

@@ -62,6 +62,10 @@ class Generation:
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+# every stop sequence is searched for after every token, on the scheduler's loop, which steps every
+# caller's rows: unbounded, one request's stops would slow all of them (100,000 stops of 8
+# characters, a 1 MB request body, took 300 ms per token). TGI bounds them too (4 by default).
+MAX_STOP_SEQUENCES, MAX_STOP_CHARS = 16, 256
 
 
 def _is_int(value: Any) -> bool:
@@ -138,8 +142,13 @@ class SamplingParams:
         if stop is not None and not isinstance(stop, (str, Sequence)):
             raise PromptCacheError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise PromptCacheError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
         if any(not isinstance(s, str) or not s for s in stops):
             raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            longest = max(stops, key=len)
+            raise PromptCacheError(f"a stop sequence is at most {MAX_STOP_CHARS} characters, got one of {len(longest)}: {longest[:40]!r}...")
         if json_schema is not None and json_schema is not False:
             from .constrained import schema_text
 
