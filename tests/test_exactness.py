@@ -90,6 +90,21 @@ def test_position_kind_is_measured(make_engine, arch):
     assert engine.movable is (arch != "gpt2")
 
 
+def test_a_rotary_embedding_that_is_not_rope_pins_modules_and_says_so(make_tiny, tokenizer):
+    """A rotary embedding whose keys do not move as RoPE (here: angles of the squared position)
+    pins modules, and the refusal names it; it was reported as "learned absolute positions"."""
+    from pc_rag import PromptCache
+
+    model = make_tiny("llama")
+    rotary = model.model.rotary_emb
+    original = rotary.forward
+    rotary.forward = lambda x, position_ids, *args, **kwargs: original(x, position_ids**2, *args, **kwargs)
+    engine = PromptCache(model, tokenizer)
+    assert engine.position_kind == "rope_unrecognised" and not engine.movable
+    with pytest.raises(PromptCacheError, match="a rotary embedding whose keys do not move as RoPE"):
+        engine.add_documents(["Harbour 1 handles 11 ships a day."], progress=False)
+
+
 def test_learned_positions_keep_schema_positions(make_engine):
     engine = make_engine("gpt2")
     engine.add_schema(SCHEMA, progress=False)

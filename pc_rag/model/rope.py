@@ -2,7 +2,8 @@
 keys computed at two positions are compared. Identical keys mean the positions live outside the
 KV (ALiBi); keys related by a RoPE rotation mean a module can be moved by rotating its keys
 (:class:`RopeRotator`); anything else (learned absolute positions) pins modules to their schema
-positions, as do RoPE variants whose frequencies change with the input length."""
+positions, as do RoPE variants whose frequencies change with the input length and rotary
+embeddings whose keys move in no layout this module knows (``"rope_unrecognised"``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PositionKind = Literal["rope", "alibi", "learned", "rope_length_dependent"]
+PositionKind = Literal["rope", "alibi", "learned", "rope_length_dependent", "rope_unrecognised"]
 
 
 class RopeRotator:
@@ -198,6 +199,7 @@ def probe_positions(model: Any, forward_keys: Any) -> tuple[PositionKind, RopeRo
                 return "rope_length_dependent", None
             return "rope", rotator
         logger.warning("model has a rotary embedding but its keys do not rotate as RoPE: modules stay at schema positions")
+        return "rope_unrecognised", None
     return "learned", None
 
 

@@ -63,6 +63,8 @@ def model_fingerprint(model: Any, tokenizer: Any) -> str:
 PINNED_REASONS = {
     "learned": "learned absolute positions",
     "rope_length_dependent": "RoPE frequencies that change with the input length (dynamic NTK or LongRoPE scaling)",
+    "rope_unrecognised": "a rotary embedding whose keys do not move as RoPE does in any layout pc-rag knows "
+                         "(one frequency set or one per layer; halves or interleaved pairs of dims)",
 }
 
 
