@@ -22,12 +22,20 @@ DOCS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "cohere"])  # cohere: queries rotated back on interleaved pairs
-def test_split_attention_equals_attention_over_the_concatenated_kv(make_tiny, arch):
+# cohere: queries rotated back on interleaved pairs; gemma3: by the layer's own frequencies (layer 1
+# is global, its neighbours local)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "cohere", "gemma3"])
+def test_split_attention_equals_attention_over_the_concatenated_kv(make_tiny, tokenizer, arch):
     """Own keys + four shared parts (two moved, read unrotated; one query sees none of a part's
     keys; one read by rows that are not adjacent, as rows admitted at different times read a
     part) against one SDPA call over the keys concatenated, rotated and masked by position."""
-    rotator = RopeRotator(make_tiny(arch), interleaved=arch == "cohere")
+    if arch == "gemma3":
+        model = make_tiny(arch)
+        rotator = PromptCache(model, tokenizer).rotator
+        assert rotator.per_layer and not torch.equal(rotator.inv_freq[0], rotator.inv_freq[1])
+        reference = RopeRotator(model, rotator.inv_freq[1])  # the layer attended below: its frequencies alone
+    else:
+        rotator = reference = RopeRotator(make_tiny(arch), interleaved=arch == "cohere")
     torch.manual_seed(1)
     rows, heads, kv_heads, dim, q_len, layers = 4, 4, 2, 16, 3, 2
     query = torch.randn(rows, heads, q_len, dim)
@@ -52,7 +60,7 @@ def test_split_attention_equals_attention_over_the_concatenated_kv(make_tiny, ar
             if row not in row_list(part.rows):
                 continue
             moved = torch.empty_like(part.kv[1, 0])
-            rotator.rotate_into(moved, part.kv[1, 0], part.shift)  # where the prompt puts them
+            reference.rotate_into(moved, part.kv[1, 0], part.shift)  # where the prompt puts them
             keys.append(moved)
             values.append(part.kv[1, 1])
             allowed.append(part.positions[None, :] <= query_positions[row][:, None])
@@ -74,7 +82,18 @@ def test_share_prefixes_builds_the_prefix_tree_of_cached_segments():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3", "cohere", "cohere2"])
-def test_zero_copy_assembly_equals_copying(make_engine, arch):
+def test_zero_copy_assembly_equals_copying(make_engine, arch, monkeypatch):
+    """Modules read where they are stored, moved ones too (queries rotated back, per layer where
+    layers differ: those were copied and rotated), give the copying assembly's logits and tokens."""
+    read_moved: list[int] = []
+    original = assemble_mod.SharedPart
+
+    def spy(kv, positions, rows, shift=0, *args, **kwargs):
+        if shift:
+            read_moved.append(shift)
+        return original(kv, positions, rows, shift, *args, **kwargs)
+
+    monkeypatch.setattr(assemble_mod, "SharedPart", spy)
     copying = make_engine(arch, recompute=4, assembly="copy")
     in_place = PromptCache(copying.model, copying.tokenizer, recompute=4, assembly="in_place", attention_temperature=1.0, attention_scale=1.0)
     for engine in (copying, in_place):
@@ -87,6 +106,7 @@ def test_zero_copy_assembly_equals_copying(make_engine, arch):
     for prompt in prompts:
         assert (copying.next_token_logits(prompt) - in_place.next_token_logits(prompt)).abs().max().item() <= 1e-5
         assert in_place.generate(prompt, max_new_tokens=8).token_ids == copying.generate(prompt, max_new_tokens=8).token_ids
+    assert read_moved  # moved documents were read in place, not copied
 
 
 def test_zero_copy_assembly_on_the_embedded_model(smollm):

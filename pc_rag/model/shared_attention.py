@@ -92,15 +92,19 @@ class _Group:
             start += part.kv.shape[3]
         self.cos = self.sin = None
         self.interleaved = bool(getattr(rotator, "interleaved", False))
+        self.per_layer = bool(getattr(rotator, "per_layer", False))
         if any(p.shift for p in parts):
             if rotator is None:
                 raise PromptCacheError("moved modules read in place need a RoPE rotator")
             shifts = torch.tensor([-p.shift for p in parts], dtype=torch.long)
+            # per part [1, 1, rotary_dim] (broadcast over [kv_heads, queries, head_dim]); with
+            # frequencies per layer, per part and layer: [parts, layers, 1, 1, rotary_dim]
             cos, sin = rotator.cos_sin_many(shifts, parts[0].kv)
-            self.cos, self.sin = cos[:, None, None, :], sin[:, None, None, :]  # per part: [1, 1, rotary_dim]
+            self.cos, self.sin = (cos, sin) if self.per_layer else (cos[:, None, None, :], sin[:, None, None, :])
 
-    def queries(self, stacked: torch.Tensor) -> Iterator[torch.Tensor]:
-        """Each part's queries in turn: ``stacked`` rotated back by the part's move.
+    def queries(self, stacked: torch.Tensor, layer: int) -> Iterator[torch.Tensor]:
+        """Each part's queries in turn: ``stacked`` rotated back by the part's move (by ``layer``'s
+        frequencies, where layers differ: Gemma 3's local and global layers, a layer without RoPE).
 
         One scratch tensor is reused for every part (it stays in cache; rotating all parts'
         copies at once was a memory-bound third of the prefill on CPU).
@@ -111,6 +115,8 @@ class _Group:
             return
         moved = stacked.clone()  # dims past the rotary ones stay as they are
         for cos, sin in zip(self.cos, self.sin):
+            if self.per_layer:
+                cos, sin = cos[layer], sin[layer]
             rotate_with(moved, stacked, cos, sin, interleaved=self.interleaved)
             yield moved
 
@@ -347,7 +353,7 @@ def split_attention(
         stacked = sub.transpose(0, 1).reshape(kv_heads, n * groups * q_len, dim)
         g_out: torch.Tensor | None = None
         g_lse: torch.Tensor | None = None
-        for index, (q, part) in enumerate(zip(group.queries(stacked), group.parts)):
+        for index, (q, part) in enumerate(zip(group.queries(stacked, layer), group.parts)):
             # q [kv_heads, n * groups * q, dim] against the part's keys [kv_heads, keys, dim]: o like q, l [kv_heads, n * groups * q]
             o, l = _attend(q[None], part.kv[layer, 0][None], part.kv[layer, 1][None], scale / part.temperature,
                            masks[index] if masks else None)

@@ -149,11 +149,9 @@ class Assembler:
         if len(segments) == 1:
             (segment,) = segments
             module, shift = self.segment_kv(plan, segment)
-            # read in place, the queries rotated back by the move; not with frequencies per layer
-            # (the attention call would need its layer's): that segment is rotated into a copy below
-            if not shift or not spec.rotator.per_layer:  # type: ignore[union-attr]
-                kv = module.read(segment.offset, segment.offset + len(segment), dtype=spec.dtype, device=spec.device)  # [layers, 2, kv_heads, n, dim]
-                return SharedPart(kv, _positions(segments, spec.device), rows, shift, temperature, log_scale, held)
+            # read in place, the queries rotated back by the move (by each layer's frequencies where layers differ)
+            kv = module.read(segment.offset, segment.offset + len(segment), dtype=spec.dtype, device=spec.device)  # [layers, 2, kv_heads, n, dim]
+            return SharedPart(kv, _positions(segments, spec.device), rows, shift, temperature, log_scale, held)
         run = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, sum(len(s) for s in segments), dtype=spec.dtype, device=spec.device)
         self.write(run, 0, plan, segments)
         return SharedPart(run.slice(0, run.capacity), _positions(segments, spec.device), rows, 0, temperature, log_scale, held)
