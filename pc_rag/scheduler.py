@@ -165,7 +165,13 @@ class Ticket:
     def emit(self, kind: str, payload: Any) -> None:
         self.events.put((kind, payload))
         for listener in self.listeners:
-            listener()
+            try:
+                listener()
+            except Exception as err:  # noqa: BLE001 - the caller's side, not the loop's, is broken
+                # its waiter is gone (an asyncio loop that closed with the stream unread): nobody
+                # reads this request any more, so its row stops at the next step, as if cancelled
+                logger.warning("a caller's wake-up failed (%s); cancelling its request", err)
+                self.cancelled = True
 
     def finish(self, kind: str, payload: Any) -> None:
         if not self.closed:
@@ -223,6 +229,13 @@ class AsyncStream:
         except asyncio.CancelledError:
             await self.aclose()
             raise
+
+    def __del__(self) -> None:
+        # dropped unfinished without aclose (a `break` out of `async for` over it): nobody will
+        # read it, so its row stops at the next step. No lock here (a collection may run this on
+        # any thread, the loop's included, inside its own locked section): the flag alone suffices
+        if not self._over and self._ticket is not None:
+            self._ticket.cancelled = True
 
     async def aclose(self) -> None:
         """Stop now: the request's row is let go at the scheduler's next step."""

@@ -9,6 +9,7 @@ touches no other, and the queue and memory bounds answer as documented.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -324,6 +325,56 @@ async def test_a_cancelled_task_frees_its_row(engine):
     assert engine.scheduler.running == 2
     await _cancel_and_count_rows(engine, task)
     await keeper.aclose()
+
+
+def test_a_stream_whose_event_loop_is_gone_fails_nobody_else(engine):
+    """An async stream read once and dropped (no ``aclose``) by an event loop that then ends: its
+    row stops, and the others decode on. (Waking a closed loop raised inside the scheduler's
+    step, which failed every request running beside it.)"""
+    engine.stop_token_ids.clear()
+    names = engine.names
+    keeper_prompt = build_prompt("Keep going.", names[:2])
+    keeper_alone = engine.generate(keeper_prompt, max_new_tokens=200)
+    keeper = engine.stream(keeper_prompt, max_new_tokens=200)
+    next(keeper)
+
+    async def read_once_and_leave() -> None:
+        stream = engine.astream(build_prompt("Stop soon.", names[2:4]), max_new_tokens=400)
+        await stream.__anext__()
+        assert engine.scheduler.running == 2
+        leaked.append(stream)  # still referenced: only its loop goes away
+
+    leaked: list = []
+    asyncio.run(read_once_and_leave())  # the loop closes with the stream unfinished
+    for _ in keeper:
+        pass
+    assert keeper.result.token_ids == keeper_alone.token_ids
+    for _ in range(2):  # as above: a request admitted at a step after the leaver's row was let go
+        engine.generate("After the loop.", max_new_tokens=1)
+    assert engine.scheduler.running == 0
+    assert engine.scheduler.stats()["failed"] == 0
+
+
+def test_an_async_stream_dropped_unfinished_frees_its_row(engine):
+    """``break`` out of ``async for`` over a stream and drop it (no ``aclose``): its row stops at
+    the next step instead of decoding its whole budget for nobody."""
+    engine.stop_token_ids.clear()
+    names = engine.names
+    keeper = engine.stream(build_prompt("Keep going.", names[:2]), max_new_tokens=400)
+    next(keeper)
+
+    async def break_out() -> None:
+        async for _ in engine.astream(build_prompt("Stop soon.", names[2:4]), max_new_tokens=400):
+            assert engine.scheduler.running == 2
+            break
+
+    asyncio.run(break_out())
+    gc.collect()
+    for _ in range(2):  # as above: a request admitted at a step after the dropped stream's row was let go
+        engine.generate("After the drop.", max_new_tokens=1)
+    assert engine.scheduler.running == 1
+    assert engine.scheduler.stats()["cancelled"] == 1
+    keeper.close()
 
 
 async def _cancel_and_count_rows(engine, task: asyncio.Task) -> None:
