@@ -410,6 +410,20 @@ async def test_cancelled_llama_index_and_langchain_calls_free_their_rows(engine)
     await keeper.aclose()
 
 
+def outcomes_of(call, arguments) -> list:
+    """``call`` on each argument, each on its own thread at once: its result, or the exception it raised."""
+    arguments = list(arguments)
+    with ThreadPoolExecutor(len(arguments)) as pool:
+        futures = [pool.submit(call, argument) for argument in arguments]
+        outcomes = []
+        for future in futures:
+            try:
+                outcomes.append(future.result())
+            except Exception as err:  # noqa: BLE001
+                outcomes.append(err)
+    return outcomes
+
+
 def test_a_failing_request_leaves_the_others_unchanged(engine):
     """A module whose stored KV is gone and cannot be encoded again fails at prefill, inside the
     loop; the requests batched with it are prefilled again without it and answer as alone.
@@ -438,14 +452,7 @@ def test_a_failing_request_leaves_the_others_unchanged(engine):
         start.wait()
         return engine.generate(prompt, max_new_tokens=6)
 
-    with ThreadPoolExecutor(5) as pool:
-        futures = [pool.submit(call, p) for p in [*good[:2], bad, *good[2:]]]
-        outcomes = []
-        for future in futures:
-            try:
-                outcomes.append(future.result())
-            except Exception as err:  # noqa: BLE001
-                outcomes.append(err)
+    outcomes = outcomes_of(call, [*good[:2], bad, *good[2:]])
     assert isinstance(outcomes[2], Exception) and "cannot be rebuilt" in str(outcomes[2]), outcomes
     assert [getattr(o, "token_ids", o) for o in outcomes[:2] + outcomes[3:]] == [r.token_ids for r in alone]
     engine.encoder.fetch = original
@@ -500,14 +507,7 @@ def test_a_row_that_fails_while_decoding_fails_alone(engine, monkeypatch):
             return engine.generate(prompts[0], max_new_tokens=8, temperature=0.8, seed=13)
         return engine.generate(prompts[i], max_new_tokens=8)
 
-    with ThreadPoolExecutor(5) as pool:
-        futures = [pool.submit(call, i) for i in range(5)]
-        outcomes = []
-        for future in futures:
-            try:
-                outcomes.append(future.result())
-            except Exception as err:  # noqa: BLE001
-                outcomes.append(err)
+    outcomes = outcomes_of(call, range(5))
     assert isinstance(outcomes[4], RuntimeError) and "sampler broke" in str(outcomes[4]), outcomes
     assert [getattr(o, "token_ids", o) for o in outcomes[:4]] == [a.token_ids for a in alone]
     assert engine.scheduler.stats()["failed"] == 1
