@@ -771,7 +771,7 @@ class Scheduler:
                 continue
             if request.error is not None:  # this row alone failed (pc_rag.decode.loop.choose)
                 with self._cond:
-                    self._stats.failed += ticket.rows
+                    self._stats.failed += ticket.unfinished  # rows of its batch that finished stay finished
                 ticket.finish("error", request.error)  # its other rows stop at the next step
                 continue
             if delta and ticket.single:
