@@ -77,6 +77,21 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
 
 
+def _stop_sequences(stop: Any) -> tuple[str, ...]:
+    """``stop`` (a string, a list of them, or None) as a tuple, checked against the bounds."""
+    if stop is not None and not isinstance(stop, (str, Sequence)):
+        raise PromptCacheError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise PromptCacheError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        longest = max(stops, key=len)
+        raise PromptCacheError(f"a stop sequence is at most {MAX_STOP_CHARS} characters, got one of {len(longest)}: {longest[:40]!r}...")
+    return stops
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
@@ -138,17 +153,7 @@ class SamplingParams:
         for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size), ("min_new_tokens", min_new_tokens)):
             if not _is_int(value) or value < 0:
                 raise PromptCacheError(f"{name} must be an integer >= 0, got {value!r}")
-        stop = stop if stop is not None else stop_strings
-        if stop is not None and not isinstance(stop, (str, Sequence)):
-            raise PromptCacheError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise PromptCacheError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}")
-        if any(len(s) > MAX_STOP_CHARS for s in stops):
-            longest = max(stops, key=len)
-            raise PromptCacheError(f"a stop sequence is at most {MAX_STOP_CHARS} characters, got one of {len(longest)}: {longest[:40]!r}...")
+        stops = _stop_sequences(stop if stop is not None else stop_strings)
         if json_schema is not None and json_schema is not False:
             from .constrained import schema_text
 
