@@ -441,10 +441,14 @@ class Scheduler:
         if batch is None:
             return
         deltas, owners = batch.take(), self._owners
-        if batch.finished:  # the buffer goes back before the callers hear they are done
-            self._drop_batch()
+        if batch.finished:
+            # the buffer goes back before the callers hear they are done; the owners stay until
+            # they have heard (a hand-out that raises fails them: _fail_running)
+            self._release(batch.rows.buffer)
+            self._batch = None
         self._hand_out(batch, deltas, owners)
         if batch.finished:
+            self._owners = []
             return
         self._feed(batch)
         with self._cond:
@@ -770,14 +774,18 @@ class Scheduler:
             if ticket.closed:
                 continue
             if request.error is not None:  # this row alone failed (pc_rag.decode.loop.choose)
-                with self._cond:
-                    self._stats.failed += ticket.unfinished  # rows of its batch that finished stay finished
-                ticket.finish("error", request.error)  # its other rows stop at the next step
+                self._fail_ticket(ticket, request.error)
                 continue
             if delta and ticket.single:
                 ticket.emit("text", delta)
             if batch.alive[row] and batch.fed[row] is None:  # finished at this step (alive: before it)
-                tail, result = request.close()
+                try:
+                    tail, result = request.close()
+                except Exception as err:  # noqa: BLE001 - its detokeniser's failure is its request's alone
+                    logger.warning("a request failed as it finished (%s: %s); the rows beside it go on", type(err).__name__, err)
+                    request.fail(err)
+                    self._fail_ticket(ticket, err)
+                    continue
                 if ticket.cancelled:
                     result.finish_reason = "cancelled"
                 if tail and ticket.single:
@@ -830,17 +838,30 @@ class Scheduler:
             self._stats.failed += cohort[0].rows
         cohort[0].finish("error", err)
 
+    def _fail_ticket(self, ticket: Ticket, err: Exception) -> None:
+        """One of ``ticket``'s rows failed: the ticket fails (its other rows stop at the next step;
+        rows of its batch that finished stay finished)."""
+        with self._cond:
+            self._stats.failed += ticket.unfinished
+        ticket.finish("error", err)
+
     def _fail_running(self, err: Exception) -> None:
+        """A step raised outside any one row: the requests it was serving fail, and the running
+        state is dropped first, whatever fails after, so the next step starts clean (a state left
+        half dropped would fail every step after it, or end the loop with callers waiting)."""
         tickets = {id(owner[0]): owner[0] for owner in self._owners if owner is not None}
         tickets.update((id(t), t) for t in self._admitting)
-        self._admitting = []
-        if self._chunked is not None:
-            tickets[id(self._chunked.ticket)] = self._chunked.ticket
-            self._drop_chunked()
-        self._drop_batch()
+        chunked, batch = self._chunked, self._batch
+        if chunked is not None:
+            tickets[id(chunked.ticket)] = chunked.ticket
+        self._batch, self._owners, self._chunked, self._admitting = None, [], None, []
+        for held in (chunked.assembled.rows if chunked is not None else None, batch.rows if batch is not None else None):
+            if held is not None:
+                try:
+                    self._release(held.buffer)
+                except Exception:  # noqa: BLE001 - a buffer the pool cannot take back is left to the collector
+                    logger.exception("a failed step's KV buffer could not go back to the pool; dropping it")
         with self._cond:
             self._stats.failed += sum(t.rows for t in tickets.values() if not t.closed)
         for ticket in tickets.values():
             ticket.finish("error", PromptCacheError(f"the step serving this request failed: {err}"))
-
-

@@ -86,7 +86,9 @@ def test_one_grammar_mask_for_a_batch_is_each_rows_own(tokenizer):
     vocabulary = Vocabulary(tokenizer, vocab, frozenset({tokenizer.eos_token_id}))
     numbers = vocabulary.matcher(schema_text({"type": "integer"}))
     names = vocabulary.matcher(schema_text({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}))
-    allowed = allowed_tokens([numbers, None, names], vocab, torch.device("cpu"))
+    errors: list = []
+    allowed = allowed_tokens([numbers, None, names], vocab, torch.device("cpu"), lambda row, err: errors.append((row, err)))
+    assert errors == []
     assert allowed.shape == (3, vocab) and allowed.dtype == torch.bool
     for row, matcher in ((0, numbers), (2, names)):
         own = llguidance.torch.allocate_token_bitmask(1, vocab)

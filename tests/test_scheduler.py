@@ -520,6 +520,73 @@ def test_a_row_that_fails_while_decoding_fails_alone(engine, monkeypatch):
     assert engine.generate(prompts[1], max_new_tokens=8).token_ids == alone[1].token_ids  # the loop lives on
 
 
+def test_a_row_that_fails_as_it_finishes_fails_alone(engine, monkeypatch):
+    """A request whose detokeniser raises as it flushes its last text fails its own caller; the
+    rows that finish in the same steps answer as alone. (The flush ran unguarded: the whole step
+    failed, and every caller in it with it.) The fault is injected into one request's close,
+    picked by its seed, as the test above injects one into a sampler."""
+    from pc_rag.decode.request import RequestState
+
+    names = engine.names
+    prompts = [build_prompt(f"How far is harbour {i}?", names[i : i + 2]) for i in range(4)]
+    alone = [engine.generate(p, max_new_tokens=6) for p in prompts]
+    original = RequestState.close
+
+    def broken(self):
+        if self.sampler.params.seed == 13:
+            raise RuntimeError("this row's detokeniser broke")
+        return original(self)
+
+    monkeypatch.setattr(RequestState, "close", broken)
+    start = threading.Barrier(5)
+
+    def call(i):
+        start.wait()
+        if i == 4:
+            return engine.generate(prompts[0], max_new_tokens=6, temperature=0.8, seed=13)
+        return engine.generate(prompts[i], max_new_tokens=6)
+
+    outcomes = outcomes_of(call, range(5))
+    assert isinstance(outcomes[4], RuntimeError) and "detokeniser broke" in str(outcomes[4]), outcomes
+    assert [getattr(o, "token_ids", o) for o in outcomes[:4]] == [a.token_ids for a in alone]
+    assert engine.scheduler.stats()["failed"] == 1
+
+
+def test_a_step_that_fails_outside_any_row_fails_its_requests_and_the_loop_lives_on(engine, monkeypatch):
+    """A decode step that raises outside any one row fails the requests it serves, with a typed
+    error; even when dropping the step's state fails too (its KV buffer will not go back to the
+    pool), the next request is served. (A failure while failing the step ended the loop thread:
+    every later caller waited forever.) Both faults are injected, once each."""
+    from pc_rag.decode.loop import RunningBatch
+
+    prompt = build_prompt("How far is harbour 3?", engine.names[3:5])
+    alone = engine.generate(prompt, max_new_tokens=6)
+    feed, release = RunningBatch.feed, type(engine.buffers).release
+    faults = {"feed": 1, "release": 1}
+
+    def broken_feed(self, alongside=None):
+        if faults["feed"]:
+            faults["feed"] -= 1
+            raise RuntimeError("the decode step broke")
+        return feed(self, alongside)
+
+    def broken_release(self, buffer):
+        if faults["release"]:
+            faults["release"] -= 1
+            raise RuntimeError("the pool broke")
+        return release(self, buffer)
+
+    monkeypatch.setattr(RunningBatch, "feed", broken_feed)
+    monkeypatch.setattr(type(engine.buffers), "release", broken_release)
+    with pytest.raises(PromptCacheError, match="the step serving this request failed: the decode step broke"):
+        engine.generate(prompt, max_new_tokens=6)
+    assert faults == {"feed": 0, "release": 0}  # both faults struck
+    with ThreadPoolExecutor(1) as pool:  # a dead loop would leave this caller waiting: bounded, not timed
+        again = pool.submit(engine.generate, prompt, max_new_tokens=6).result(timeout=120)
+    assert again.token_ids == alone.token_ids
+    assert engine.scheduler.stats()["failed"] == 1
+
+
 def test_a_failing_prefill_chunk_fails_its_request_alone(engine):
     """A packed pass (a newcomer's chunk riding on the running row's decode step) that raises
     fails the newcomer only: the running row takes its step without it and answers as alone.

@@ -214,14 +214,14 @@ class Matcher:
 
 
 def allowed_tokens(matchers: Sequence[Matcher | None], vocab: int, device: torch.device,
-                   on_error: Callable[[int, Exception], None] | None = None) -> torch.Tensor:
+                   on_error: Callable[[int, Exception], None]) -> torch.Tensor:
     """What each row may write next, ``[rows, vocab]`` bool on ``device``: its grammar's allowed
     tokens (every token for a row without a grammar). The grammars fill one bitmask on the host,
     which crosses to the device in one transfer for the whole batch; logit rows padded past the
     tokenizer's vocabulary are never allowed to a grammar.
 
     ``on_error(row, error)``: a grammar that raises is reported there (its row allows every
-    token, and its request fails alone); without it, the error propagates."""
+    token, and its request fails alone)."""
     import llguidance.torch
 
     vocabulary = next(m.vocabulary for m in matchers if m is not None)
@@ -233,8 +233,6 @@ def allowed_tokens(matchers: Sequence[Matcher | None], vocab: int, device: torch
             try:
                 matcher.fill(bitmask, row)
             except Exception as err:  # noqa: BLE001 - one row's grammar fails its request alone
-                if on_error is None:
-                    raise
                 on_error(row, err)
                 bitmask[row] = -1
     allowed = vocabulary.allowed(bitmask.to(device))

@@ -451,8 +451,10 @@ def live_runs(valid: torch.Tensor) -> list[tuple[int, int]]:
 def decode(
     forward: Forward, rows: Rows, requests: Sequence[RequestState], logits: torch.Tensor, spec: ModelSpec
 ) -> Generator[list[str], None, None]:
-    """The decode loop: every row's next token from ``logits``, fed back until every request is
-    done (:class:`RunningBatch`). Yields each step's new text, one string per row."""
+    """A bare decode loop over one batch, no scheduler: every row's next token from ``logits``,
+    fed back until every request is done (:class:`RunningBatch`). Yields each step's new text, one
+    string per row. The scheduler's loop does this with admission and callers around it;
+    ``benchmarks/serving.py`` measures what those add against this."""
     batch = RunningBatch(forward, rows, requests, logits, spec)
     while True:
         deltas = batch.take()
