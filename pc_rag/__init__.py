@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .decode.request import CacheStats, Generation
     from .engine import DEFAULT_ENCODING, PromptCache
-    from .errors import PromptCacheError, QueueFull
+    from .errors import PromptCacheError, QueueFull, ServingFailed
     from .prompt.documents import DocumentRecord, build_prompt, module_reference
     from .prompt.plan import Plan, Segment
     from .prompt.pml import PML, escape, parse_prompt, parse_schema
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry", "DocumentRecord": "prompt.documents",
     "build_prompt": "prompt.documents", "module_reference": "prompt.documents", "PromptCacheError": "errors", "QueueFull": "errors",
+    "ServingFailed": "errors",
     "CacheStats": "decode.request", "Generation": "decode.request", "Plan": "prompt.plan", "Segment": "prompt.plan",
     "PML": "prompt.pml", "escape": "prompt.pml", "parse_prompt": "prompt.pml", "parse_schema": "prompt.pml",
 }
@@ -50,6 +51,7 @@ __all__ = [
     "QueueFull",
     "Schema",
     "Segment",
+    "ServingFailed",
     "build_prompt",
     "escape",
     "module_reference",

@@ -19,3 +19,14 @@ class PromptCacheError(ValueError):
 
 class QueueFull(PromptCacheError):
     """The scheduler's queue is full (``max_queued`` requests wait): retry later. A server answers 429."""
+
+
+class ServingFailed(PromptCacheError):
+    """A valid request the engine could not serve: the step serving it failed, or the engine's
+    scheduler is closed (``unavailable``). Not the caller's input, so trying again may succeed; a
+    server answers 500 (503 when unavailable), never 400. A ``PromptCacheError``, so code that
+    catches those goes on catching it."""
+
+    def __init__(self, message: str, *, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.unavailable = unavailable

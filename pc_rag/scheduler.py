@@ -50,7 +50,7 @@ import torch
 
 from .decode.loop import RunningBatch, VacantRow
 from .decode.request import Generation, RequestState
-from .errors import PromptCacheError, QueueFull
+from .errors import PromptCacheError, QueueFull, ServingFailed
 from .kv.buffers import BufferPool, batch_capacity
 from .model.spec import ModelSpec
 from .prefill.passes import chunks_of, new_tokens, prefill
@@ -327,7 +327,7 @@ class Scheduler:
                                    f"buffer_budget of {budget:,}: shorten the prompt or max_new_tokens, or raise the budget")
         with self._cond:
             if self._closed:
-                raise PromptCacheError("this engine's scheduler is closed")
+                raise ServingFailed("this engine's scheduler is closed", unavailable=True)
             deadline = None if self.limits.queue_timeout_s is None else time.monotonic() + self.limits.queue_timeout_s
             while len(self._waiting) >= self.limits.max_queued:
                 left = 0.0 if deadline is None else deadline - time.monotonic()
@@ -864,4 +864,4 @@ class Scheduler:
         with self._cond:
             self._stats.failed += sum(t.rows for t in tickets.values() if not t.closed)
         for ticket in tickets.values():
-            ticket.finish("error", PromptCacheError(f"the step serving this request failed: {err}"))
+            ticket.finish("error", ServingFailed(f"the step serving this request failed: {err}"))

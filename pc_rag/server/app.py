@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..decode.request import Generation
-from ..errors import PromptCacheError, QueueFull
+from ..errors import PromptCacheError, QueueFull, ServingFailed
 from ..integrations._shared import model_name as engine_model_name
 from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_reference
 from .backend import LocalBackend, call_payload
@@ -341,6 +341,11 @@ def _error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, QueueFull):
         return rate_limited(str(exc), "queue_full")
+    if isinstance(exc, ServingFailed):  # not the client's input: a 5xx, which clients retry
+        logger.error("request failed", exc_info=exc)
+        if getattr(exc, "unavailable", False):  # (a Ray task error stands in for its cause)
+            return ApiError(503, "the server is shutting down", kind="server_error", code="unavailable")
+        return ApiError(500, "the engine failed to serve this request; trying again may succeed", kind="server_error")
     if isinstance(exc, PromptCacheError):
         return ApiError(400, str(exc))
     logger.error("request failed", exc_info=exc)
