@@ -268,7 +268,8 @@ def admit(plans: Sequence[Plan], spec: ModelSpec, *, use_cache: bool, memory_bud
         what = f"prompt {index}" if several else "the prompt"
         end = planned.end
         if spec.context_window is not None and end > spec.context_window:
-            raise PromptCacheError(f"{what} needs {end} positions, more than the model's context window ({spec.context_window})")
+            why = f": {spec.context_reason}" if spec.context_reason else ""
+            raise PromptCacheError(f"{what} needs {end} positions, more than the model's context window ({spec.context_window}){why}")
         if use_cache and spec.exact_window is not None and end > spec.exact_window and planned.cached_tokens:
             raise PromptCacheError(
                 f"{what} needs {end} positions; this model has {spec.pinned_reason}, so cached KV is exact only within "

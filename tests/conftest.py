@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded tokenizer and tiny randomly-initialised models of four families."""
+"""Shared fixtures: the embedded tokenizer and tiny randomly-initialised models of every position scheme."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, BloomConfig, Cohere2Config, CohereConfig, Gemma3TextConfig, GPT2Config, LlamaConfig,
-                          MistralConfig, Qwen2Config, SmolLM3Config)
+                          Llama4TextConfig, MistralConfig, Qwen2Config, SmolLM3Config)
 
 from pc_rag import PromptCache
 from pc_rag.model.loading import default_model_dir
 
-ARCHS = ("llama", "qwen2", "gemma3", "smollm3", "cohere2", "gpt2", "bloom")
+ARCHS = ("llama", "qwen2", "gemma3", "smollm3", "cohere2", "llama4", "gpt2", "bloom")
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +53,13 @@ def tiny_config(arch: str, vocab: int, **overrides):
         return Cohere2Config(**{**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=8,
                                        logit_scale=1.0, pad_token_id=None, bos_token_id=None, eos_token_id=None), **overrides})
+    if arch == "llama4":  # mixture of experts; RoPE on complex pairs of dims, L2-normed after it; chunked
+        # attention in layers 0-2 (chunks of 96: pc-rag serves within one), layer 3 global without RoPE
+        return Llama4TextConfig(**{**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          max_position_embeddings=1024, num_local_experts=2, num_experts_per_tok=1,
+                                          attention_chunk_size=96, no_rope_layers=[1, 1, 1, 0], pad_token_id=None,
+                                          bos_token_id=None, eos_token_id=None), **overrides})
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
                           bos_token_id=None, eos_token_id=None, **overrides)

@@ -86,7 +86,7 @@ def test_contiguous_modules_reproduce_full_prefill(make_engine, arch, prompt):
 def test_position_kind_is_measured(make_engine, arch):
     engine = make_engine(arch)
     assert engine.position_kind == {"llama": "rope", "qwen2": "rope", "gemma3": "rope", "smollm3": "rope", "cohere2": "rope",
-                                    "gpt2": "learned", "bloom": "alibi"}[arch]
+                                    "llama4": "rope", "gpt2": "learned", "bloom": "alibi"}[arch]
     assert engine.movable is (arch != "gpt2")
 
 
@@ -137,7 +137,7 @@ def test_moved_rope_keys_equal_keys_encoded_in_place(make_tiny, tokenizer, arch,
     assert_moved_keys_equal_keys_encoded_there(engine, tokenizer)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "smollm3", "cohere2"])
+@pytest.mark.parametrize("arch", ["gemma3", "smollm3", "cohere2", "llama4"])
 def test_layers_that_differ_in_rope_rotate_by_their_own_frequencies(make_tiny, tokenizer, arch):
     # Gemma 3 crashed here (its rotary module holds one frequency set per layer type, no inv_freq);
     # SmolLM3's layer without RoPE, and Cohere 2's as well as its interleaved pairs of dims, made
@@ -151,7 +151,7 @@ def test_layers_that_differ_in_rope_rotate_by_their_own_frequencies(make_tiny, t
         assert torch.equal(frequencies[0], frequencies[2]) and not torch.equal(frequencies[0], frequencies[1])
     elif arch == "smollm3":  # layer 1 has no RoPE
         assert frequencies[0].any() and not frequencies[1].any()
-    else:  # layers 0-2 (sliding window) rotate neighbouring dims together; layer 3 (global) has no RoPE
+    else:  # layers 0-2 (sliding window, or chunked) rotate neighbouring dims together; layer 3 (global) has no RoPE
         assert engine.rotator.interleaved and all(f.any() for f in frequencies[:3]) and not frequencies[3].any()
     assert_moved_keys_equal_keys_encoded_there(engine, tokenizer)
 
@@ -180,3 +180,27 @@ def test_isolated_encoding_differs_from_full_prefill_when_modules_see_no_prefix(
     prompt = PML('<prompt schema="doc"><d/> Why?</prompt>')
     diff = (engine.next_token_logits(prompt) - engine.next_token_logits(prompt, use_cache=False)).abs().max().item()
     assert diff > 1e-4
+
+
+def test_llama4_runs_its_decoder_stack_and_serves_within_its_attention_chunk(make_engine, make_tiny, tokenizer):
+    """Llama 4's causal LM names its stack by a prefix it does not have ("language_model"):
+    ``model.base_model`` was the whole LM, so its RoPE went unfound (modules pinned as "learned
+    absolute positions") and every encoding pass computed logits for every token. Its chunked
+    attention (and query temperature) pc-rag does not reproduce past one chunk: a prompt past it
+    is refused, naming why, instead of answered differently from the model."""
+    engine = make_engine("llama4")
+    assert engine.forward.decoder is engine.model.model and engine.movable
+    assert engine.context_window == 96 and "chunked attention (96-token chunks)" in engine.spec.context_reason
+    within = PML('<prompt schema="doc"><d/><user>Why?</user></prompt>')
+    engine.add_schema('<schema name="doc"><system>Answer.</system><user><module name="d">' + "The sky is blue. " * 3
+                      + "</module></user></schema>", progress=False)
+    plan = engine.plan(within)
+    full = engine.model(input_ids=torch.tensor([plan.input_ids]), position_ids=torch.tensor([plan.position_ids])).logits[0, -1]
+    assert (engine.next_token_logits(within, use_cache=False) - full).abs().max().item() <= 1e-4  # the model's own answer
+    with pytest.raises(PromptCacheError, match="more than the model's context window \\(96\\): chunked attention"):
+        engine.generate(PML('<prompt schema="doc"><d/><user>' + "Why is that so? " * 20 + '</user></prompt>'), max_new_tokens=2)
+    from pc_rag import PromptCache
+
+    tuned = PromptCache(make_tiny("llama4", attn_temperature_tuning=True, floor_scale=64, attention_chunk_size=512), tokenizer)
+    assert tuned.context_window == 63 and "query temperature tuning from position 63" in tuned.spec.context_reason
+

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import PromptCacheError
 from ..kv.buffers import KVBuffer, ModuleKV
+from .decoder import decoder_of
 from .packed import KWARG as PACKED_KWARG
 from .packed import Pass, PackedStep
 from .probe import PROBE_KWARG, Probe, ProbeDone
@@ -30,7 +31,7 @@ def _shared_kwargs(shared: SharedKV | None, positions: torch.Tensor, bounds: tup
 def cache_keyword(model: Any) -> str:
     """The keyword ``model``'s forward takes its KV cache under: ``cache`` where transformers has
     renamed ``past_key_values`` (5.x; the old name is removed in 5.40), ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(getattr(model, "base_model", model).forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(decoder_of(model).forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Forward:
 
     def __init__(self, model: Any, *, compile: bool | str = False) -> None:
         self.model = model
+        self.decoder = decoder_of(model)  # the stack under the head: KV without logits for every token
         self._cache = cache_keyword(model)
         # decode steps with fixed shapes (pc_rag.decode.loop.Cursor) through torch.compile. dynamic=None:
         # a second batch size or capacity recompiles once with that size symbolic, so a served batch
@@ -108,11 +110,11 @@ class Forward:
         among the passes: what load-or-compute needs before any request was served (pc_rag.kv.load_or_compute)."""
         device = self.model.device
         ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
-        self.model.base_model(input_ids=ids[:, :8])  # first-call allocations and kernel choices
+        self.decoder(input_ids=ids[:, :8])  # first-call allocations and kernel choices
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        self.model.base_model(input_ids=ids)
+        self.decoder(input_ids=ids)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - started
@@ -148,7 +150,7 @@ class Forward:
         self._count(1)
         device = self.model.device
         pos = pos.to(device)
-        self.model.base_model(
+        self.decoder(
             input_ids=ids.to(device), position_ids=pos, attention_mask=mask, use_cache=True,
             **{self._cache: buffer.cache}, **_shared_kwargs(shared, pos, bounds),
         )
@@ -238,7 +240,7 @@ class Forward:
         before = len(buffer)
         device = self.model.device
         try:
-            self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
+            self.decoder(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
                                   use_cache=True, **{self._cache: buffer.cache, PROBE_KWARG: probe})
         except ProbeDone:
             pass
@@ -278,7 +280,7 @@ class Forward:
             ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
         positions = torch.arange(start, start + width, dtype=torch.long).expand(len(sequences), -1)
         self._count(1, len(sequences))
-        self.model.base_model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=True,
+        self.decoder(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=True,
                               **{self._cache: buffer.cache})
         kept = keep_from if keep_from is not None else [0] * len(sequences)
         return [

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import torch
 
+from .decoder import decoder_of
+
 logger = logging.getLogger(__name__)
 
 PositionKind = Literal["rope", "alibi", "learned", "rope_length_dependent", "rope_unrecognised"]
@@ -30,7 +32,7 @@ class RopeRotator:
     """
 
     def __init__(self, model: Any, inv_freq: torch.Tensor | None = None, *, interleaved: bool = False) -> None:
-        rotary = model.base_model.rotary_emb
+        rotary = decoder_of(model).rotary_emb
         if inv_freq is None:
             found = frequency_candidates(rotary)
             if len(found) != 1:
@@ -188,7 +190,7 @@ def probe_positions(model: Any, forward_keys: Any) -> tuple[PositionKind, RopeRo
     moved = forward_keys(ids, delta).float()
     if _close(at_zero, moved, tol, deep):
         return "alibi", None
-    rotary = getattr(model.base_model, "rotary_emb", None)
+    rotary = getattr(decoder_of(model), "rotary_emb", None)
     if rotary is not None:
         rotator = _fit(model, frequency_candidates(rotary), rotates_to, at_zero, moved, delta, tol, deep, scale)
         if rotator is not None and rotates_to(delta, rotator):

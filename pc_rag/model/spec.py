@@ -92,6 +92,8 @@ class ModelSpec:
     sliding_window: int | None
     window_layers: tuple[bool, ...]
     context_window: int | None
+    # why context_window is shorter than the model's own (attention pc-rag does not reproduce past it)
+    context_reason: str | None
     # cached KV is exact only for prompts within this many positions (length-dependent RoPE)
     exact_window: int | None
     bos_ids: tuple[int, ...]
@@ -185,6 +187,29 @@ def _sliding_window(config: Any, layers: int) -> tuple[int | None, tuple[bool, .
     return (int(window), windowed) if any(windowed) else (None, ())
 
 
+def _context_window(config: Any) -> tuple[int | None, str | None]:
+    """The positions pc-rag serves exactly: the model's context window, or less where its attention
+    changes past a position in ways pc-rag's masks do not follow (and why).
+
+    Llama 4: layers of type "chunked_attention" see only their own chunk of
+    ``attention_chunk_size`` tokens; its layers without RoPE scale queries by a temperature that
+    grows from position ``floor_scale - 1`` on (read from the cache's length, not the positions).
+    Within both, attention is plain causal attention."""
+    window = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+    limits = []
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk and "chunked_attention" in (getattr(config, "layer_types", None) or ("chunked_attention",)):
+        limits.append((int(chunk), f"chunked attention ({int(chunk)}-token chunks)"))
+    floor = getattr(config, "floor_scale", None)
+    if getattr(config, "attn_temperature_tuning", False) and floor and 0 in (getattr(config, "no_rope_layers", None) or ()):
+        limits.append((int(floor) - 1, f"query temperature tuning from position {int(floor) - 1} on"))
+    limits = [(limit, why) for limit, why in limits if window is None or limit < window]
+    if not limits:
+        return window, None
+    limit = min(limit for limit, _ in limits)
+    return limit, f"{' and '.join(why for _, why in limits)}, which pc-rag does not reproduce past position {limit}"
+
+
 def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> ModelSpec:
     """Measure and collect what pc-rag needs to know about ``model`` (see :class:`ModelSpec`).
 
@@ -204,6 +229,7 @@ def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> Mod
     window, window_layers = _sliding_window(config, layers)
     bos = _bos_ids(tokenizer)
     exact_window = rope_windows(config)[0] if position_kind == "rope_length_dependent" else None
+    window_limit, window_reason = _context_window(config)
     fingerprint = hashlib.sha256(
         f"{model_fingerprint(model, tokenizer)}|{model.dtype}|{position_kind}|{markers}".encode()
     ).hexdigest()[:32]
@@ -222,7 +248,8 @@ def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> Mod
         heads_per_kv=config.num_attention_heads // kv_heads,
         sliding_window=window,
         window_layers=window_layers,
-        context_window=int(getattr(config, "max_position_embeddings", 0) or 0) or None,
+        context_window=window_limit,
+        context_reason=window_reason,
         exact_window=exact_window,
         bos_ids=tuple(bos),
         bos_text=getattr(tokenizer, "bos_token", None) if bos else None,
