@@ -54,11 +54,11 @@ def tiny_config(arch: str, vocab: int, **overrides):
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=8,
                                        logit_scale=1.0, pad_token_id=None, bos_token_id=None, eos_token_id=None), **overrides})
     if arch == "llama4":  # mixture of experts; RoPE on complex pairs of dims, L2-normed after it; chunked
-        # attention in layers 0-2 (chunks of 96: pc-rag serves within one), layer 3 global without RoPE
+        # attention in layers 0-2 (chunks of 512: pc-rag serves within one), layer 3 global without RoPE
         return Llama4TextConfig(**{**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
                                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                           max_position_embeddings=1024, num_local_experts=2, num_experts_per_tok=1,
-                                          attention_chunk_size=96, no_rope_layers=[1, 1, 1, 0], pad_token_id=None,
+                                          attention_chunk_size=512, no_rope_layers=[1, 1, 1, 0], pad_token_id=None,
                                           bos_token_id=None, eos_token_id=None), **overrides})
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024,

@@ -250,6 +250,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(make_engine):
     ("llama", {}),
     ("mistral", {"sliding_window": 24}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),  # one layer slides, one does not
+    ("llama4", {}),  # experts, a layer without RoPE
 ])
 def test_a_prefill_chunk_rides_on_the_decode_step_exactly(make_engine, make_tiny, tokenizer, arch, overrides):
     """One packed forward pass runs the running rows' decode step and a newcomer's prefill chunk,

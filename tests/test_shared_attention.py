@@ -81,7 +81,7 @@ def test_share_prefixes_builds_the_prefix_tree_of_cached_segments():
     assert share_prefixes([("s",)]) == ([], [0])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3", "cohere", "cohere2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3", "cohere", "cohere2", "llama4"])
 def test_zero_copy_assembly_equals_copying(make_engine, arch, monkeypatch):
     """Modules read where they are stored, moved ones too (queries rotated back, per layer where
     layers differ: those were copied and rotated), give the copying assembly's logits and tokens."""
@@ -131,7 +131,7 @@ def _spy_runs(monkeypatch) -> list[list[SharedRun]]:
     return seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3", "cohere", "cohere2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "smollm3", "cohere", "cohere2", "llama4"])
 def test_a_batch_shares_what_its_prompts_import_at_the_same_positions(make_engine, arch, monkeypatch):
     engine = make_engine(arch, recompute=4)
     names = engine.add_documents(DOCS, progress=False)

@@ -207,7 +207,7 @@ def _context_window(config: Any) -> tuple[int | None, str | None]:
     if not limits:
         return window, None
     limit = min(limit for limit, _ in limits)
-    return limit, f"{' and '.join(why for _, why in limits)}, which pc-rag does not reproduce past position {limit}"
+    return limit, f"{' and '.join(why for _, why in limits)}, which pc-rag does not reproduce beyond {limit} positions"
 
 
 def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> ModelSpec:
