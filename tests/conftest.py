@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, BloomConfig, Cohere2Config, CohereConfig, Gemma3TextConfig, GPT2Config, LlamaConfig,
-                          Llama4TextConfig, MistralConfig, Qwen2Config, SmolLM3Config)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, BloomConfig, Cohere2Config, CohereConfig, Gemma2Config, Gemma3TextConfig,
+                          GPT2Config, GraniteConfig, LlamaConfig, Llama4TextConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3MoeConfig,
+                          SmolLM3Config)
 
 from pc_rag import PromptCache
 from pc_rag.model.loading import default_model_dir
 
-ARCHS = ("llama", "qwen2", "gemma3", "smollm3", "cohere2", "llama4", "gpt2", "bloom")
+ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "smollm3", "cohere2", "llama4", "olmo2", "granite", "qwen3_moe", "gpt2", "bloom")
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +61,18 @@ def tiny_config(arch: str, vocab: int, **overrides):
                                           max_position_embeddings=1024, num_local_experts=2, num_experts_per_tok=1,
                                           attention_chunk_size=512, no_rope_layers=[1, 1, 1, 0], pad_token_id=None,
                                           bos_token_id=None, eos_token_id=None), **overrides})
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if arch == "gemma2":  # attention logits soft-capped; local and global layers alternate
+        return Gemma2Config(**{**common, "head_dim": 16, "sliding_window": 8, **overrides})
+    if arch == "olmo2":  # queries and keys RMS-normed over the whole projection, before RoPE
+        return Olmo2Config(**{**common, **overrides})
+    if arch == "granite":  # attention, residual, embedding and logit multipliers
+        return GraniteConfig(**{**common, "attention_multiplier": 0.3, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
+                                "logits_scaling": 4.0, **overrides})
+    if arch == "qwen3_moe":  # mixture of experts; per-head RMS norm of queries and keys before RoPE
+        return Qwen3MoeConfig(**{**common, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                 **overrides})
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
                           bos_token_id=None, eos_token_id=None, **overrides)

@@ -85,8 +85,7 @@ def test_contiguous_modules_reproduce_full_prefill(make_engine, arch, prompt):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_position_kind_is_measured(make_engine, arch):
     engine = make_engine(arch)
-    assert engine.position_kind == {"llama": "rope", "qwen2": "rope", "gemma3": "rope", "smollm3": "rope", "cohere2": "rope",
-                                    "llama4": "rope", "gpt2": "learned", "bloom": "alibi"}[arch]
+    assert engine.position_kind == ("learned" if arch == "gpt2" else "alibi" if arch == "bloom" else "rope")
     assert engine.movable is (arch != "gpt2")
 
 
@@ -204,3 +203,18 @@ def test_llama4_runs_its_decoder_stack_and_serves_within_its_attention_chunk(mak
     tuned = PromptCache(make_tiny("llama4", attn_temperature_tuning=True, floor_scale=64, attention_chunk_size=512), tokenizer)
     assert tuned.context_window == 63 and "query temperature tuning from position 63 on" in tuned.spec.context_reason
 
+
+def test_multi_head_latent_attention_is_refused_by_name(tokenizer):
+    """DeepSeek V3's keys (rotary and not) and values differ from its config's head_dim: the KV
+    buffer's first write failed deep inside transformers with a shape mismatch."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from pc_rag import PromptCache
+
+    config = DeepseekV3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                              qk_nope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
+                              num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with pytest.raises(PromptCacheError, match="deepseek_v3 uses multi-head latent attention \\(keys of 16 dims, 8 of them rotary"):
+        PromptCache(model, tokenizer)

@@ -264,12 +264,22 @@ class KVBuffer:
 
 
 def kv_shape(model: Any) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a decoder-only model."""
+    """(layers, kv_heads, head_dim) of a decoder-only model; a model whose cached keys and values
+    differ in size (multi-head latent attention: DeepSeek V2/V3, Kimi K2) is refused by name."""
     config = model.config.get_text_config(decoder=True)
     layers = config.num_hidden_layers
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "v_head_dim", head_dim) != head_dim:
+        rotary = getattr(config, "qk_rope_head_dim", 0) or 0
+        keys = (getattr(config, "qk_nope_head_dim", 0) or 0) + rotary or head_dim
+        values = getattr(config, "v_head_dim", None) or head_dim
+        raise PromptCacheError(
+            f"{getattr(config, 'model_type', type(model).__name__)} uses multi-head latent attention (keys of {keys} dims, "
+            f"{rotary} of them rotary; values of {values}): pc-rag's KV buffers and key rotation assume attention heads of "
+            f"head_dim ({head_dim}) for both; this model is not supported"
+        )
     return layers, kv_heads, head_dim
 
 
