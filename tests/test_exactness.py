@@ -218,3 +218,36 @@ def test_multi_head_latent_attention_is_refused_by_name(tokenizer):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with pytest.raises(PromptCacheError, match="deepseek_v3 uses multi-head latent attention \\(keys of 16 dims, 8 of them rotary"):
         PromptCache(model, tokenizer)
+
+
+
+def test_a_multimodal_model_runs_its_text_stack_and_moves_modules_exactly(tokenizer):
+    """Gemma 3's checkpoints load through AutoModelForCausalLM as an image-and-text model
+    (``Gemma3ForConditionalGeneration``) whose ``base_model`` holds the text stack one level
+    down: its RoPE went unfound, modules were pinned as "learned absolute positions", and
+    prompts that skip a module left gaps that the model's own forward reads otherwise (0.4 apart
+    in logits). Found, modules move, and cached prompts equal the model."""
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    from pc_rag import PromptCache
+
+    from .conftest import tiny_config
+
+    torch.manual_seed(0)
+    vocab = len(tokenizer)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8)
+    config = Gemma3Config(text_config=tiny_config("gemma3", vocab).to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=vocab - 1, boi_token_index=vocab - 2, eoi_token_index=vocab - 3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    settings = dict(recompute=0, attention_temperature=1.0, attention_scale=1.0, encoding="isolated")
+    assert PromptCache(model, tokenizer, **settings).position_kind == "rope"
+    for prompt in PROMPTS:
+        engine = PromptCache(model, tokenizer, **settings)
+        schema = engine.add_schema(SCHEMA, progress=False)
+        plan = engine.plan(prompt)
+        expected, buffer = oracle(engine, plan)
+        with torch.no_grad():
+            own = model(input_ids=torch.tensor([plan.input_ids]), position_ids=torch.tensor([plan.position_ids])).logits[0, -1]
+        assert (own - expected).abs().max().item() <= 1e-4  # pc-rag's pass is the model's
+        inject_contiguous_kv(engine, schema, plan, buffer)
+        assert (engine.next_token_logits(prompt) - expected).abs().max().item() <= 1e-4

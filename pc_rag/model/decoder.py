@@ -1,5 +1,5 @@
-"""The decoder stack under a causal LM's head: what pc-rag runs for KV (no logits over the
-vocabulary for every token) and where the rotary embedding lives."""
+"""The decoder stack under a causal LM's head (and under a multimodal wrapper): what pc-rag runs
+for KV (no logits over the vocabulary for every token) and where the rotary embedding lives."""
 
 from __future__ import annotations
 
@@ -7,14 +7,20 @@ from typing import Any
 
 
 def decoder_of(model: Any) -> Any:
-    """``model``'s base model; for a causal LM whose ``base_model_prefix`` names no attribute
-    (Llama 4's text model: "language_model", its stack at ``.model``), the stack at ``.model``.
+    """The text decoder stack of ``model``: transformers' ``get_decoder()``, followed down while it
+    names another module, and ``.model`` where it names none.
 
-    ``model.base_model`` falls back to the whole LM there, whose forward pass computes logits for
-    every token (a vocabulary-wide tensor per encoded token) and whose ``rotary_emb`` is not found."""
-    base = getattr(model, "base_model", model)
-    if base is model:
-        inner = getattr(model, "model", None)
-        if inner is not None and hasattr(inner, "forward") and hasattr(inner, "layers"):
-            return inner
-    return base
+    ``model.base_model`` is not it everywhere: a multimodal model (Gemma 3 and Llama 4 as
+    ``...ForConditionalGeneration``, what ``AutoModelForCausalLM`` loads for their checkpoints)
+    holds the text stack and its rotary embedding one level further down, and Llama 4's causal
+    LM names a prefix ("language_model") it does not have, so ``base_model`` is the whole LM,
+    whose forward pass computes logits for every token and whose RoPE goes unfound."""
+    current = model
+    for _ in range(4):  # wrapper -> language model -> stack at most
+        inner = current.get_decoder() if hasattr(current, "get_decoder") else current
+        if inner is current:
+            inner = getattr(current, "model", current)
+        if inner is current or not hasattr(inner, "forward"):
+            break
+        current = inner
+    return current
