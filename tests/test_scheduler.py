@@ -425,6 +425,20 @@ def outcomes_of(call, arguments) -> list:
     return outcomes
 
 
+def four_greedy_and_a_seeded_fifth(engine, prompts, new_tokens: int) -> list:
+    """``prompts[0..3]`` greedy and ``prompts[0]`` sampled with seed 13 (the row the tests below
+    break), five callers at once: their outcomes."""
+    start = threading.Barrier(5)
+
+    def call(i):
+        start.wait()
+        if i == 4:
+            return engine.generate(prompts[0], max_new_tokens=new_tokens, temperature=0.8, seed=13)
+        return engine.generate(prompts[i], max_new_tokens=new_tokens)
+
+    return outcomes_of(call, range(5))
+
+
 def test_a_failing_request_leaves_the_others_unchanged(engine):
     """A module whose stored KV is gone and cannot be encoded again fails at prefill, inside the
     loop; the requests batched with it are prefilled again without it and answer as alone.
@@ -500,15 +514,7 @@ def test_a_row_that_fails_while_decoding_fails_alone(engine, monkeypatch):
         return original(self, logits)
 
     monkeypatch.setattr(Sampler, "__call__", broken)
-    start = threading.Barrier(5)
-
-    def call(i):
-        start.wait()
-        if i == 4:
-            return engine.generate(prompts[0], max_new_tokens=8, temperature=0.8, seed=13)
-        return engine.generate(prompts[i], max_new_tokens=8)
-
-    outcomes = outcomes_of(call, range(5))
+    outcomes = four_greedy_and_a_seeded_fifth(engine, prompts, 8)
     assert isinstance(outcomes[4], RuntimeError) and "sampler broke" in str(outcomes[4]), outcomes
     assert [getattr(o, "token_ids", o) for o in outcomes[:4]] == [a.token_ids for a in alone]
     assert engine.scheduler.stats()["failed"] == 1
@@ -539,15 +545,7 @@ def test_a_row_that_fails_as_it_finishes_fails_alone(engine, monkeypatch):
         return original(self)
 
     monkeypatch.setattr(RequestState, "close", broken)
-    start = threading.Barrier(5)
-
-    def call(i):
-        start.wait()
-        if i == 4:
-            return engine.generate(prompts[0], max_new_tokens=6, temperature=0.8, seed=13)
-        return engine.generate(prompts[i], max_new_tokens=6)
-
-    outcomes = outcomes_of(call, range(5))
+    outcomes = four_greedy_and_a_seeded_fifth(engine, prompts, 6)
     assert isinstance(outcomes[4], RuntimeError) and "detokeniser broke" in str(outcomes[4]), outcomes
     assert [getattr(o, "token_ids", o) for o in outcomes[:4]] == [a.token_ids for a in alone]
     assert engine.scheduler.stats()["failed"] == 1

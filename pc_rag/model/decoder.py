@@ -10,8 +10,8 @@ def decoder_of(model: Any) -> Any:
     """The text decoder stack of ``model``: transformers' ``get_decoder()``, followed down while it
     names another module, and ``.model`` where it names none.
 
-    ``model.base_model`` is not it everywhere: a multimodal model (Gemma 3 and Llama 4 as
-    ``...ForConditionalGeneration``, what ``AutoModelForCausalLM`` loads for their checkpoints)
+    ``model.base_model`` is not it everywhere: an image-and-text model (Gemma 3 as
+    ``Gemma3ForConditionalGeneration``, what ``AutoModelForCausalLM`` loads for its checkpoints)
     holds the text stack and its rotary embedding one level further down, and Llama 4's causal
     LM names a prefix ("language_model") it does not have, so ``base_model`` is the whole LM,
     whose forward pass computes logits for every token and whose RoPE goes unfound."""

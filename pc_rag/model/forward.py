@@ -241,7 +241,7 @@ class Forward:
         device = self.model.device
         try:
             self.decoder(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
-                                  use_cache=True, **{self._cache: buffer.cache, PROBE_KWARG: probe})
+                         use_cache=True, **{self._cache: buffer.cache, PROBE_KWARG: probe})
         except ProbeDone:
             pass
         buffer.grow_to(before)
@@ -281,7 +281,7 @@ class Forward:
         positions = torch.arange(start, start + width, dtype=torch.long).expand(len(sequences), -1)
         self._count(1, len(sequences))
         self.decoder(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=True,
-                              **{self._cache: buffer.cache})
+                     **{self._cache: buffer.cache})
         kept = keep_from if keep_from is not None else [0] * len(sequences)
         return [
             ModuleKV(buffer.slice(before + skip, before + len(seq), row).clone(), torch.arange(start + skip, start + len(seq), dtype=torch.long))
