@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, BloomConfig, Cohere2Config, CohereConfig, Gemma2Config, Gemma3TextConfig,
-                          GPT2Config, GraniteConfig, LlamaConfig, Llama4TextConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3MoeConfig,
-                          SmolLM3Config)
+                          GPT2Config, GptOssConfig, GraniteConfig, LlamaConfig, Llama4TextConfig, MistralConfig, Olmo2Config, Qwen2Config,
+                          Qwen3MoeConfig, SmolLM3Config)
 
 from pc_rag import PromptCache
 from pc_rag.model.loading import default_model_dir
 
-ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "smollm3", "cohere2", "llama4", "olmo2", "granite", "qwen3_moe", "gpt2", "bloom")
+ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "smollm3", "cohere2", "llama4", "olmo2", "granite", "qwen3_moe", "gpt_oss", "gpt2",
+         "bloom")
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +74,9 @@ def tiny_config(arch: str, vocab: int, **overrides):
     if arch == "qwen3_moe":  # mixture of experts; per-head RMS norm of queries and keys before RoPE
         return Qwen3MoeConfig(**{**common, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                  **overrides})
+    if arch == "gpt_oss":  # a learned attention sink per head; experts; local and global layers alternate
+        return GptOssConfig(**{**common, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                               "layer_types": ["sliding_attention", "full_attention"], **overrides})
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
                           bos_token_id=None, eos_token_id=None, **overrides)

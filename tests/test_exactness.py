@@ -204,21 +204,42 @@ def test_llama4_runs_its_decoder_stack_and_serves_within_its_attention_chunk(mak
     assert tuned.context_window == 63 and "query temperature tuning from position 63 on" in tuned.spec.context_reason
 
 
-def test_multi_head_latent_attention_is_refused_by_name(tokenizer):
-    """DeepSeek V3's keys (rotary and not) and values differ from its config's head_dim: the KV
-    buffer's first write failed deep inside transformers with a shape mismatch."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+def not_supported(name: str, vocab: int):
+    """Tiny models pc-rag refuses: (config, what the refusal says)."""
+    from transformers import DeepseekV3Config, Lfm2Config, MambaConfig, Qwen3NextConfig
+
+    common = dict(vocab_size=vocab, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if name == "deepseek_v3":  # keys (rotary and not) and values of other sizes than head_dim
+        return DeepseekV3Config(**{**common, "num_key_value_heads": 4}, intermediate_size=128, num_hidden_layers=2, kv_lora_rank=16,
+                                q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
+                                n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                                topk_group=1), "deepseek_v3 uses multi-head latent attention \\(keys of 16 dims, 8 of them rotary"
+    if name == "qwen3_next":
+        return Qwen3NextConfig(**common, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+                               layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2, linear_num_key_heads=2,
+                               linear_key_head_dim=16, linear_value_head_dim=16, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=32, num_experts=4,
+                               num_experts_per_tok=2), "qwen3_next has layers of type 'linear_attention': their state depends"
+    if name == "lfm2":
+        return Lfm2Config(**common, num_hidden_layers=2, layer_types=["conv", "full_attention"]), "lfm2 has layers of type 'conv'"
+    return MambaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, state_size=4, expand=1), "mamba has no attention heads"
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_next", "lfm2", "mamba"])
+def test_a_model_without_reusable_attention_kv_is_refused_by_name(tokenizer, name):
+    """Multi-head latent attention (DeepSeek V3: the KV buffer's first write failed deep inside
+    transformers with a shape mismatch), layers whose state sums up all text before it (Qwen3-Next's
+    linear attention, LFM2's convolutions: "Cannot get conv state"), no attention at all (Mamba:
+    an AttributeError): each refused when the engine is built, saying why."""
+    from transformers import AutoModelForCausalLM
 
     from pc_rag import PromptCache
 
-    config = DeepseekV3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                              qk_nope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
-                              num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1)
+    config, says = not_supported(name, len(tokenizer))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with pytest.raises(PromptCacheError, match="deepseek_v3 uses multi-head latent attention \\(keys of 16 dims, 8 of them rotary"):
+    with pytest.raises(PromptCacheError, match=says):
         PromptCache(model, tokenizer)
-
 
 
 def test_a_multimodal_model_runs_its_text_stack_and_moves_modules_exactly(tokenizer):

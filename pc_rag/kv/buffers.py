@@ -268,7 +268,10 @@ def kv_shape(model: Any) -> tuple[int, int, int]:
     differ in size (multi-head latent attention: DeepSeek V2/V3, Kimi K2) is refused by name."""
     config = model.config.get_text_config(decoder=True)
     layers = config.num_hidden_layers
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:  # a state-space model (Mamba, RWKV): no attention KV to cache
+        raise PromptCacheError(f"{getattr(config, 'model_type', type(model).__name__)} has no attention heads "
+                               "(num_attention_heads): Prompt Cache reuses attention KV; this model is not supported")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if getattr(config, "kv_lora_rank", None) or getattr(config, "v_head_dim", head_dim) != head_dim:
