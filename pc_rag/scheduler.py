@@ -855,12 +855,13 @@ class Scheduler:
         if chunked is not None:
             tickets[id(chunked.ticket)] = chunked.ticket
         self._batch, self._owners, self._chunked, self._admitting = None, [], None, []
-        for held in (chunked.assembled.rows if chunked is not None else None, batch.rows if batch is not None else None):
-            if held is not None:
-                try:
-                    self._release(held.buffer)
-                except Exception:  # noqa: BLE001 - a buffer the pool cannot take back is left to the collector
-                    logger.exception("a failed step's KV buffer could not go back to the pool; dropping it")
+        held = [chunked.assembled.rows.buffer] if chunked is not None else []
+        held += [batch.rows.buffer] if batch is not None else []
+        for buffer in held:
+            try:
+                self._release(buffer)
+            except Exception:  # noqa: BLE001 - a buffer the pool cannot take back is left to the collector
+                logger.exception("a failed step's KV buffer could not go back to the pool; dropping it")
         with self._cond:
             self._stats.failed += sum(t.rows for t in tickets.values() if not t.closed)
         for ticket in tickets.values():

@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import PromptCacheError
+from .shape import kv_shape
 
 # a batch's cache capacity is rounded up to a multiple of this many entries: a compiled decode
 # step sees a few shapes, not one per prompt length
@@ -261,29 +262,6 @@ class KVBuffer:
     def slice(self, start: int, end: int, row: int = 0) -> torch.Tensor:
         """The stored KV of positions ``[start, end)`` of one row as ``[layers, 2, heads, n, dim]`` (a view)."""
         return self.storage[:, :, row, :, start:end, :]
-
-
-def kv_shape(model: Any) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a decoder-only model; a model whose cached keys and values
-    differ in size (multi-head latent attention: DeepSeek V2/V3, Kimi K2) is refused by name."""
-    config = model.config.get_text_config(decoder=True)
-    layers = config.num_hidden_layers
-    heads = getattr(config, "num_attention_heads", None)
-    if not heads:  # a state-space model (Mamba, RWKV): no attention KV to cache
-        raise PromptCacheError(f"{getattr(config, 'model_type', type(model).__name__)} has no attention heads "
-                               "(num_attention_heads): Prompt Cache reuses attention KV; this model is not supported")
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if getattr(config, "kv_lora_rank", None) or getattr(config, "v_head_dim", head_dim) != head_dim:
-        rotary = getattr(config, "qk_rope_head_dim", 0) or 0
-        keys = (getattr(config, "qk_nope_head_dim", 0) or 0) + rotary or head_dim
-        values = getattr(config, "v_head_dim", None) or head_dim
-        raise PromptCacheError(
-            f"{getattr(config, 'model_type', type(model).__name__)} uses multi-head latent attention (keys of {keys} dims, "
-            f"{rotary} of them rotary; values of {values}): pc-rag's KV buffers and key rotation assume attention heads of "
-            f"head_dim ({head_dim}) for both; this model is not supported"
-        )
-    return layers, kv_heads, head_dim
 
 
 class BufferPool:

@@ -188,23 +188,6 @@ def _sliding_window(config: Any, layers: int) -> tuple[int | None, tuple[bool, .
     return (int(window), windowed) if any(windowed) else (None, ())
 
 
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
-
-
-def _refuse_recurrent_layers(config: Any) -> None:
-    """Layers that are not attention (linear attention, convolutions, state-space layers: Qwen3-Next,
-    LFM2, Jamba) carry a state that sums up everything before it: a module's state cannot be
-    reused behind other text, so there is no module KV to cache. Refused by name."""
-    types = getattr(config, "layer_types", None) or ()
-    others = sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
-    if others:
-        raise PromptCacheError(
-            f"{getattr(config, 'model_type', 'this model')} has layers of type {', '.join(map(repr, others))}: their "
-            "state depends on all the text before it, so a module's cached state cannot be reused elsewhere; "
-            "Prompt Cache needs attention layers only, and this model is not supported"
-        )
-
-
 def _context_window(config: Any) -> tuple[int | None, str | None]:
     """The positions pc-rag serves exactly: the model's context window, or less where its attention
     changes past a position in ways pc-rag's masks do not follow (and why).
@@ -233,14 +216,13 @@ def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> Mod
 
     Runs a few tiny forward passes (the position probe), so build it once per model.
     """
-    from ..kv.buffers import kv_shape
+    from ..kv.shape import kv_shape
     from . import attention
     from .forward import Forward
 
     attention.install(model)
-    layers, kv_heads, head_dim = kv_shape(model)  # fails early on models without the usual config fields
+    layers, kv_heads, head_dim = kv_shape(model)  # refuses, by name, models whose state is not reusable KV
     config = model.config.get_text_config(decoder=True)
-    _refuse_recurrent_layers(config)
     markers = chat_markers(tokenizer)
     try:
         position_kind, rotator = probe_positions(model, Forward(model).keys_at)
