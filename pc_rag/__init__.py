@@ -8,6 +8,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .decode.logprobs import TokenLogprob
     from .decode.request import CacheStats, Generation
     from .engine import DEFAULT_ENCODING, PromptCache
     from .errors import PromptCacheError, QueueFull, ServingFailed
@@ -21,7 +22,7 @@ _WHERE = {
     "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry", "DocumentRecord": "prompt.documents",
     "build_prompt": "prompt.documents", "module_reference": "prompt.documents", "PromptCacheError": "errors", "QueueFull": "errors",
     "ServingFailed": "errors",
-    "CacheStats": "decode.request", "Generation": "decode.request", "Plan": "prompt.plan", "Segment": "prompt.plan",
+    "CacheStats": "decode.request", "Generation": "decode.request", "TokenLogprob": "decode.logprobs", "Plan": "prompt.plan", "Segment": "prompt.plan",
     "PML": "prompt.pml", "escape": "prompt.pml", "parse_prompt": "prompt.pml", "parse_schema": "prompt.pml",
 }
 
@@ -52,6 +53,7 @@ __all__ = [
     "Schema",
     "Segment",
     "ServingFailed",
+    "TokenLogprob",
     "build_prompt",
     "escape",
     "module_reference",

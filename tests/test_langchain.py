@@ -105,6 +105,27 @@ def test_chat_streaming_batch_and_async(smollm):
     assert batch[0].content == streamed and len(batch) == 2
 
 
+def test_chat_logprobs_where_chat_openai_puts_them(smollm):
+    """``logprobs``/``top_logprobs`` as ChatOpenAI takes them (fields or per call), returned in
+    ``response_metadata["logprobs"]`` in its shape, streamed or not: a RAG app's confidence signal."""
+    messages = [HumanMessage("Name a primary colour.")]
+    chat = ChatPromptCache(engine=smollm, max_new_tokens=8, logprobs=True, top_logprobs=2)
+    message = chat.invoke(messages)
+    content = message.response_metadata["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) == message.content and len(content) == message.usage_metadata["output_tokens"]
+    assert all(len(t["top_logprobs"]) == 2 and t["top_logprobs"][0]["token"] == t["token"] and t["logprob"] <= 0 for t in content)
+    streamed = None
+    for chunk in chat.stream(messages):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [t["token"] for t in streamed.response_metadata["logprobs"]["content"]] == [t["token"] for t in content]
+    per_call = ChatPromptCache(engine=smollm, max_new_tokens=8).bind(logprobs=True).invoke(messages)
+    assert [(t["token"], t["top_logprobs"]) for t in per_call.response_metadata["logprobs"]["content"]] == [
+        (t["token"], []) for t in content]
+    assert "logprobs" not in ChatPromptCache(engine=smollm, max_new_tokens=8).invoke(messages).response_metadata
+    with pytest.raises(PromptCacheError, match="top_logprobs needs logprobs=True"):
+        ChatPromptCache(engine=smollm, max_new_tokens=8, top_logprobs=2).invoke(messages)
+
+
 async def test_async_paths(smollm):
     llm = PromptCacheLLM(engine=smollm, max_new_tokens=6)
     chat = ChatPromptCache(engine=smollm, max_new_tokens=6)

@@ -78,6 +78,33 @@ def test_stop_and_seed(client):
     assert sampled[0] == sampled[1]  # the same seed samples the same reply
 
 
+def test_logprobs_of_chat_and_text_completions(client):
+    """One entry per generated token, in OpenAI's two shapes: the tokens spell the reply, greedy's
+    token is its step's most likely, alternatives come most likely first."""
+    messages = [{"role": "user", "content": "Name a primary colour."}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 10
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    for token in content:
+        assert token.logprob <= 0 and bytes(token.bytes) == token.token.encode()
+        assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
+        assert len(token.top_logprobs) == 3 and token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == reply.choices[0].message.content
+    text = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2).choices[0]
+    assert "".join(text.logprobs.tokens) == text.text and len(text.logprobs.token_logprobs) == 5
+    assert text.logprobs.text_offset == [sum(len(t) for t in text.logprobs.tokens[:i]) for i in range(5)]
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(lp) for top, lp in zip(text.logprobs.top_logprobs,
+                                                                                       text.logprobs.token_logprobs))
+    for bad, says in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be from 0 to 20"),
+                      ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+                      ({"logprobs": True, "stream": True}, "non-streamed replies only")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **bad)
+
+
 def test_forced_tool_call_and_json_schema(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -234,6 +261,9 @@ def test_langchain_chat_openai(pcrag_server, passage):
     add_and_wait(pcrag_server, "squad", [{"id": "sb50-p0", "text": passage}])
     message = llm.invoke(f"{passage}\n\n{QUESTION}")
     assert message.content and message.usage_metadata["input_token_details"]["cache_read"] > 100
+    scored = llm.bind(logprobs=True).invoke(f"{passage}\n\n{QUESTION}")  # a RAG app's confidence signal
+    assert scored.content == message.content
+    assert "".join(t["token"] for t in scored.response_metadata["logprobs"]["content"]) == message.content
     streamed = None
     for chunk in llm.stream(f"{passage}\n\n{QUESTION}"):
         streamed = chunk if streamed is None else streamed + chunk

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"  # "stop" (end of turn or stop sequence) or "length"
     logits: list[torch.Tensor] | None = None  # with output_logits=True: each step's logits [vocab], on the CPU
+    logprobs: list[TokenLogprob] | None = None  # with logprobs=k: one per token of token_ids
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
@@ -106,6 +108,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     output_logits: bool = False  # keep every step's raw logits (Generation.logits), as transformers' output_logits
     json_schema: str | None = None  # canonical schema text: output constrained to it (pc_rag.decode.constrained)
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (Generation.logprobs)
 
     @classmethod
     def build(
@@ -124,12 +127,15 @@ class SamplingParams:
         stop_strings: str | Sequence[str] | None = None,
         output_logits: bool = False,
         json_schema: Any = None,
+        logprobs: int | None = None,
     ) -> "SamplingParams":
         """Validated parameters. ``do_sample`` as in transformers: False is greedy whatever the
         temperature, True samples (at temperature 1.0 when none is given); ``stop_strings`` is
         transformers' name for ``stop``; ``output_logits`` keeps each step's logits, before any
         processor, in ``Generation.logits``; ``json_schema`` (a JSON schema dict, its text, or
-        True for any JSON object) constrains the output to documents of that schema."""
+        True for any JSON object) constrains the output to documents of that schema; ``logprobs``
+        (vLLM's meaning: 0 to 20) records each generated token's log-probability and that many
+        most likely alternatives in ``Generation.logprobs``."""
         # every check types its value first: a string or a NaN that slipped through would fail the
         # scheduler's step, and with it every row sharing that step, not just this call
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -154,6 +160,8 @@ class SamplingParams:
             if not _is_int(value) or value < 0:
                 raise PromptCacheError(f"{name} must be an integer >= 0, got {value!r}")
         stops = _stop_sequences(stop if stop is not None else stop_strings)
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise PromptCacheError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token) or None, got {logprobs!r}")
         if json_schema is not None and json_schema is not False:
             from .constrained import schema_text
 
@@ -161,7 +169,7 @@ class SamplingParams:
         else:
             json_schema = None
         return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed,
-                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits), json_schema)
+                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits), json_schema, logprobs)
 
     @property
     def reads_history(self) -> bool:
@@ -190,7 +198,7 @@ class SamplingParams:
 
 
 GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
-                        "output_logits", "generation_config", "json_schema")
+                        "output_logits", "generation_config", "json_schema", "logprobs")
 # what a GenerationConfig contributes besides its sampling settings (taken when it sets do_sample=True)
 _CONFIG_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "max_new_tokens", "stop_strings")
 
@@ -442,6 +450,8 @@ class RequestState:
         self.finish = "length"
         self.steps = 0
         self.logits: list[torch.Tensor] | None = [] if params.output_logits else None
+        self.top_logprobs = params.logprobs
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.done = self.budget <= 0
         self.error: Exception | None = None  # what failed this request alone (see fail)
         self.prefill_started = time.perf_counter()
@@ -480,6 +490,8 @@ class RequestState:
             self.finish, self.done = "stop", True
             return None, ""
         self.stats.generated_tokens += 1
+        if self.logprobs is not None and logits is not None:
+            self.logprobs.append(token_logprob(logits, token, self.top_logprobs or 0))
         delta = self.stops.feed(self.detok.add(token))
         if delta:
             self.pieces.append(delta)
@@ -499,4 +511,6 @@ class RequestState:
             if tail:
                 self.pieces.append(tail)
         self.stats.total_s = time.perf_counter() - self.started
-        return tail, Generation("".join(self.pieces), self.stats, list(self.detok.tokens), self.finish, self.logits)
+        return tail, Generation("".join(self.pieces), self.stats, list(self.detok.tokens), self.finish, self.logits,
+                                self.logprobs)
+

@@ -103,7 +103,7 @@ class Server:
             if call.stream:
                 return await self._stream(request_id, call, tenant, documents, slots, chat=True)
             result = await _unless_disconnected(request, self._generate(call, tenant, documents))
-            return JSONResponse(chat_response(request_id, self.model, result, call.tools))
+            return JSONResponse(chat_response(request_id, self.model, result, call.tools, self.backend.tokenizer))
         finally:
             slots.release()  # nothing after a stream's hand-over: the stream gives them back as it ends
 
@@ -118,7 +118,7 @@ class Server:
             if calls[0].stream:
                 return await self._stream(request_id, calls[0], tenant, (), slots, chat=False)
             results = await _unless_disconnected(request, asyncio.gather(*(self._generate(call, tenant) for call in calls)))
-            return JSONResponse(completion_response(request_id, self.model, results))
+            return JSONResponse(completion_response(request_id, self.model, results, self.backend.tokenizer))
         finally:
             slots.release()
 

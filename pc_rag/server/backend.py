@@ -43,6 +43,7 @@ class LocalBackend:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.tokenizer = engine.tokenizer  # names the tokens of log-probabilities
 
     def render_chat(self, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         return self.engine.render_chat(turns, tools)

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..decode.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs
 from ..decode.request import Generation
 from ..errors import PromptCacheError
 from ..prompt.schemas import response_format_schema
@@ -216,15 +217,39 @@ def _refuse_unsupported(body: _Sampling) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise ApiError(400, f"{name} is not supported (only 0); repetition_penalty and no_repeat_ngram_size are", param=name)
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _logprobs(body: _Sampling) -> int | None:
+    """How many alternatives each token's log-probability comes with (None: no log-probabilities).
+    Chat asks with ``logprobs: true`` and ``top_logprobs``; text completions with ``logprobs: k``."""
+    top = getattr(body, "top_logprobs", None)
+    if isinstance(body, ChatRequest):
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise ApiError(400, f"logprobs of a chat completion is true or false, got {body.logprobs!r}; "
+                                "top_logprobs gives the alternatives", param="logprobs")
+        if top is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        wanted = (top or 0) if body.logprobs else None
+    else:
+        wanted = None if body.logprobs is None or body.logprobs is False else 0 if body.logprobs is True else body.logprobs
+    if wanted is None:
+        return None
+    if not 0 <= wanted <= MAX_TOP_LOGPROBS:
+        name = "top_logprobs" if isinstance(body, ChatRequest) else "logprobs"
+        raise ApiError(400, f"{name} must be from 0 to {MAX_TOP_LOGPROBS}, got {wanted}", param=name)
+    if body.stream:
+        raise ApiError(400, "log-probabilities come with non-streamed replies only (stream: false)", param="logprobs")
+    return wanted
 
 
 def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
     params: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                               "top_k": body.top_k, "stop": body.stop, "seed": body.seed}
+    logprobs = _logprobs(body)
+    if logprobs is not None:
+        params["logprobs"] = logprobs
     for name, engine_name in (("repetition_penalty", "repetition_penalty"), ("no_repeat_ngram_size", "no_repeat_ngram_size"),
                               ("min_tokens", "min_new_tokens")):
         value = getattr(body, name)
@@ -324,16 +349,19 @@ def reply_message(result: Generation, tools: Sequence[Mapping[str, Any]]) -> tup
     return {"role": "assistant", "content": result.text}, result.finish_reason
 
 
-def chat_response(request_id: str, model: str, result: Generation, tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def chat_response(request_id: str, model: str, result: Generation, tools: Sequence[Mapping[str, Any]],
+                  tokenizer: Any = None) -> dict[str, Any]:
+    """A chat completion; ``tokenizer`` names the tokens of the log-probabilities, when asked for."""
     message, finish = reply_message(result, tools)
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": chat_logprobs(result.logprobs, tokenizer)}],
             "usage": usage([result]), "pc_rag": result.stats.as_dict()}
 
 
-def completion_response(request_id: str, model: str, results: Sequence[Generation]) -> dict[str, Any]:
+def completion_response(request_id: str, model: str, results: Sequence[Generation], tokenizer: Any = None) -> dict[str, Any]:
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None} for i, r in enumerate(results)],
+            "choices": [{"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": completion_logprobs(r.logprobs, tokenizer)}
+                        for i, r in enumerate(results)],
             "usage": usage(results)}
 
 

@@ -97,6 +97,8 @@ class EngineParams(BaseModel):
             "pml": self.pml,
             "collections": self.collections,
             "pipeline_kwargs": dict(sorted(self.pipeline_kwargs.items())),
+            # a cached reply without the log-probabilities asked for would drop them
+            **{name: getattr(self, name) for name in ("logprobs", "top_logprobs") if getattr(self, name, None) is not None},
         }
 
     @property

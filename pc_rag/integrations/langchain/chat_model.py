@@ -24,8 +24,9 @@ from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, Field, SecretStr
 
+from ...decode.logprobs import chat_logprobs
 from ...decode.request import Generation as EngineGeneration
 from ...decode.request import StreamingGeneration
 from ...engine import PromptCache
@@ -62,6 +63,8 @@ def _turn(message: BaseMessage) -> dict[str, Any]:
 def _ai_message(result: EngineGeneration, engine: PromptCache, tools: list[dict[str, Any]]) -> AIMessage:
     """The reply as an AIMessage: tool calls in ``tool_calls`` when it is one, text otherwise."""
     info = generation_info(result, engine)
+    if result.logprobs is not None:  # ChatOpenAI's place and shape for them
+        info["logprobs"] = chat_logprobs(result.logprobs, engine.tokenizer)
     calls = parse_calls(result.text, tools) if tools else []
     if calls:
         info["finish_reason"] = "tool_calls"
@@ -85,6 +88,12 @@ class ChatPromptCache(EngineParams, BaseChatModel):
     Messages are rendered with the model's own chat template. Reuse statistics are in each
     message's ``response_metadata``; token counts in ``usage_metadata``.
     """
+
+    logprobs: bool | None = None
+    """Return each generated token's log-probability (the model's raw distribution) in
+    ``response_metadata["logprobs"]``, shaped as ChatOpenAI returns them."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """With ``logprobs``: this many most likely tokens at each step besides."""
 
     # LangChain's standard chat-model parameters; a local model has no use for them
     timeout: float | None = None
@@ -176,9 +185,14 @@ class ChatPromptCache(EngineParams, BaseChatModel):
         tools = list(kwargs.pop("tools", None) or [])
         choice = resolve_tool_choice(kwargs.pop("tool_choice", None), tools)
         response_format = kwargs.pop("response_format", None)
+        logprobs, top = kwargs.pop("logprobs", self.logprobs), kwargs.pop("top_logprobs", self.top_logprobs)
         if choice == "none":
             tools = []
         params = self._engine_kwargs(stop, kwargs)
+        if logprobs:
+            params["logprobs"] = top or 0
+        elif top is not None:
+            raise PromptCacheError("top_logprobs needs logprobs=True")
         if choice not in ("auto", "none"):
             params["json_schema"] = call_schema(tools, None if choice == "required" else choice)
         if response_format is not None:
