@@ -105,6 +105,14 @@ def test_logprobs_of_chat_and_text_completions(client):
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **bad)
 
 
+def test_openai_penalties_change_a_repetitive_reply(client):
+    messages = [{"role": "user", "content": "List the numbers from 1 to 20, separated by commas."}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30).choices[0].message.content
+    penalized = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, frequency_penalty=2.0,
+                                               presence_penalty=1.0).choices[0].message.content
+    assert plain.count(",") > penalized.count(",")  # each comma costs more than the last
+
+
 def test_forced_tool_call_and_json_schema(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -159,6 +167,8 @@ def test_documents_listed_paged_and_deleted(pcrag_server):
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "messages.0.role"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(), 400, "n=2"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}).encode(), 400,
+     "presence_penalty"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}).encode(), 400, "temperature"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "get_x"}).encode(), 400, "tool_choice"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}).encode(), 400,

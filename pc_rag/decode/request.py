@@ -94,6 +94,19 @@ def _stop_sequences(stop: Any) -> tuple[str, ...]:
     return stops
 
 
+def _check_processor_settings(repetition_penalty: Any, presence_penalty: Any, frequency_penalty: Any,
+                              no_repeat_ngram_size: Any, min_new_tokens: Any) -> None:
+    """The logits processors' settings, each typed and in its range (else a PromptCacheError naming it)."""
+    if not _is_real(repetition_penalty) or not 0 < repetition_penalty < math.inf:
+        raise PromptCacheError(f"repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not _is_real(value) or not -2 <= value <= 2:
+            raise PromptCacheError(f"{name} must be a number from -2 to 2 (OpenAI's range), got {value!r}")
+    for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size), ("min_new_tokens", min_new_tokens)):
+        if not _is_int(value) or value < 0:
+            raise PromptCacheError(f"{name} must be an integer >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
@@ -109,6 +122,9 @@ class SamplingParams:
     output_logits: bool = False  # keep every step's raw logits (Generation.logits), as transformers' output_logits
     json_schema: str | None = None  # canonical schema text: output constrained to it (pc_rag.decode.constrained)
     logprobs: int | None = None  # each token's log-probability and this many alternatives (Generation.logprobs)
+    # OpenAI's penalties on the tokens generated so far (the prompt's not counted), as vLLM applies them
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @classmethod
     def build(
@@ -128,6 +144,8 @@ class SamplingParams:
         output_logits: bool = False,
         json_schema: Any = None,
         logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> "SamplingParams":
         """Validated parameters. ``do_sample`` as in transformers: False is greedy whatever the
         temperature, True samples (at temperature 1.0 when none is given); ``stop_strings`` is
@@ -135,7 +153,9 @@ class SamplingParams:
         processor, in ``Generation.logits``; ``json_schema`` (a JSON schema dict, its text, or
         True for any JSON object) constrains the output to documents of that schema; ``logprobs``
         (vLLM's meaning: 0 to 20) records each generated token's log-probability and that many
-        most likely alternatives in ``Generation.logprobs``."""
+        most likely alternatives in ``Generation.logprobs``; ``presence_penalty`` and
+        ``frequency_penalty`` (OpenAI's, -2 to 2) lower each token's logit by the first once it has
+        been generated and by the second for each time it has."""
         # every check types its value first: a string or a NaN that slipped through would fail the
         # scheduler's step, and with it every row sharing that step, not just this call
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -154,11 +174,7 @@ class SamplingParams:
             raise PromptCacheError(f"do_sample must be True, False or None, got {do_sample!r}")
         if do_sample is not None:
             temperature = (temperature or 1.0) if do_sample else 0.0
-        if not _is_real(repetition_penalty) or not 0 < repetition_penalty < math.inf:
-            raise PromptCacheError(f"repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
-        for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size), ("min_new_tokens", min_new_tokens)):
-            if not _is_int(value) or value < 0:
-                raise PromptCacheError(f"{name} must be an integer >= 0, got {value!r}")
+        _check_processor_settings(repetition_penalty, presence_penalty, frequency_penalty, no_repeat_ngram_size, min_new_tokens)
         stops = _stop_sequences(stop if stop is not None else stop_strings)
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise PromptCacheError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token) or None, got {logprobs!r}")
@@ -169,12 +185,14 @@ class SamplingParams:
         else:
             json_schema = None
         return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed,
-                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits), json_schema, logprobs)
+                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits), json_schema, logprobs,
+                   float(presence_penalty), float(frequency_penalty))
 
     @property
     def reads_history(self) -> bool:
         """Whether a processor reads the prompt's and the generated tokens."""
-        return self.repetition_penalty != 1.0 or bool(self.no_repeat_ngram_size) or bool(self.min_new_tokens)
+        return (self.repetition_penalty != 1.0 or bool(self.no_repeat_ngram_size) or bool(self.min_new_tokens)
+                or bool(self.presence_penalty) or bool(self.frequency_penalty))
 
     def processors(self, prompt_tokens: int, stop_token_ids: frozenset[int]) -> Any:
         """transformers' logits processors for these parameters, in its generate()'s order (None: none)."""
@@ -190,6 +208,8 @@ class SamplingParams:
         processors = LogitsProcessorList()
         if self.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if self.presence_penalty or self.frequency_penalty:
+            processors.append(GeneratedTokenPenalties(prompt_tokens, self.presence_penalty, self.frequency_penalty))
         if self.no_repeat_ngram_size:
             processors.append(NoRepeatNGramLogitsProcessor(self.no_repeat_ngram_size))
         if self.min_new_tokens and stop_token_ids:
@@ -198,7 +218,7 @@ class SamplingParams:
 
 
 GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
-                        "output_logits", "generation_config", "json_schema", "logprobs")
+                        "output_logits", "generation_config", "json_schema", "logprobs", "presence_penalty", "frequency_penalty")
 # what a GenerationConfig contributes besides its sampling settings (taken when it sets do_sample=True)
 _CONFIG_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "max_new_tokens", "stop_strings")
 
@@ -279,6 +299,21 @@ class Sampler:
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+
+class GeneratedTokenPenalties:
+    """OpenAI's presence and frequency penalties as a logits processor (transformers has none):
+    each token's logit less ``frequency`` times the count of it among the tokens generated so far,
+    less ``presence`` once it is among them; the prompt's ``prompt_tokens`` are not counted (as
+    in OpenAI and vLLM; transformers' repetition_penalty counts them)."""
+
+    def __init__(self, prompt_tokens: int, presence: float, frequency: float) -> None:
+        self.prompt_tokens, self.presence, self.frequency = prompt_tokens, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_tokens:]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
 class TokenHistory:

@@ -121,8 +121,8 @@ class _Sampling(RequestBody):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     logprobs: bool | int | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
@@ -214,9 +214,6 @@ class Call:
 def _refuse_unsupported(body: _Sampling) -> None:
     if body.n != 1:
         raise ApiError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1)", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise ApiError(400, f"{name} is not supported (only 0); repetition_penalty and no_repeat_ngram_size are", param=name)
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
@@ -251,7 +248,8 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
     if logprobs is not None:
         params["logprobs"] = logprobs
     for name, engine_name in (("repetition_penalty", "repetition_penalty"), ("no_repeat_ngram_size", "no_repeat_ngram_size"),
-                              ("min_tokens", "min_new_tokens")):
+                              ("min_tokens", "min_new_tokens"), ("presence_penalty", "presence_penalty"),
+                              ("frequency_penalty", "frequency_penalty")):
         value = getattr(body, name)
         if value is not None:
             params[engine_name] = value

@@ -37,6 +37,10 @@ class EngineParams(BaseModel):
     """transformers' repetition penalty (>1 discourages repeating tokens; small instruct models loop without it)."""
     no_repeat_ngram_size: int = Field(default=0, ge=0)
     """Never repeat an n-gram of this size (0: off), as in transformers."""
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    """OpenAI's (ChatOpenAI's field): lowers a token's logit once it has been generated."""
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    """OpenAI's: lowers a token's logit by this for each time it has been generated."""
     use_cache: bool = True
     """False runs full prefill of the same tokens (the baseline)."""
     streaming: bool = False
@@ -93,6 +97,8 @@ class EngineParams(BaseModel):
             "stop": self.stop,
             "repetition_penalty": self.repetition_penalty,
             "no_repeat_ngram_size": self.no_repeat_ngram_size,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
             "use_cache": self.use_cache,
             "pml": self.pml,
             "collections": self.collections,
