@@ -66,6 +66,25 @@ def test_text_completions_one_choice_per_prompt(client):
     assert alone.choices[0].text == reply.choices[1].text
 
 
+def test_several_choices_per_prompt(client):
+    """``n`` choices: seeded sampling gives each its own sample and the same reply again; the
+    prompt's tokens are counted once."""
+    messages = [{"role": "user", "content": "Name an animal."}]
+    one = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=3, temperature=1.2, seed=5)
+    texts = [c.message.content for c in reply.choices]
+    assert [c.index for c in reply.choices] == [0, 1, 2] and len(set(texts)) > 1
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, n=3, temperature=1.2, seed=5)
+    assert [c.message.content for c in again.choices] == texts
+    assert reply.usage.prompt_tokens == one.usage.prompt_tokens and reply.usage.completion_tokens > one.usage.completion_tokens
+    text = client.completions.create(model=MODEL, prompt=["The capital of France is", "One, two, three,"], max_tokens=4, n=2)
+    alone = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=4)
+    assert [c.index for c in text.choices] == [0, 1, 2, 3]
+    assert text.choices[2].text == text.choices[3].text == alone.choices[0].text  # greedy: the prompt's choices agree
+    first = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4)
+    assert text.usage.prompt_tokens == first.usage.prompt_tokens + alone.usage.prompt_tokens
+
+
 def test_stop_and_seed(client):
     messages = [{"role": "user", "content": "Describe the sea in one sentence."}]
     free = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20).choices[0].message.content
@@ -166,7 +185,9 @@ def test_documents_listed_paged_and_deleted(pcrag_server):
     (b"[1, 2]", 400, "JSON object"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "messages.0.role"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(), 400, "n=2"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True}).encode(), 400,
+     "n=2 is answered whole"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 17}).encode(), 400, "n: Input should be less"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}).encode(), 400,
      "presence_penalty"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}).encode(), 400, "temperature"),

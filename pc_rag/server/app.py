@@ -44,6 +44,7 @@ from .wire import (
     chat_call,
     chat_chunk,
     chat_response,
+    choices,
     completion_calls,
     completion_chunk,
     completion_response,
@@ -102,8 +103,10 @@ class Server:
             documents = body.documents or ()
             if call.stream:
                 return await self._stream(request_id, call, tenant, documents, slots, chat=True)
-            result = await _unless_disconnected(request, self._generate(call, tenant, documents))
-            return JSONResponse(chat_response(request_id, self.model, result, call.tools, self.backend.tokenizer))
+            slots.grow(body.n)  # one per choice: each is a row of the scheduler
+            results = await _unless_disconnected(request, asyncio.gather(*(self._generate(c, tenant, documents)
+                                                                           for c in choices(call, body.n))))
+            return JSONResponse(chat_response(request_id, self.model, results, call.tools, self.backend.tokenizer))
         finally:
             slots.release()  # nothing after a stream's hand-over: the stream gives them back as it ends
 
@@ -113,12 +116,12 @@ class Server:
             body: CompletionRequest = read_body(CompletionRequest, await self._body(request))
             self._check_model(body.model)
             calls = completion_calls(body)
-            slots.grow(len(calls))  # one per prompt: each is a row of the scheduler
+            slots.grow(len(calls))  # one per prompt and choice: each is a row of the scheduler
             request_id = new_id("cmpl")
             if calls[0].stream:
                 return await self._stream(request_id, calls[0], tenant, (), slots, chat=False)
             results = await _unless_disconnected(request, asyncio.gather(*(self._generate(call, tenant) for call in calls)))
-            return JSONResponse(completion_response(request_id, self.model, results, self.backend.tokenizer))
+            return JSONResponse(completion_response(request_id, self.model, results, body.n, self.backend.tokenizer))
         finally:
             slots.release()
 

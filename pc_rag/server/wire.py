@@ -17,18 +17,20 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..decode.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs
-from ..decode.request import Generation
+from ..decode.request import SEED_MAX, SEED_MIN, Generation
 from ..errors import PromptCacheError
 from ..prompt.schemas import response_format_schema
 from ..prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
 
 logger = logging.getLogger(__name__)
+
+MAX_CHOICES = 16  # choices per prompt (n): each is a row of the scheduler and a slot of its key's quota
 
 
 class ApiError(Exception):
@@ -120,7 +122,7 @@ class _Sampling(RequestBody):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     logprobs: bool | int | None = None
@@ -211,9 +213,19 @@ class Call:
     include_usage: bool = False
 
 
+def choices(call: Call, n: int) -> list[Call]:
+    """``n`` generations of one prompt (the body's ``n``). With a seed, choice ``i`` samples with
+    seed + i: the choices differ from each other, and the whole reply is reproducible."""
+    seed = call.params.get("seed")
+    if seed is None or n == 1:
+        return [call] * n
+    span = SEED_MAX - SEED_MIN + 1
+    return [replace(call, params={**call.params, "seed": (seed + i - SEED_MIN) % span + SEED_MIN}) for i in range(n)]
+
+
 def _refuse_unsupported(body: _Sampling) -> None:
-    if body.n != 1:
-        raise ApiError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1)", param="n")
+    if body.n > 1 and body.stream:
+        raise ApiError(400, f"n={body.n} is answered whole, not streamed (stream: false, or n=1)", param="n")
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
@@ -320,7 +332,7 @@ def completion_calls(body: CompletionRequest) -> list[Call]:
     if body.stream and len(prompts) != 1:
         raise ApiError(400, "a streamed completion takes one prompt", param="prompt")
     include = body.stream_options is not None and body.stream_options.include_usage
-    return [Call(prompt, _sampling(body, body.max_tokens), [], body.stream, include) for prompt in prompts]
+    return [choice for prompt in prompts for choice in choices(Call(prompt, _sampling(body, body.max_tokens), [], body.stream, include), body.n)]
 
 
 # -- replies -------------------------------------------------------------------------------------
@@ -328,13 +340,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(results: Sequence[Generation]) -> dict[str, Any]:
-    """Token counts; ``prompt_tokens_details.cached_tokens`` is the prompt tokens whose KV was
-    reused (module tokens), as OpenAI and vLLM report prefix-cache hits."""
-    prompt = sum(r.stats.cached_tokens + r.stats.computed_tokens for r in results)
+def usage(results: Sequence[Generation], n: int = 1) -> dict[str, Any]:
+    """Token counts, each prompt's counted once for its ``n`` choices (as OpenAI counts them);
+    ``prompt_tokens_details.cached_tokens`` is the prompt tokens whose KV was reused (module
+    tokens), as OpenAI and vLLM report prefix-cache hits."""
+    prompts = results[::n]
+    prompt = sum(r.stats.cached_tokens + r.stats.computed_tokens for r in prompts)
     completion = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_tokens for r in results)}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_tokens for r in prompts)}}
 
 
 def reply_message(result: Generation, tools: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], str]:
@@ -347,20 +361,23 @@ def reply_message(result: Generation, tools: Sequence[Mapping[str, Any]]) -> tup
     return {"role": "assistant", "content": result.text}, result.finish_reason
 
 
-def chat_response(request_id: str, model: str, result: Generation, tools: Sequence[Mapping[str, Any]],
+def chat_response(request_id: str, model: str, results: Sequence[Generation], tools: Sequence[Mapping[str, Any]],
                   tokenizer: Any = None) -> dict[str, Any]:
-    """A chat completion; ``tokenizer`` names the tokens of the log-probabilities, when asked for."""
-    message, finish = reply_message(result, tools)
+    """A chat completion of one choice per result; ``tokenizer`` names the tokens of the
+    log-probabilities, when asked for; ``pc_rag`` holds the first choice's reuse statistics."""
+    replies = [(reply_message(result, tools), result) for result in results]
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": chat_logprobs(result.logprobs, tokenizer)}],
-            "usage": usage([result]), "pc_rag": result.stats.as_dict()}
+            "choices": [{"index": i, "message": message, "finish_reason": finish, "logprobs": chat_logprobs(result.logprobs, tokenizer)}
+                        for i, ((message, finish), result) in enumerate(replies)],
+            "usage": usage(results, len(results)), "pc_rag": results[0].stats.as_dict()}
 
 
-def completion_response(request_id: str, model: str, results: Sequence[Generation], tokenizer: Any = None) -> dict[str, Any]:
+def completion_response(request_id: str, model: str, results: Sequence[Generation], n: int = 1, tokenizer: Any = None) -> dict[str, Any]:
+    """A text completion: ``n`` choices per prompt, in the prompts' order."""
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": completion_logprobs(r.logprobs, tokenizer)}
                         for i, r in enumerate(results)],
-            "usage": usage(results)}
+            "usage": usage(results, n)}
 
 
 def chat_chunk(request_id: str, model: str, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
