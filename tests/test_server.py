@@ -118,10 +118,16 @@ def test_logprobs_of_chat_and_text_completions(client):
     assert all(len(top) <= 2 and max(top.values()) == pytest.approx(lp) for top, lp in zip(text.logprobs.top_logprobs,
                                                                                        text.logprobs.token_logprobs))
     for bad, says in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be from 0 to 20"),
-                      ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
-                      ({"logprobs": True, "stream": True}, "non-streamed replies only")):
+                      ({"top_logprobs": 2}, "top_logprobs needs logprobs: true")):
         with pytest.raises(openai.BadRequestError, match=says):
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **bad)
+    # streamed: the chunks' lists joined are the whole reply's
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, logprobs=True, top_logprobs=3,
+                                                 stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    pieces = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2, stream=True))
+    assert [t for p in pieces if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens] == text.logprobs.tokens
 
 
 def test_openai_penalties_change_a_repetitive_reply(client):
@@ -295,6 +301,10 @@ def test_langchain_chat_openai(pcrag_server, passage):
     scored = llm.bind(logprobs=True).invoke(f"{passage}\n\n{QUESTION}")  # a RAG app's confidence signal
     assert scored.content == message.content
     assert "".join(t["token"] for t in scored.response_metadata["logprobs"]["content"]) == message.content
+    scored_stream = None
+    for chunk in llm.bind(logprobs=True).stream(f"{passage}\n\n{QUESTION}"):
+        scored_stream = chunk if scored_stream is None else scored_stream + chunk
+    assert scored_stream.response_metadata["logprobs"] == scored.response_metadata["logprobs"]
     streamed = None
     for chunk in llm.stream(f"{passage}\n\n{QUESTION}"):
         streamed = chunk if streamed is None else streamed + chunk

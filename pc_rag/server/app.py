@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..decode.logprobs import chat_logprobs, completion_logprobs
 from ..decode.request import Generation
 from ..errors import PromptCacheError, QueueFull, ServingFailed
 from ..integrations._shared import model_name as engine_model_name
@@ -215,9 +216,12 @@ class Server:
                     delta = ({"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]} if "tool_calls" in message
                              else {"content": message["content"]})
                     yield _sse(chat_chunk(request_id, self.model, delta))
-                yield _sse(chat_chunk(request_id, self.model, {}, finish))
+                # streamed, every token's log-probability comes on the last chunk: pieces are text
+                # held back past stop sequences, not tokens (a client joining the chunks' lists has them all)
+                yield _sse(chat_chunk(request_id, self.model, {}, finish, chat_logprobs(result.logprobs, self.backend.tokenizer)))
             else:
-                yield _sse(completion_chunk(request_id, self.model, "", result.finish_reason))
+                yield _sse(completion_chunk(request_id, self.model, "", result.finish_reason,
+                                            completion_logprobs(result.logprobs, self.backend.tokenizer)))
             if call.include_usage:
                 yield _sse(usage_chunk(request_id, self.model, kind, result))
         except Exception as exc:  # headers are sent: the error is the stream's last event

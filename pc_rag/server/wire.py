@@ -248,8 +248,6 @@ def _logprobs(body: _Sampling) -> int | None:
     if not 0 <= wanted <= MAX_TOP_LOGPROBS:
         name = "top_logprobs" if isinstance(body, ChatRequest) else "logprobs"
         raise ApiError(400, f"{name} must be from 0 to {MAX_TOP_LOGPROBS}, got {wanted}", param=name)
-    if body.stream:
-        raise ApiError(400, "log-probabilities come with non-streamed replies only (stream: false)", param="logprobs")
     return wanted
 
 
@@ -380,14 +378,16 @@ def completion_response(request_id: str, model: str, results: Sequence[Generatio
             "usage": usage(results, n)}
 
 
-def chat_chunk(request_id: str, model: str, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+def chat_chunk(request_id: str, model: str, delta: dict[str, Any], finish: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
 
-def completion_chunk(request_id: str, model: str, text: str, finish: str | None = None) -> dict[str, Any]:
+def completion_chunk(request_id: str, model: str, text: str, finish: str | None = None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
 
 
 def usage_chunk(request_id: str, model: str, kind: str, result: Generation) -> dict[str, Any]:
