@@ -71,6 +71,24 @@ def test_llm_complete_chat_and_metadata(smollm):
     assert [r.delta for r in llm.stream_chat(messages)][-1] == "" and list(llm.stream_chat(messages))[-1].message.content == reply.message.content
 
 
+def test_llm_logprobs_in_llama_index_openais_shape(smollm):
+    """Per generated token, its step's most likely tokens (LlamaIndex OpenAI's ``logprobs``), from
+    complete, chat and their streams alike; with no alternatives asked for, the token itself."""
+    llm = PromptCacheLLM(engine=smollm, max_new_tokens=8, logprobs=True, top_logprobs=2)
+    completion = llm.complete("The capital of France is")
+    assert len(completion.logprobs) == completion.additional_kwargs["generated_tokens"]
+    assert "".join(step[0].token for step in completion.logprobs) == completion.text  # greedy: the most likely
+    assert all(len(step) == 2 and step[0].logprob >= step[1].logprob for step in completion.logprobs)
+    assert list(llm.stream_complete("The capital of France is"))[-1].logprobs == completion.logprobs
+    messages = [ChatMessage(role="user", content="Say hi.")]
+    reply = llm.chat(messages)
+    assert "".join(step[0].token for step in reply.logprobs) == reply.message.content
+    assert list(llm.stream_chat(messages))[-1].logprobs == reply.logprobs
+    chosen = PromptCacheLLM(engine=smollm, max_new_tokens=8).complete("The capital of France is", logprobs=True)
+    assert [[p.token for p in step] for step in chosen.logprobs] == [[step[0].token] for step in completion.logprobs]
+    assert PromptCacheLLM(engine=smollm, max_new_tokens=8).complete("The capital of France is").logprobs is None
+
+
 def test_huggingface_llm_prompt_options(make_engine):
     """HuggingFaceLLM's options, with its meaning: query_wrapper_prompt, completion_to_prompt,
     system_prompt, messages_to_prompt, generate_kwargs, context_window."""

@@ -36,7 +36,7 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, picked[0], list(zip(ids.tolist(), picked[1:])))
 
 
-def _token_texts(entries: Sequence[TokenLogprob], tokenizer: Any) -> dict[int, str]:
+def token_texts(entries: Sequence[TokenLogprob], tokenizer: Any) -> dict[int, str]:
     """Each token id ``entries`` name, as its text (decoded alone, as vLLM names them: a token
     holding part of a character reads as U+FFFD)."""
     ids = {entry.token_id for entry in entries} | {i for entry in entries for i, _ in entry.top}
@@ -48,7 +48,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob] | None, tokenizer: Any) -> dic
     per generated token); None when none were asked for."""
     if entries is None:
         return None
-    text = _token_texts(entries, tokenizer)
+    text = token_texts(entries, tokenizer)
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": text[token_id], "logprob": logprob, "bytes": list(text[token_id].encode())}
@@ -62,7 +62,7 @@ def completion_logprobs(entries: Sequence[TokenLogprob] | None, tokenizer: Any) 
     alternatives as {token: log-probability} and each token's character offset in the text."""
     if entries is None:
         return None
-    text = _token_texts(entries, tokenizer)
+    text = token_texts(entries, tokenizer)
     tokens = [text[e.token_id] for e in entries]
     offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])] if tokens else []
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],

@@ -18,6 +18,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    LogProb,
     ToolCallBlock,
 )
 from llama_index.core.instrumentation import get_dispatcher
@@ -30,6 +31,7 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
 from pydantic import Field
 
+from ...decode.logprobs import TokenLogprob, token_texts
 from ...decode.request import StreamingGeneration
 from ...engine import PromptCache
 from ...errors import PromptCacheError
@@ -78,6 +80,9 @@ class PromptCacheLLM(FunctionCallingLLM):
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="PromptCache.from_pretrained arguments, when no engine is given")
     collections: list[str] | None = Field(default=None, description="the collections this LLM's requests may read (None: all); a per-call "
                                           "collections= keyword narrows it, never widens it")
+    logprobs: bool | None = Field(default=None, description="return each generated token's log-probability in the response's "
+                                  "logprobs (LlamaIndex OpenAI's field and shape)")
+    top_logprobs: int = Field(default=0, ge=0, le=20, description="with logprobs: the most likely tokens at each step, listed for it")
 
     def __init__(self, engine: PromptCache | None = None, model: str | None = None, **kwargs: Any) -> None:
         if engine is None:
@@ -106,7 +111,23 @@ class PromptCacheLLM(FunctionCallingLLM):
 
     def _engine_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = {**self.generate_kwargs, **kwargs}
-        return engine_kwargs(self, kwargs, kwargs.pop("stop", None))
+        logprobs, top = kwargs.pop("logprobs", self.logprobs), kwargs.pop("top_logprobs", self.top_logprobs)
+        params = engine_kwargs(self, kwargs, kwargs.pop("stop", None))
+        if logprobs:
+            params["logprobs"] = top
+        return params
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> list[list[LogProb]] | None:
+        """LlamaIndex OpenAI's shape: per generated token, its step's ``top_logprobs`` most likely
+        tokens (with none asked for, the token itself)."""
+        if entries is None:
+            return None
+        text = token_texts(entries, self.engine.tokenizer)
+
+        def prob(token_id: int, logprob: float) -> LogProb:
+            return LogProb(token=text[token_id], logprob=logprob, bytes=list(text[token_id].encode()))
+
+        return [[prob(i, lp) for i, lp in e.top] or [prob(e.token_id, e.logprob)] for e in entries]
 
     def _prepare(self, prompt: str, formatted: bool) -> str:
         """A completion prompt: unless ``formatted``, wrapped in ``query_wrapper_prompt``, then
@@ -131,7 +152,8 @@ class PromptCacheLLM(FunctionCallingLLM):
         params = self._engine_kwargs(kwargs)
         result = self.engine.generate(prompt, **params)
         check_document(result, self.engine, params)
-        return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine), raw={"usage": usage(result)})
+        return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine), raw={"usage": usage(result)},
+                                  logprobs=self._logprobs(result.logprobs))
 
     async def _acomplete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
         """:meth:`_complete` through the engine's asyncio path: the event loop never waits on a
@@ -140,7 +162,8 @@ class PromptCacheLLM(FunctionCallingLLM):
         params = self._engine_kwargs(kwargs)
         result = await self.engine.agenerate(prompt, **params)
         check_document(result, self.engine, params)
-        return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine), raw={"usage": usage(result)})
+        return CompletionResponse(text=result.text, additional_kwargs=generation_info(result, self.engine), raw={"usage": usage(result)},
+                                  logprobs=self._logprobs(result.logprobs))
 
     def _stream_complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseGen:
         params = self._engine_kwargs(kwargs)
@@ -154,7 +177,7 @@ class PromptCacheLLM(FunctionCallingLLM):
             assert stream.result is not None
             check_document(stream.result, self.engine, params)
             yield CompletionResponse(text=text, delta="", additional_kwargs=generation_info(stream.result, self.engine),
-                                     raw={"usage": usage(stream.result)})
+                                     raw={"usage": usage(stream.result)}, logprobs=self._logprobs(stream.result.logprobs))
 
         return responses()
 
@@ -367,7 +390,7 @@ def _as_chat(response: CompletionResponse, tools: Sequence[dict[str, Any]] = ())
     additional = dict(response.additional_kwargs)
     if calls:
         additional["finish_reason"] = "tool_calls"
-    return ChatResponse(message=message, delta=response.delta, additional_kwargs=additional, raw=response.raw)
+    return ChatResponse(message=message, delta=response.delta, additional_kwargs=additional, raw=response.raw, logprobs=response.logprobs)
 
 
 def _stream_as_chat(completions: CompletionResponseGen, tools: Sequence[dict[str, Any]]) -> ChatResponseGen:
