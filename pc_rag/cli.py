@@ -179,7 +179,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.tenants import Tenants
 
     # a bad key file fails before the model loads
-    tenants = Tenants.from_file(expand(args.api_keys), max_in_flight=args.max_in_flight_per_key) if args.api_keys else None
+    key_bounds = {"max_in_flight": args.max_in_flight_per_key, "max_tokens_per_minute": args.max_tokens_per_minute_per_key}
+    tenants = Tenants.from_file(expand(args.api_keys), **key_bounds) if args.api_keys else None
     limits = dict(max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued,
                   buffer_budget=None if args.buffer_budget_mb is None else int(args.buffer_budget_mb * 2**20))
     memory_budget = None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
@@ -191,7 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options = dict(device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store,
                        kv_quantization=args.kv_quantization, memory_budget=memory_budget, compile=compile_mode, **limits)
         run(args.model, name, options, replicas=args.replicas, host=args.host, port=args.port,
-            keys_file=str(expand(args.api_keys)) if args.api_keys else None, max_in_flight_per_key=args.max_in_flight_per_key,
+            keys_file=str(expand(args.api_keys)) if args.api_keys else None, key_bounds=key_bounds,
             router=args.router)
         return 0
     engine = _engine(args, memory_budget=memory_budget, compile=compile_mode, **limits)
@@ -258,10 +259,14 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-keys", default=None, metavar="FILE",
                        help='JSON object {"KEY": ["collection", ...]}: clients send Authorization: Bearer KEY and see only '
-                            'those collections (or {"KEY": {"collections": [...], "max_in_flight": N}}: a bound of its own)')
+                            'those collections (or {"KEY": {"collections": [...], "max_in_flight": N, "max_tokens_per_minute": M}}: '
+                            'bounds of its own)')
     serve.add_argument("--max-in-flight-per-key", type=int, default=None, metavar="N",
                        help="generations each API key may have in flight at once; past it the key gets 429 while other keys "
                             "are served (default: no bound; a key's own max_in_flight in --api-keys wins)")
+    serve.add_argument("--max-tokens-per-minute-per-key", type=int, default=None, metavar="N",
+                       help="tokens (prompt and completion) each API key's generations may use per minute; past it the key gets "
+                            "429 until enough of the minute has passed (default: no bound; a key's own max_tokens_per_minute wins)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients ask for (default: the model's name)")
     serve.add_argument("--max-running", type=int, default=16, help="rows decoding at once")
     serve.add_argument("--max-step-tokens", type=int, default=512, help="prompt tokens prefilled per scheduler step")
@@ -287,9 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.replicas and not args.remote_store:
         print("pc-rag: error: serve --replicas needs --remote-store URL (the Redis the replicas share)", file=sys.stderr)
         return 2
-    if args.command == "serve" and args.max_in_flight_per_key is not None and not args.api_keys:
-        print("pc-rag: error: serve --max-in-flight-per-key bounds each API key: it needs --api-keys FILE", file=sys.stderr)
-        return 2
+    for given, flag in ((getattr(args, "max_in_flight_per_key", None), "--max-in-flight-per-key"),
+                        (getattr(args, "max_tokens_per_minute_per_key", None), "--max-tokens-per-minute-per-key")):
+        if args.command == "serve" and given is not None and not args.api_keys:
+            print(f"pc-rag: error: serve {flag} bounds each API key: it needs --api-keys FILE", file=sys.stderr)
+            return 2
     if args.command == "encode" and not args.remote_store:
         print("pc-rag: error: encode needs --remote-store URL (where the replicas read the documents)", file=sys.stderr)
         return 2

@@ -22,12 +22,14 @@ from .conftest import SQUAD
 from .servers import MODEL, ServerProcess
 
 KEY_A, KEY_B, KEY_C = "key-of-tenant-a-0001", "key-of-tenant-b-0002", "key-of-tenant-c-0003"
+KEY_D = "key-of-tenant-d-0004"  # 60 tokens a minute: a chat request of 8 new tokens uses ~40
 
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     server = ServerProcess(tmp_path_factory.mktemp("keyed"), "--max-running", "2", "--max-queued", "2",
-                           keys={KEY_A: ["alpha"], KEY_B: ["beta"], KEY_C: {"collections": ["gamma"], "max_in_flight": 1}})
+                           keys={KEY_A: ["alpha"], KEY_B: ["beta"], KEY_C: {"collections": ["gamma"], "max_in_flight": 1},
+                                 KEY_D: {"collections": ["delta"], "max_tokens_per_minute": 60}})
     yield server
     server.close()
 
@@ -166,6 +168,49 @@ def test_in_flight_bounds_from_the_key_file_and_the_flag():
         Tenants({KEY_A: ["alpha"]}, max_in_flight=0)
 
 
+def test_a_key_past_its_tokens_per_minute_waits_while_others_are_served(keyed):
+    """Charged as each generation finishes (usage's total tokens); once a key's last minute holds
+    its bound, its requests get 429 with the seconds until enough leave the minute."""
+    answers = []
+    while len(answers) < 5 and (not answers or answers[-1].status_code == 200):
+        answers.append(ask(keyed, KEY_D, "Say hi."))
+    used = sum(a.json()["usage"]["total_tokens"] for a in answers if a.status_code == 200)
+    refused = answers[-1]
+    assert refused.status_code == 429 and used >= 60 > used - answers[0].json()["usage"]["total_tokens"]
+    error = refused.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and f"used {used} tokens in the last minute" in error["message"]
+    assert "max_tokens_per_minute: 60" in error["message"] and 1 <= int(refused.headers["Retry-After"]) <= 60
+    assert ask(keyed, KEY_A, "Say hi.").status_code == 200  # other keys are served meanwhile
+    assert keyed.metric("pcrag_tenant_refused_total", tenant="key #4") >= 1
+
+
+def test_tokens_per_minute_leave_the_minute_on_time():
+    """The window, on a clock the test moves (the server's is time.monotonic)."""
+    now = [0.0]
+    tenants = Tenants({KEY_A: {"collections": ["a"], "max_tokens_per_minute": 100}, KEY_B: ["b"]}, max_tokens_per_minute=7)
+    tenant = tenants.authenticate(f"Bearer {KEY_A}")
+    assert (tenant.max_tokens_per_minute, tenants.authenticate(f"Bearer {KEY_B}").max_tokens_per_minute) == (100, 7)
+    quota = Quota(clock=lambda: now[0])
+    quota.take(tenant).release()
+    quota.spend(tenant, 60)
+    now[0] = 10.0
+    quota.take(tenant).release()  # 60 < 100: served, and it uses 50 more
+    quota.spend(tenant, 50)
+    now[0] = 20.0
+    with pytest.raises(ApiError) as refused:
+        quota.take(tenant)
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "40"  # the first 60 leave at t=60
+    assert quota.held(tenant) == 0 and quota.spent(tenant) == 110
+    now[0] = 60.0
+    quota.take(tenant).release()
+    assert quota.spent(tenant) == 50
+    now[0] = 70.0
+    assert quota.spent(tenant) == 0
+    for bad in (0, -5, 2.5, "100"):
+        with pytest.raises(PromptCacheError, match="max_tokens_per_minute must be an integer >= 1"):
+            Tenants({KEY_A: {"collections": ["a"], "max_tokens_per_minute": bad}})
+
+
 def test_slots_are_given_back_once():
     tenant = Tenants({KEY_A: ["alpha"]}, max_in_flight=3).authenticate(f"Bearer {KEY_A}")
     quota = Quota()
@@ -185,9 +230,11 @@ def test_slots_are_given_back_once():
     assert quota.held(tenant) == 1
 
 
-def test_the_in_flight_flag_needs_api_keys(capsys):
+def test_the_per_key_flags_need_api_keys(capsys):
     assert main(["serve", "--max-in-flight-per-key", "2"]) == 2
     assert "needs --api-keys" in capsys.readouterr().err
+    assert main(["serve", "--max-tokens-per-minute-per-key", "2000"]) == 2
+    assert "--max-tokens-per-minute-per-key bounds each API key: it needs --api-keys" in capsys.readouterr().err
 
 
 async def test_a_stream_whose_client_is_gone_before_its_first_byte_still_closes():

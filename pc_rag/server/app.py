@@ -54,6 +54,7 @@ from .wire import (
     rate_limited,
     read_body,
     reply_message,
+    usage,
     usage_chunk,
 )
 
@@ -107,6 +108,7 @@ class Server:
             slots.grow(body.n)  # one per choice: each is a row of the scheduler
             results = await _unless_disconnected(request, asyncio.gather(*(self._generate(c, tenant, documents)
                                                                            for c in choices(call, body.n))))
+            self.quota.spend(tenant, usage(results, body.n)["total_tokens"])
             return JSONResponse(chat_response(request_id, self.model, results, call.tools, self.backend.tokenizer))
         finally:
             slots.release()  # nothing after a stream's hand-over: the stream gives them back as it ends
@@ -122,6 +124,7 @@ class Server:
             if calls[0].stream:
                 return await self._stream(request_id, calls[0], tenant, (), slots, chat=False)
             results = await _unless_disconnected(request, asyncio.gather(*(self._generate(call, tenant) for call in calls)))
+            self.quota.spend(tenant, usage(results, body.n)["total_tokens"])
             return JSONResponse(completion_response(request_id, self.model, results, body.n, self.backend.tokenizer))
         finally:
             slots.release()
@@ -193,9 +196,10 @@ class Server:
             await stream.aclose()  # a disconnect cancels the events: the row is let go
             held.release()
 
-        return _EventStream(self._events(request_id, call, stream, first, chat), close)
+        return _EventStream(self._events(request_id, call, stream, first, chat, tenant), close)
 
-    async def _events(self, request_id: str, call: Call, stream: Any, first: str | None, chat: bool) -> AsyncIterator[str]:
+    async def _events(self, request_id: str, call: Call, stream: Any, first: str | None, chat: bool,
+                      tenant: Tenant) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         try:
             if chat:
@@ -210,6 +214,7 @@ class Server:
                                else completion_chunk(request_id, self.model, piece))
             result: Generation = stream.result
             self.metrics.generation(result)
+            self.quota.spend(tenant, usage([result])["total_tokens"])
             if chat:
                 message, finish = reply_message(result, call.tools)
                 if call.tools:

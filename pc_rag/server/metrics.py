@@ -2,7 +2,7 @@
 
 Counted as requests finish: requests by endpoint and status, TTFT and latency histograms, prompt
 tokens reused and computed, tokens generated; per API key, generations in flight and requests
-refused for its ``max_in_flight``. Read at each scrape from the engine: queue depth
+refused for its ``max_in_flight`` or ``max_tokens_per_minute``. Read at each scrape from the engine: queue depth
 and running rows (the scheduler), and where module KV came from (memory, disk and remote tier
 hits, misses, tokens recomputed because a tier was slower than prefill: ``engine.store_stats()``).
 """
@@ -68,7 +68,7 @@ class Metrics:
         # per key, named by its place in the key file ("key #2"), never by the key
         self.tenant_in_flight = Gauge("pcrag_tenant_in_flight", "Generations a key has in flight (against its max_in_flight)",
                                       ["tenant"], registry=self.registry)
-        self.tenant_refused = Counter("pcrag_tenant_refused", "Requests refused for their key's max_in_flight (429)", ["tenant"],
+        self.tenant_refused = Counter("pcrag_tenant_refused", "Requests refused for their key's max_in_flight or max_tokens_per_minute (429)", ["tenant"],
                                       registry=self.registry)
         if engine is not None:  # an engine in this process (replicas report through Ray's metrics)
             self.registry.register(_EngineCollector(engine))

@@ -8,11 +8,21 @@ body is read: a slow body holds a slot, so one key cannot tie up connections eit
 last token is sent or its client goes away; past its bound the key gets 429 at once, while other
 keys' requests go on.
 
-Slots are counted on the event loop's thread only (every handler runs there), so no lock.
+A key's ``max_tokens_per_minute`` is checked at the same moment: the tokens its generations used
+(prompt and completion, charged as each finishes) within the last minute must be below it, else
+429 with ``Retry-After`` saying when enough of them leave the minute. A request is not priced
+before it runs (its prompt is not read yet, its reply not written), so the one that crosses the
+bound finishes, and the key's next requests wait: the bound holds over any minute but one
+request's worth.
+
+Slots and tokens are counted on the event loop's thread only (every handler runs there), so no lock.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
 from collections.abc import Callable
 
 from ..errors import PromptCacheError
@@ -21,6 +31,7 @@ from .wire import rate_limited
 
 # told of every change: (tenant, slots it holds now, whether a request was refused)
 Listener = Callable[[Tenant, int, bool], None]
+WINDOW_S = 60.0  # max_tokens_per_minute's minute
 
 
 class Slots:
@@ -52,18 +63,59 @@ class Quota:
     """Slots in use per tenant (see the module docstring); ``listener`` is told of every change
     (the server's metrics)."""
 
-    def __init__(self, listener: Listener | None = None) -> None:
+    def __init__(self, listener: Listener | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._held: dict[Tenant, int] = {}
+        self._spent: dict[Tenant, deque[tuple[float, int]]] = {}  # (when, tokens) of the last minute, oldest first
         self._listener = listener
+        self._clock = clock
 
     def held(self, tenant: Tenant) -> int:
         return self._held.get(tenant, 0)
 
     def take(self, tenant: Tenant, count: int = 1) -> Slots:
-        """``count`` slots for ``tenant``'s request: 429 past its bound, 400 for a request that
-        alone asks for more than the bound (it could never be served)."""
+        """``count`` slots for ``tenant``'s request: 429 past its bound or with its tokens of the
+        last minute at ``max_tokens_per_minute``, 400 for a request that alone asks for more
+        slots than the bound (it could never be served)."""
+        self._check_tokens(tenant)
         self._take(tenant, count)
         return Slots(self, tenant, count)
+
+    def spend(self, tenant: Tenant, tokens: int) -> None:
+        """``tenant``'s generation finished having used ``tokens`` (prompt and completion)."""
+        if tenant.max_tokens_per_minute is not None and tokens > 0:
+            self._spent.setdefault(tenant, deque()).append((self._clock(), tokens))
+
+    def spent(self, tenant: Tenant) -> int:
+        """The tokens ``tenant``'s generations used within the last minute."""
+        return sum(tokens for _, tokens in self._window(tenant))
+
+    def _window(self, tenant: Tenant) -> deque[tuple[float, int]]:
+        spent = self._spent.get(tenant)
+        if spent is None:
+            return deque()
+        oldest = self._clock() - WINDOW_S
+        while spent and spent[0][0] <= oldest:
+            spent.popleft()
+        if not spent:
+            del self._spent[tenant]
+        return spent
+
+    def _check_tokens(self, tenant: Tenant) -> None:
+        bound = tenant.max_tokens_per_minute
+        if bound is None:
+            return
+        window = self._window(tenant)
+        used = sum(tokens for _, tokens in window)
+        if used < bound:
+            return
+        for when, tokens in window:  # the earliest moment the minute holds fewer than the bound
+            used -= tokens
+            if used < bound:
+                break
+        wait = max(1, math.ceil(when + WINDOW_S - self._clock()))
+        self._tell(tenant, self.held(tenant), refused=True)
+        raise rate_limited(f"{tenant.name} used {sum(t for _, t in window)} tokens in the last minute, its bound "
+                           f"(max_tokens_per_minute: {bound}); retry in {wait} s", "rate_limit_exceeded", wait)
 
     def _take(self, tenant: Tenant, count: int, *, asked: int | None = None) -> None:
         """``count`` more slots for a request that holds ``asked`` in all (default: ``count``)."""

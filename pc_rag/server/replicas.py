@@ -172,20 +172,21 @@ class RayBackend:
         return await self._call("health")
 
 
-def _ingress_app(model: str | None, model_name: str, keys_file: str | None, max_in_flight_per_key: int | None = None) -> Any:
+def _ingress_app(model: str | None, model_name: str, keys_file: str | None, key_bounds: dict[str, int | None]) -> Any:
     """Built on the ingress replica (Ray Serve calls it there)."""
     from .app import create_app
     from .tenants import Tenants
 
     handle = serve.get_deployment_handle("EngineReplica", app_name=APP_NAME)
-    tenants = Tenants.from_file(keys_file, max_in_flight=max_in_flight_per_key) if keys_file else None
+    tenants = Tenants.from_file(keys_file, **key_bounds) if keys_file else None
     return create_app(backend=RayBackend(handle, model), tenants=tenants, model_name=model_name)
 
 
 def build(model: str | None, model_name: str, options: dict[str, Any], *, replicas: int, keys_file: str | None = None,
-          max_in_flight_per_key: int | None = None, router: str = "affinity") -> Any:
+          key_bounds: dict[str, int | None] | None = None, router: str = "affinity") -> Any:
     """The Ray Serve application: ``replicas`` EngineReplicas and the HTTP ingress (which holds
-    each key to its ``max_in_flight`` across all replicas: every request passes through it).
+    each key to its ``max_in_flight`` and ``max_tokens_per_minute`` across all replicas: every
+    request passes through it; ``key_bounds``: their defaults, :class:`~pc_rag.server.tenants.Tenants`' keywords).
     ``router``: "affinity" (:class:`~pc_rag.server.routing.AffinityRouter`) or "default" (Ray
     Serve's power of two choices, for comparison)."""
     from ray.serve.config import RequestRouterConfig
@@ -198,7 +199,7 @@ def build(model: str | None, model_name: str, options: dict[str, Any], *, replic
     engines = EngineReplica.options(**config).bind(model, options)
 
     def ingress_app() -> Any:  # a plain function: Ray Serve calls it on the ingress replica
-        return _ingress_app(model, model_name, keys_file, max_in_flight_per_key)
+        return _ingress_app(model, model_name, keys_file, key_bounds or {})
 
     @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})  # parsing only: the replicas get the cores
     @serve.ingress(ingress_app)
@@ -210,7 +211,7 @@ def build(model: str | None, model_name: str, options: dict[str, Any], *, replic
 
 
 def run(model: str | None, model_name: str, options: dict[str, Any], *, replicas: int, host: str, port: int,
-        keys_file: str | None = None, max_in_flight_per_key: int | None = None, router: str = "affinity",
+        keys_file: str | None = None, key_bounds: dict[str, int | None] | None = None, router: str = "affinity",
         blocking: bool = True) -> None:
     """Start Ray (the cluster ``RAY_ADDRESS`` names, or a local one) and the application."""
     import signal
@@ -223,7 +224,7 @@ def run(model: str | None, model_name: str, options: dict[str, Any], *, replicas
     # SIGTERM (a service manager's stop) shuts the application and a local runtime down, as Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve.start(http_options={"host": host, "port": port})
-    ingress, _ = build(model, model_name, options, replicas=replicas, keys_file=keys_file, max_in_flight_per_key=max_in_flight_per_key,
+    ingress, _ = build(model, model_name, options, replicas=replicas, keys_file=keys_file, key_bounds=key_bounds,
                        router=router)
     try:
         serve.run(ingress, name=APP_NAME, route_prefix="/", blocking=blocking)

@@ -1,10 +1,11 @@
-"""API keys: which collections each caller may read and write, and how many requests it may have in flight.
+"""API keys: which collections each caller may read and write, how many requests it may have in
+flight, and how many tokens it may use per minute.
 
 ``--api-keys FILE`` is a JSON object mapping each key to the list of collections it may use, or
-to an object with that list and the key's own ``max_in_flight``::
+to an object with that list and the key's own bounds::
 
     {"key-of-team-a": ["handbook", "tickets"],
-     "key-of-team-b": {"collections": ["contracts"], "max_in_flight": 4}}
+     "key-of-team-b": {"collections": ["contracts"], "max_in_flight": 4, "max_tokens_per_minute": 20000}}
 
 A request presents ``Authorization: Bearer KEY``; it then sees only its key's collections (the
 engine's ``collections=`` scope: nothing outside them is imported, matched or named). Keys are
@@ -15,7 +16,10 @@ key file the server is single-user: every request sees every collection.
 ``max_in_flight`` (a key's own, else ``--max-in-flight-per-key``, else no bound) is how many
 generations a key may have between arriving and their last token at once
 (:mod:`pc_rag.server.quota`): past it the key's requests get 429 while other keys' are served, so
-one tenant cannot fill the queue the scheduler shares among all of them.
+one tenant cannot fill the queue the scheduler shares among all of them. ``max_tokens_per_minute``
+(a key's own, else ``--max-tokens-per-minute-per-key``) bounds the tokens (prompt and completion,
+as OpenAI counts them) its generations used in the last minute: past it, its requests get 429
+until enough of the minute has passed.
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ from .wire import ApiError
 @dataclass(frozen=True, eq=False)  # identity, not value: two keys with the same rights are two tenants
 class Tenant:
     """One caller's rights: ``collections`` it may read and write (None: all, single-user),
-    ``max_in_flight`` generations at once (None: no bound of its own), and ``name``, what logs,
-    errors and metrics call it (never the key)."""
+    ``max_in_flight`` generations at once and ``max_tokens_per_minute`` (None: no bound of its
+    own), and ``name``, what logs, errors and metrics call it (never the key)."""
 
     collections: frozenset[str] | None
     max_in_flight: int | None = None
     name: str = "single-user"
+    max_tokens_per_minute: int | None = None
 
     def may_use(self, collection: str) -> bool:
         return self.collections is None or collection in self.collections
@@ -58,28 +63,31 @@ SINGLE_USER = Tenant(None)
 class Tenants:
     """Keys and the collections each may use (see the module docstring)."""
 
-    def __init__(self, keys: Mapping[str, Any], *, max_in_flight: int | None = None) -> None:
-        """``keys``: the key file's object; ``max_in_flight``: the bound of every key that sets none."""
+    def __init__(self, keys: Mapping[str, Any], *, max_in_flight: int | None = None, max_tokens_per_minute: int | None = None) -> None:
+        """``keys``: the key file's object; ``max_in_flight`` and ``max_tokens_per_minute``: the
+        bounds of every key that sets none of its own."""
         if not isinstance(keys, Mapping) or not keys:
             raise PromptCacheError("the API key file must be a non-empty JSON object: {\"KEY\": [\"collection\", ...], ...}")
-        default = _in_flight(max_in_flight, "max_in_flight_per_key")
+        defaults = {"max_in_flight": _bound(max_in_flight, "max_in_flight_per_key"),
+                    "max_tokens_per_minute": _bound(max_tokens_per_minute, "max_tokens_per_minute_per_key")}
         self._keys: list[tuple[bytes, Tenant]] = []
         for index, (key, value) in enumerate(keys.items()):
             # the key itself never appears in a message: entries are named by their position
             name = f"key #{index + 1}"
             if not isinstance(key, str) or len(key) < 8 or key.strip() != key:
                 raise PromptCacheError(f"{name} of the API key file: a key is a string of at least 8 characters, no surrounding spaces")
-            collections, limit = _entry(value, name, default)
-            self._keys.append((_digest(key), Tenant(collections, limit, name)))
+            collections, bounds = _entry(value, name, defaults)
+            self._keys.append((_digest(key), Tenant(collections, name=name, **bounds)))
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str], *, max_in_flight: int | None = None) -> "Tenants":
+    def from_file(cls, path: str | os.PathLike[str], *, max_in_flight: int | None = None,
+                  max_tokens_per_minute: int | None = None) -> "Tenants":
         try:
             with open(path, encoding="utf-8") as handle:
                 keys = json.load(handle)
         except (OSError, json.JSONDecodeError) as exc:
             raise PromptCacheError(f"cannot read the API key file {os.fspath(path)!r}: {exc}") from None
-        return cls(keys, max_in_flight=max_in_flight)
+        return cls(keys, max_in_flight=max_in_flight, max_tokens_per_minute=max_tokens_per_minute)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -98,23 +106,24 @@ class Tenants:
         return found
 
 
-def _entry(value: Any, name: str, default: int | None) -> tuple[frozenset[str], int | None]:
-    """A key's collections and in-flight bound, from its value in the key file."""
-    limit = default
+def _entry(value: Any, name: str, defaults: dict[str, int | None]) -> tuple[frozenset[str], dict[str, int | None]]:
+    """A key's collections and bounds (its own, else ``defaults``), from its value in the key file."""
+    bounds = dict(defaults)
     if isinstance(value, Mapping):
-        unknown = sorted(set(value) - {"collections", "max_in_flight"})
+        unknown = sorted(set(value) - {"collections", *defaults})
         if unknown or "collections" not in value:
-            raise PromptCacheError(f"{name} of the API key file: an object value takes \"collections\" (required) and \"max_in_flight\""
-                                   + (f", not {unknown}" if unknown else ""))
-        if "max_in_flight" in value:
-            limit = _in_flight(value["max_in_flight"], f"{name} of the API key file: max_in_flight")
+            raise PromptCacheError(f"{name} of the API key file: an object value takes \"collections\" (required), "
+                                   "\"max_in_flight\" and \"max_tokens_per_minute\"" + (f", not {unknown}" if unknown else ""))
+        for bound in defaults:
+            if bound in value:
+                bounds[bound] = _bound(value[bound], f"{name} of the API key file: {bound}")
         value = value["collections"]
     if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
         raise PromptCacheError(f"{name} of the API key file: its collections must be a list of collection names")
-    return frozenset(check_name(c, "collection name") for c in value), limit
+    return frozenset(check_name(c, "collection name") for c in value), bounds
 
 
-def _in_flight(value: Any, what: str) -> int | None:
+def _bound(value: Any, what: str) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise PromptCacheError(f"{what} must be an integer >= 1 (or null: no bound), got {value!r}")
     return value

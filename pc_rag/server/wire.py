@@ -49,10 +49,10 @@ class ApiError(Exception):
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait (the openai SDK and ChatOpenAI retry after it)
 
 
-def rate_limited(message: str, code: str) -> ApiError:
-    """429 with ``Retry-After``: the server is full (``queue_full``) or the key is at its bound
-    (``rate_limit_exceeded``); the request was not started."""
-    return ApiError(429, message, kind="rate_limit_error", code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+def rate_limited(message: str, code: str, retry_after_s: int = RETRY_AFTER_S) -> ApiError:
+    """429 with ``Retry-After``: the server is full (``queue_full``) or the key is at one of its
+    bounds (``rate_limit_exceeded``); the request was not started."""
+    return ApiError(429, message, kind="rate_limit_error", code=code, headers={"Retry-After": str(retry_after_s)})
 
 
 def not_found(what: str) -> ApiError:
