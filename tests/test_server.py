@@ -172,6 +172,19 @@ def test_pasted_documents_are_read_from_the_cache(client, pcrag_server, passage)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
 
+def test_a_replaced_document_is_queued_until_its_new_text_is_encoded(client, pcrag_server):
+    """Before, the listing said "encoded" of the old text while the new one waited: a client that
+    replaced a document and waited for "encoded" was served the old text."""
+    def cached(text: str) -> int:
+        add_and_wait(pcrag_server, "replaced", [{"id": "ferry", "text": text}])
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "When does it leave?"}],
+                                               max_tokens=2, extra_body={"documents": ["ferry"], "collection": "replaced"})
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    short = cached("The ferry leaves at nine.")
+    assert cached("The ferry leaves at nine in summer and at ten in winter, weather permitting, from the north pier.") > short
+
+
 def test_documents_listed_paged_and_deleted(pcrag_server):
     docs = [{"id": f"note-{i}", "text": f"Note number {i} says the meeting room is {i} floors up."} for i in range(3)]
     add_and_wait(pcrag_server, "notes", docs)

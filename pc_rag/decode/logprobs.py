@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

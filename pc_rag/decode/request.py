@@ -548,4 +548,3 @@ class RequestState:
         self.stats.total_s = time.perf_counter() - self.started
         return tail, Generation("".join(self.pieces), self.stats, list(self.detok.tokens), self.finish, self.logits,
                                 self.logprobs)
-

@@ -147,7 +147,9 @@ class Server:
             raise not_found(f"collection {collection!r}")
         limit = _int_query(request, "limit", 100, 1, 1000)
         after = request.query_params.get("after")
-        statuses = {**{name: "queued" for name in queued}, **{name: "encoded" for name in encoded}}
+        # a document whose new version waits is "queued" (its old one serves until then): a client
+        # that replaced a document and waits for "encoded" then waits for the new text
+        statuses = {**{name: "encoded" for name in encoded}, **{name: "queued" for name in queued}}
         names = sorted(n for n in statuses if after is None or n > after)
         page = names[:limit]
         return JSONResponse({"object": "list", "data": [{"id": n, "object": "document", "status": statuses[n]} for n in page],
