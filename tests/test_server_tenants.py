@@ -182,6 +182,7 @@ def test_a_key_past_its_tokens_per_minute_waits_while_others_are_served(keyed):
     assert "max_tokens_per_minute: 60" in error["message"] and 1 <= int(refused.headers["Retry-After"]) <= 60
     assert ask(keyed, KEY_A, "Say hi.").status_code == 200  # other keys are served meanwhile
     assert keyed.metric("pcrag_tenant_refused_total", tenant="key #4") >= 1
+    assert keyed.metric("pcrag_tenant_tokens_last_minute", tenant="key #4") == used
 
 
 def test_tokens_per_minute_leave_the_minute_on_time():

@@ -90,7 +90,8 @@ class Server:
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.metrics = Metrics(engine)
-        self.quota = Quota(self.metrics.tenant)  # generations each key has in flight
+        self.quota = Quota(self.metrics.tenant)  # generations each key has in flight, tokens it used
+        self.metrics.watch_tokens(self.quota.spending)
         self.started = int(time.time())
 
     # -- the endpoints ----------------------------------------------------------------------------

@@ -2,14 +2,15 @@
 
 Counted as requests finish: requests by endpoint and status, TTFT and latency histograms, prompt
 tokens reused and computed, tokens generated; per API key, generations in flight and requests
-refused for its ``max_in_flight`` or ``max_tokens_per_minute``. Read at each scrape from the engine: queue depth
+refused for its ``max_in_flight`` or ``max_tokens_per_minute``. Read at each scrape: each key's
+tokens of the last minute (the quota), and from the engine queue depth
 and running rows (the scheduler), and where module KV came from (memory, disk and remote tier
 hits, misses, tokens recomputed because a tier was slower than prefill: ``engine.store_stats()``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -53,6 +54,21 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("pcrag_documents_pending", "Documents queued for background encoding", value=store.get("background_pending", 0))
 
 
+class _TokensCollector(Collector):
+    """Each key's tokens of the last minute (against its ``max_tokens_per_minute``), read at
+    scrape time: the minute slides whether or not requests come."""
+
+    def __init__(self, spending: Callable[[], dict[str, int]]) -> None:
+        self.spending = spending
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("pcrag_tenant_tokens_last_minute", "Tokens a key's generations used in the last minute "
+                                   "(against its max_tokens_per_minute)", labels=["tenant"])
+        for name, tokens in sorted(self.spending().items()):
+            family.add_metric([name], tokens)
+        yield family
+
+
 class Metrics:
     """The server's metrics; :meth:`finished` is called once per request."""
 
@@ -89,6 +105,10 @@ class Metrics:
         self.tenant_in_flight.labels(tenant=tenant.name).set(held)
         if refused:
             self.tenant_refused.labels(tenant=tenant.name).inc()
+
+    def watch_tokens(self, spending: Callable[[], dict[str, int]]) -> None:
+        """Report ``spending()`` (key name: tokens of the last minute) at each scrape."""
+        self.registry.register(_TokensCollector(spending))
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)

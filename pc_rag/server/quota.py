@@ -89,6 +89,10 @@ class Quota:
         """The tokens ``tenant``'s generations used within the last minute."""
         return sum(tokens for _, tokens in self._window(tenant))
 
+    def spending(self) -> dict[str, int]:
+        """Tokens of the last minute of every key that used any, by the key's name (the metrics)."""
+        return {tenant.name: self.spent(tenant) for tenant in list(self._spent) if self.spent(tenant)}
+
     def _window(self, tenant: Tenant) -> deque[tuple[float, int]]:
         spent = self._spent.get(tenant)
         if spent is None:
