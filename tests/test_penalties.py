@@ -49,3 +49,30 @@ def test_penalties_out_of_openais_range_are_refused(make_engine, name, value):
     engine = make_engine("llama")
     with pytest.raises(PromptCacheError, match=f"{name} must be a number from -2 to 2"):
         engine.generate("Hello", max_new_tokens=2, **{name: value})
+
+
+def test_logit_bias_is_added_to_the_logits_at_every_step(make_engine):
+    from langchain_core.messages import HumanMessage
+
+    from pc_rag.integrations.langchain import ChatPromptCache
+
+    engine = make_engine("llama")
+    plain = engine.generate(PROMPT, max_new_tokens=6, output_logits=True)
+    bias = {plain.token_ids[0]: -100, str(plain.token_ids[1]): 7.5}  # ids as ints or as JSON's strings
+    biased = engine.generate(PROMPT, max_new_tokens=6, output_logits=True, logit_bias=bias)
+    assert biased.token_ids[0] != plain.token_ids[0]
+    for token, logits in zip(biased.token_ids, biased.logits):
+        expected = logits.clone()
+        expected[plain.token_ids[0]] -= 100
+        expected[plain.token_ids[1]] += 7.5
+        assert int(expected.argmax()) == token
+    forcing = {plain.token_ids[2]: 100}
+    chat = ChatPromptCache(engine=engine, max_new_tokens=6, logit_bias=forcing)  # ChatOpenAI's field
+    rendered = engine.render_chat([{"role": "user", "content": PROMPT}])
+    direct = engine.generate(rendered, max_new_tokens=6, logit_bias=forcing)
+    assert direct.token_ids == [plain.token_ids[2]] * 6 and chat.invoke([HumanMessage(PROMPT)]).content == direct.text
+    with pytest.raises(PromptCacheError, match="logit_bias names token 10000000; the model's vocabulary has"):
+        engine.generate(PROMPT, max_new_tokens=2, logit_bias={10_000_000: 1})
+    for bad, says in (({"-3": 1}, "logit_bias keys are token ids"), ({5: 100.5}, "from -100 to 100"), ([5], "must map token ids")):
+        with pytest.raises(PromptCacheError, match=says):
+            engine.generate(PROMPT, max_new_tokens=2, logit_bias=bad)

@@ -130,6 +130,16 @@ def test_logprobs_of_chat_and_text_completions(client):
     assert [t for p in pieces if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens] == text.logprobs.tokens
 
 
+def test_logit_bias_forces_and_bans_tokens(client, tokenizer):
+    (blue,) = tokenizer.encode(" blue", add_special_tokens=False)
+    forced = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, logit_bias={str(blue): 100})
+    assert forced.choices[0].text == " blue blue blue"
+    plain = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=1).choices[0].text
+    (chosen,) = tokenizer.encode(plain, add_special_tokens=False)
+    banned = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=1, logit_bias={str(chosen): -100})
+    assert banned.choices[0].text not in ("", plain)
+
+
 def test_openai_penalties_change_a_repetitive_reply(client):
     messages = [{"role": "user", "content": "List the numbers from 1 to 20, separated by commas."}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30).choices[0].message.content
@@ -217,8 +227,12 @@ def test_documents_listed_paged_and_deleted(pcrag_server):
     # a seed past 64 bits was a 500; a logit_bias was ignored (the reply unbiased, nothing said)
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2**80, "temperature": 1}).encode(), 400,
      "seed"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"50": 100}}).encode(), 400,
-     "logit_bias is not supported"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"50": 101}}).encode(), 400,
+     "logit_bias of token 50 must be a number from -100 to 100"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"hello": 5}}).encode(), 400,
+     "logit_bias keys are token ids"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 5}}).encode(), 400,
+     "the model's vocabulary has 49152 tokens"),
     # JSON's Infinity passed the wire's check (> 0) and reached the sampler
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": float("inf")}).encode(), 400,
      "repetition_penalty must be a finite number"),

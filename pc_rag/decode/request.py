@@ -107,6 +107,34 @@ def _check_processor_settings(repetition_penalty: Any, presence_penalty: Any, fr
             raise PromptCacheError(f"{name} must be an integer >= 0, got {value!r}")
 
 
+def _schema(json_schema: Any) -> str | None:
+    """The canonical text of ``json_schema`` (a dict, its text, or True for any JSON object); None: unconstrained."""
+    if json_schema is None or json_schema is False:
+        return None
+    from .constrained import schema_text
+
+    return schema_text(json_schema)
+
+
+def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` ({token id: bias from -100 to 100}; ids as JSON gives them, strings
+    of digits, or ints) as sorted pairs; the ids' range is checked against the model's vocabulary
+    when the request is submitted."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, Mapping):
+        raise PromptCacheError(f"logit_bias must map token ids to biases, got {type(bias).__name__}")
+    pairs = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not _is_int(token) or token < 0:
+            raise PromptCacheError(f"logit_bias keys are token ids (integers >= 0), got {key!r}")
+        if not _is_real(value) or not -100 <= value <= 100:
+            raise PromptCacheError(f"logit_bias of token {token} must be a number from -100 to 100, got {value!r}")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
@@ -125,6 +153,7 @@ class SamplingParams:
     # OpenAI's penalties on the tokens generated so far (the prompt's not counted), as vLLM applies them
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits, as OpenAI's logit_bias
 
     @classmethod
     def build(
@@ -146,6 +175,7 @@ class SamplingParams:
         logprobs: int | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        logit_bias: Mapping[Any, float] | None = None,
     ) -> "SamplingParams":
         """Validated parameters. ``do_sample`` as in transformers: False is greedy whatever the
         temperature, True samples (at temperature 1.0 when none is given); ``stop_strings`` is
@@ -155,7 +185,8 @@ class SamplingParams:
         (vLLM's meaning: 0 to 20) records each generated token's log-probability and that many
         most likely alternatives in ``Generation.logprobs``; ``presence_penalty`` and
         ``frequency_penalty`` (OpenAI's, -2 to 2) lower each token's logit by the first once it has
-        been generated and by the second for each time it has."""
+        been generated and by the second for each time it has; ``logit_bias`` ({token id: -100
+        to 100}, OpenAI's) is added to those tokens' logits."""
         # every check types its value first: a string or a NaN that slipped through would fail the
         # scheduler's step, and with it every row sharing that step, not just this call
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -178,21 +209,15 @@ class SamplingParams:
         stops = _stop_sequences(stop if stop is not None else stop_strings)
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise PromptCacheError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token) or None, got {logprobs!r}")
-        if json_schema is not None and json_schema is not False:
-            from .constrained import schema_text
-
-            json_schema = schema_text(json_schema)
-        else:
-            json_schema = None
         return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed,
-                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits), json_schema, logprobs,
-                   float(presence_penalty), float(frequency_penalty))
+                   float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits), _schema(json_schema), logprobs,
+                   float(presence_penalty), float(frequency_penalty), _logit_bias(logit_bias))
 
     @property
     def reads_history(self) -> bool:
         """Whether a processor reads the prompt's and the generated tokens."""
         return (self.repetition_penalty != 1.0 or bool(self.no_repeat_ngram_size) or bool(self.min_new_tokens)
-                or bool(self.presence_penalty) or bool(self.frequency_penalty))
+                or bool(self.presence_penalty) or bool(self.frequency_penalty) or bool(self.logit_bias))
 
     def processors(self, prompt_tokens: int, stop_token_ids: frozenset[int]) -> Any:
         """transformers' logits processors for these parameters, in its generate()'s order (None: none)."""
@@ -206,6 +231,8 @@ class SamplingParams:
         if not self.reads_history:
             return None
         processors = LogitsProcessorList()
+        if self.logit_bias:
+            processors.append(LogitBias(self.logit_bias))
         if self.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
         if self.presence_penalty or self.frequency_penalty:
@@ -218,7 +245,8 @@ class SamplingParams:
 
 
 GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
-                        "output_logits", "generation_config", "json_schema", "logprobs", "presence_penalty", "frequency_penalty")
+                        "output_logits", "generation_config", "json_schema", "logprobs", "presence_penalty", "frequency_penalty",
+                        "logit_bias")
 # what a GenerationConfig contributes besides its sampling settings (taken when it sets do_sample=True)
 _CONFIG_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "max_new_tokens", "stop_strings")
 
@@ -314,6 +342,20 @@ class GeneratedTokenPenalties:
         generated = input_ids[:, self.prompt_tokens:]
         counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+class LogitBias:
+    """OpenAI's ``logit_bias`` as a logits processor: each listed token's logit plus its bias
+    (100 all but forces a token, -100 all but bans it)."""
+
+    def __init__(self, bias: tuple[tuple[int, float], ...]) -> None:
+        self.ids = torch.tensor([token for token, _ in bias], dtype=torch.long)
+        self.values = torch.tensor([value for _, value in bias])
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.ids.device != scores.device:  # moved once, on the first step
+            self.ids, self.values = self.ids.to(scores.device), self.values.to(scores.device)
+        return scores.index_add(1, self.ids, self.values.to(scores.dtype).expand(scores.shape[0], -1))
 
 
 class TokenHistory:

@@ -51,7 +51,7 @@ def generation_info(result: Generation, engine: PromptCache) -> dict[str, Any]:
 
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache", "seed",
                  "do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
-                 "generation_config", "json_schema", "presence_penalty", "frequency_penalty")
+                 "generation_config", "json_schema", "presence_penalty", "frequency_penalty", "logit_bias")
 _DEFAULTED = ("max_new_tokens", "temperature", "top_p", "top_k", "use_cache")  # fields every adapter has
 
 

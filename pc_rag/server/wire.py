@@ -226,8 +226,6 @@ def choices(call: Call, n: int) -> list[Call]:
 def _refuse_unsupported(body: _Sampling) -> None:
     if body.n > 1 and body.stream:
         raise ApiError(400, f"n={body.n} is answered whole, not streamed (stream: false, or n=1)", param="n")
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
 
 def _logprobs(body: _Sampling) -> int | None:
@@ -259,7 +257,7 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
         params["logprobs"] = logprobs
     for name, engine_name in (("repetition_penalty", "repetition_penalty"), ("no_repeat_ngram_size", "no_repeat_ngram_size"),
                               ("min_tokens", "min_new_tokens"), ("presence_penalty", "presence_penalty"),
-                              ("frequency_penalty", "frequency_penalty")):
+                              ("frequency_penalty", "frequency_penalty"), ("logit_bias", "logit_bias")):
         value = getattr(body, name)
         if value is not None:
             params[engine_name] = value

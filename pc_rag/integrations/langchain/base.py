@@ -41,6 +41,8 @@ class EngineParams(BaseModel):
     """OpenAI's (ChatOpenAI's field): lowers a token's logit once it has been generated."""
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     """OpenAI's: lowers a token's logit by this for each time it has been generated."""
+    logit_bias: dict[int, float] | None = None
+    """OpenAI's (ChatOpenAI's field): {token id: -100 to 100} added to those tokens' logits."""
     use_cache: bool = True
     """False runs full prefill of the same tokens (the baseline)."""
     streaming: bool = False
@@ -99,6 +101,7 @@ class EngineParams(BaseModel):
             "no_repeat_ngram_size": self.no_repeat_ngram_size,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
+            "logit_bias": dict(sorted(self.logit_bias.items())) if self.logit_bias else None,
             "use_cache": self.use_cache,
             "pml": self.pml,
             "collections": self.collections,
