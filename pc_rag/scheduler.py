@@ -41,10 +41,10 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -190,7 +190,8 @@ class AsyncStream:
 
     def __init__(self, scheduler: "Scheduler", start: Callable[[], Ticket]) -> None:
         self._scheduler, self._start = scheduler, start
-        self._ticket: Ticket | None = None
+        self._ticket: Ticket | None = None  # once submitted
+        self._planned: Ticket | None = None  # once built, on the worker thread (before it is queued)
         self._wake: asyncio.Event | None = None
         self._over = False
         self.result: Any = None
@@ -201,6 +202,11 @@ class AsyncStream:
     def _submit(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> Ticket:
         ticket = self._start()
         ticket.listeners.append(lambda: loop.call_soon_threadsafe(wake.set))
+        # the awaiting task may be cancelled while this thread runs (asyncio does not stop it):
+        # aclose() cancels the planned ticket, or this sees that it came first; the ticket is not queued
+        self._planned = ticket
+        if self._over:
+            ticket.cancelled = True
         return self._scheduler.submit(ticket)
 
     async def __anext__(self) -> str:
@@ -234,15 +240,34 @@ class AsyncStream:
         # dropped unfinished without aclose (a `break` out of `async for` over it): nobody will
         # read it, so its row stops at the next step. No lock here (a collection may run this on
         # any thread, the loop's included, inside its own locked section): the flag alone suffices
-        if not self._over and self._ticket is not None:
-            self._ticket.cancelled = True
+        ticket = self._ticket or self._planned
+        if not self._over and ticket is not None:
+            ticket.cancelled = True
 
     async def aclose(self) -> None:
         """Stop now: the request's row is let go at the scheduler's next step."""
         if not self._over:
             self._over = True
-            if self._ticket is not None:
-                self._scheduler.cancel(self._ticket)
+            ticket = self._ticket or self._planned
+            if ticket is not None:
+                self._scheduler.cancel(ticket)
+
+
+T = TypeVar("T")
+
+
+async def gather_or_cancel(*awaitables: Awaitable[T]) -> list[T]:
+    """Every result, in order, like ``asyncio.gather``; but when one fails, the others are
+    cancelled (their rows let go at the next step) and awaited before the error propagates.
+    ``asyncio.gather`` leaves them running: a batch with one refused prompt would decode the
+    others' whole budgets for nobody."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # a finished task ignores it
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass
@@ -300,6 +325,7 @@ class Scheduler:
         self.forward = forward
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
+        self._awaiting_room = 0  # submissions waiting for room in a full queue (queue_timeout_s)
         self._batch: RunningBatch | None = None
         # row of the running batch -> (ticket, index in the ticket); None: a vacant row (compiled batches, vacant_rows)
         self._owners: list[tuple[Ticket, int] | None] = []
@@ -329,13 +355,20 @@ class Scheduler:
             if self._closed:
                 raise ServingFailed("this engine's scheduler is closed", unavailable=True)
             deadline = None if self.limits.queue_timeout_s is None else time.monotonic() + self.limits.queue_timeout_s
-            while len(self._waiting) >= self.limits.max_queued:
+            while len(self._waiting) >= self.limits.max_queued and not ticket.cancelled:
                 left = 0.0 if deadline is None else deadline - time.monotonic()
                 if left <= 0:
                     self._stats.refused += 1
                     raise QueueFull(f"the request queue is full ({self.limits.max_queued} requests waiting: max_queued); "
                                     "retry later" + ("" if deadline is None else f" (waited {self.limits.queue_timeout_s} s)"))
-                self._cond.wait(left)
+                self._awaiting_room += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._awaiting_room -= 1
+            if ticket.cancelled:  # its caller left while it was planned or waited for room: it never takes a place
+                self._stats.cancelled += 1
+                raise PromptCacheError("the request was cancelled before it was queued")
             self._waiting.append(ticket)
             self._start()
             self._cond.notify_all()
@@ -367,10 +400,10 @@ class Scheduler:
                 self.cancel(ticket)
 
     def stats(self) -> dict[str, Any]:
-        """Queue depth, running rows and counters (a snapshot)."""
+        """Queue depth (and submissions waiting for room in it), running rows and counters (a snapshot)."""
         with self._cond:
             s = self._stats
-            return {"queued": len(self._waiting), "running": self.running, "steps": s.steps, "admitted": s.admitted,
+            return {"queued": len(self._waiting), "awaiting_room": self._awaiting_room, "running": self.running, "steps": s.steps, "admitted": s.admitted,
                     "finished": s.finished, "cancelled": s.cancelled, "failed": s.failed, "refused": s.refused,
                     "chunks": s.chunks, "fused": s.fused, "merges": s.merges, "in_place": s.in_place, "promoted": s.promoted, "buffer_bytes_peak": s.buffer_bytes_peak,
                     "buffer_bytes": self._held_bytes(idle=False), "buffer_bytes_idle": self.buffers.idle_bytes}

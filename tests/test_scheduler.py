@@ -411,6 +411,47 @@ async def test_cancelled_llama_index_and_langchain_calls_free_their_rows(engine)
     await keeper.aclose()
 
 
+async def test_a_task_cancelled_before_its_submission_lands_never_runs(make_engine):
+    """A task cancelled while its request is still being planned or waits for room in a full queue
+    (on a worker thread): the request never takes a row. (It was queued once the thread finished
+    and decoded its whole budget for nobody.)"""
+    engine = make_engine("llama", max_running=1, max_queued=1, queue_timeout_s=120)
+    engine.stop_token_ids.clear()
+    admitted = engine.scheduler.stats()["admitted"]
+    blocker = engine.astream("Keep the only row busy.", max_new_tokens=400)
+    await blocker.__anext__()
+    queued = asyncio.create_task(engine.agenerate("Queued.", max_new_tokens=2))
+    while engine.scheduler.stats()["queued"] < 1:  # the queue is full (a wait for an event, not a timing)
+        await asyncio.sleep(0.005)
+    late = asyncio.create_task(engine.agenerate("Waits for room.", max_new_tokens=300))
+    while engine.scheduler.stats()["awaiting_room"] < 1:  # planned on a worker thread, waiting for room
+        await asyncio.sleep(0.005)
+    late.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await late
+    await blocker.aclose()
+    await queued
+    for _ in range(2):
+        await engine.agenerate("After the cancel.", max_new_tokens=1)
+    stats = engine.scheduler.stats()
+    assert stats["admitted"] - admitted == 4  # the blocker, the queued one and these two
+    assert (stats["running"], stats["queued"], stats["awaiting_room"]) == (0, 0, 0)
+
+
+async def test_a_refused_prompt_lets_the_prompts_beside_it_go(engine):
+    """LangChain's agenerate over several prompts: when one is refused (too long), the others stop
+    too, rather than decode their budget for nobody."""
+    from pc_rag.integrations.langchain import PromptCacheLLM
+
+    engine.stop_token_ids.clear()
+    llm = PromptCacheLLM(engine=engine, max_new_tokens=400)
+    with pytest.raises(PromptCacheError, match="context window"):
+        await llm.agenerate(["Keep going.", "word " * 1100])
+    for _ in range(2):  # the second is admitted at a step that began after the cancel was seen
+        await engine.agenerate("After the refusal.", max_new_tokens=1)
+    assert engine.scheduler.running == 0
+
+
 def outcomes_of(call, arguments) -> list:
     """``call`` on each argument, each on its own thread at once: its result, or the exception it raised."""
     arguments = list(arguments)

@@ -299,6 +299,22 @@ def test_disconnects_free_their_rows(pcrag_server):
     assert pcrag_server.metric("pcrag_requests_total", endpoint="chat", status="499") >= 1
 
 
+def test_a_refused_prompt_lets_its_siblings_go(pcrag_server):
+    """A text completion of several prompts, one of them refused (too long): the 400 answers for
+    all, and the prompts served beside it stop too, rather than decode 2,000 tokens for nobody,
+    outside the key's requests in flight and its tokens per minute."""
+    steps = pcrag_server.metric("pcrag_scheduler_steps_total")
+    body = {"model": MODEL, "prompt": ["Write a very long story about a dragon.", "word " * 9000],
+            "max_tokens": 2000, "min_tokens": 2000}
+    reply = httpx.post(pcrag_server.url + "/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 400 and "context window (8192)" in reply.json()["error"]["message"]
+    # a request after it: planned and admitted after the sibling (had the sibling been left to run)
+    after = httpx.post(pcrag_server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 1}, timeout=120)
+    assert after.status_code == 200
+    pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_running_rows") == 0, "rows free")
+    assert pcrag_server.metric("pcrag_scheduler_steps_total") - steps < 200  # not 2,000 decode steps
+
+
 def test_a_request_needing_more_kv_buffer_than_the_budget_is_refused_with_400(client, pcrag_server):
     """``--buffer-budget-mb 320``: 8,000 new tokens need a ~377 MB buffer of the embedded model's
     45 KB a token, so the request is refused at once, saying why, and the server serves on."""

@@ -32,6 +32,7 @@ from ..decode.request import Generation
 from ..errors import PromptCacheError, QueueFull, ServingFailed
 from ..integrations._shared import model_name as engine_model_name
 from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_reference
+from ..scheduler import gather_or_cancel
 from .backend import LocalBackend, call_payload
 from .metrics import CONTENT_TYPE, Metrics
 from .quota import Quota, Slots
@@ -107,8 +108,8 @@ class Server:
             if call.stream:
                 return await self._stream(request_id, call, tenant, documents, slots, chat=True)
             slots.grow(body.n)  # one per choice: each is a row of the scheduler
-            results = await _unless_disconnected(request, asyncio.gather(*(self._generate(c, tenant, documents)
-                                                                           for c in choices(call, body.n))))
+            results = await _unless_disconnected(request, gather_or_cancel(*(self._generate(c, tenant, documents)
+                                                                            for c in choices(call, body.n))))
             self.quota.spend(tenant, usage(results, body.n)["total_tokens"])
             return JSONResponse(chat_response(request_id, self.model, results, call.tools, self.backend.tokenizer))
         finally:
@@ -124,7 +125,7 @@ class Server:
             request_id = new_id("cmpl")
             if calls[0].stream:
                 return await self._stream(request_id, calls[0], tenant, (), slots, chat=False)
-            results = await _unless_disconnected(request, asyncio.gather(*(self._generate(call, tenant) for call in calls)))
+            results = await _unless_disconnected(request, gather_or_cancel(*(self._generate(call, tenant) for call in calls)))
             self.quota.spend(tenant, usage(results, body.n)["total_tokens"])
             return JSONResponse(completion_response(request_id, self.model, results, body.n, self.backend.tokenizer))
         finally:

@@ -35,6 +35,8 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         scheduler = self.engine.scheduler.stats()
         yield GaugeMetricFamily("pcrag_queue_depth", "Requests waiting for admission", value=scheduler["queued"])
+        yield GaugeMetricFamily("pcrag_queue_awaiting_room", "Requests waiting for room in a full queue (queue_timeout_s)",
+                                value=scheduler["awaiting_room"])
         yield GaugeMetricFamily("pcrag_running_rows", "Rows decoding now", value=scheduler["running"])
         yield CounterMetricFamily("pcrag_scheduler_cancelled", "Requests let go before they finished (cancelled, disconnected)",
                                   value=scheduler["cancelled"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -15,6 +14,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from ...decode.request import Generation as EngineGeneration
 from ...decode.request import StreamingGeneration
+from ...scheduler import gather_or_cancel
 from .._shared import (
     as_prompt,
     generation_info,
@@ -93,7 +93,7 @@ class PromptCacheLLM(EngineParams, BaseLLM):
                 generations.append([Generation(text="".join(c.text for c in chunks), generation_info=chunks[-1].generation_info)])
             return self._result(generations)
         params = self._engine_kwargs(stop, kwargs)
-        return self._results(list(await asyncio.gather(*(self.engine.agenerate(as_prompt(p, self.pml), **params) for p in prompts))))
+        return self._results(list(await gather_or_cancel(*(self.engine.agenerate(as_prompt(p, self.pml), **params) for p in prompts))))
 
     async def _astream(
         self,
