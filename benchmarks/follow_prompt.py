@@ -37,9 +37,11 @@ def tracer(frame, event, arg):
             if not stops or stops[-1] != rel:
                 stops.append(rel)
     return None
-ON[0] = True; sys.settrace(tracer)
+ON[0] = True
+sys.settrace(tracer)
 engine.generate(prompt, max_new_tokens=1)
-sys.settrace(None); ON[0] = False
+sys.settrace(None)
+ON[0] = False
 print(len(stops), "stops in", len(set(stops)), "files")
 print(" -> ".join(stops))
 print(Counter(stops).most_common(8))

@@ -83,6 +83,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -569,7 +570,7 @@ def warmed(args: argparse.Namespace) -> dict[str, Any]:
         before = counters["frames"].get("ok", 0)
         started = time.perf_counter()
         with ThreadPoolExecutor(callers) as workers:
-            list(workers.map(lambda prompt: engine.generate(prompt, max_new_tokens=args.new_tokens), prompts))
+            list(workers.map(partial(engine.generate, max_new_tokens=args.new_tokens), prompts))
         report["callers_wall_s"] = time.perf_counter() - started
         engine.generate_batch(prompts[:3], max_new_tokens=args.new_tokens)
         report.update(compilations_while_serving=counters["frames"].get("ok", 0) - before, shapes_served=sorted(engine.forward.compiled_shapes),

@@ -9,9 +9,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, BloomConfig, Cohere2Config, CohereConfig, Gemma2Config, Gemma3TextConfig,
-                          GPT2Config, GptOssConfig, GraniteConfig, LlamaConfig, Llama4TextConfig, MistralConfig, Olmo2Config, Qwen2Config,
-                          Qwen3MoeConfig, SmolLM3Config)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BloomConfig,
+    Cohere2Config,
+    CohereConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    GptOssConfig,
+    GraniteConfig,
+    Llama4TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Qwen2Config,
+    Qwen3MoeConfig,
+    SmolLM3Config,
+)
 
 from pc_rag import PromptCache
 from pc_rag.model.loading import default_model_dir

@@ -16,7 +16,7 @@ from ..errors import PromptCacheError
 from ..kv.buffers import KVBuffer, ModuleKV
 from .decoder import decoder_of
 from .packed import KWARG as PACKED_KWARG
-from .packed import Pass, PackedStep
+from .packed import PackedStep, Pass
 from .probe import PROBE_KWARG, Probe, ProbeDone
 from .row_extents import KWARG as EXTENTS_KWARG
 from .row_extents import RowExtents

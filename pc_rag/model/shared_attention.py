@@ -354,12 +354,12 @@ def split_attention(
         g_out: torch.Tensor | None = None
         g_lse: torch.Tensor | None = None
         for index, (q, part) in enumerate(zip(group.queries(stacked, layer), group.parts)):
-            # q [kv_heads, n * groups * q, dim] against the part's keys [kv_heads, keys, dim]: o like q, l [kv_heads, n * groups * q]
-            o, l = _attend(q[None], part.kv[layer, 0][None], part.kv[layer, 1][None], scale / part.temperature,
-                           masks[index] if masks else None)
+            # q [kv_heads, n * groups * q, dim] against the part's keys [kv_heads, keys, dim]: o like q, o_lse [kv_heads, n * groups * q]
+            o, o_lse = _attend(q[None], part.kv[layer, 0][None], part.kv[layer, 1][None], scale / part.temperature,
+                               masks[index] if masks else None)
             if part.log_scale:
-                l = l + part.log_scale
-            g_out, g_lse = (o[0], l[0]) if g_out is None else _merge(g_out, g_lse, o[0], l[0])  # type: ignore[arg-type]
+                o_lse = o_lse + part.log_scale
+            g_out, g_lse = (o[0], o_lse[0]) if g_out is None else _merge(g_out, g_lse, o[0], o_lse[0])  # type: ignore[arg-type]
         assert g_out is not None and g_lse is not None
         # back to the rows' layout: [n, kv_heads, groups * q, .]
         g_out = g_out.view(kv_heads, n, groups * q_len, dim).transpose(0, 1)
