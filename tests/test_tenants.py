@@ -154,3 +154,25 @@ def test_batch_and_stream_are_scoped_too(shared):
     assert out == [solo.generate(p, max_new_tokens=4).text for p in prompts]
     with pytest.raises(PromptCacheError, match="collections must be"):
         engine.plan("hi", collections=[3])
+
+
+async def test_a_batch_of_callers_each_with_their_own_scope(shared):
+    """LangChain ``batch``/``abatch`` with one config per input (each caller its own collections):
+    each input is answered within its own scope, as a lone scoped call, and with
+    ``return_exceptions`` an input refused by its scope is its own exception beside the others'
+    answers (it raised for the whole batch)."""
+    engine, _, a, b = shared
+    a_prompt = f"{module_reference(a[0], 'tenant-a')}\n\n{QUESTION}"
+    b_prompt = f"{module_reference(b[0], 'tenant-b')}\n\n{QUESTION}"
+    scope = [{"configurable": {"collections": [name]}} for name in ("tenant-a", "tenant-b", "tenant-b")]
+    inputs = [a_prompt, b_prompt, a_prompt]  # the third imports tenant A's module under tenant B's scope
+    lone = [engine.generate(p, max_new_tokens=4, collections=[c]).text for p, c in zip(inputs[:2], ("tenant-a", "tenant-b"))]
+    for llm in (PromptCacheLLM(engine=engine, max_new_tokens=4), ChatPromptCache(engine=engine, max_new_tokens=4)):
+        for out in (llm.batch(inputs, config=scope, return_exceptions=True),
+                    await llm.abatch(inputs, config=scope, return_exceptions=True)):
+            texts = [o if isinstance(o, str) else getattr(o, "content", o) for o in out[:2]]
+            if isinstance(llm, PromptCacheLLM):
+                assert texts == lone
+            assert isinstance(out[2], PromptCacheError) and "may read: tenant-b" in str(out[2])
+        with pytest.raises(PromptCacheError, match="may read: tenant-b"):
+            llm.batch(inputs, config=scope)

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from langchain_core.runnables import Runnable
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from ...engine import PromptCache
@@ -130,15 +131,18 @@ class EngineParams(BaseModel):
         async for chunk in super().astream(input, config, **scoped(config, kwargs)):  # type: ignore[misc]
             yield chunk
 
+    # several scopes in one batch (each input its caller's config): one call each, made at once by
+    # Runnable's own batch (threads, or tasks: the engine's scheduler batches them) through
+    # invoke/ainvoke above, with its return_exceptions; one scope: the model's batched generate
     def batch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
-        if isinstance(config, list) and len({repr(config_scope(c)) for c in config}) > 1:  # several scopes: one call each
-            return [self.invoke(i, c, **kwargs) for i, c in zip(inputs, config)]
+        if isinstance(config, list) and len({repr(config_scope(c)) for c in config}) > 1:
+            return Runnable.batch(self, inputs, config, return_exceptions=return_exceptions, **kwargs)  # type: ignore[arg-type]
         first = config[0] if isinstance(config, list) and config else config
         return super().batch(inputs, config, return_exceptions=return_exceptions, **scoped(first, kwargs))  # type: ignore[misc]
 
     async def abatch(self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
         if isinstance(config, list) and len({repr(config_scope(c)) for c in config}) > 1:
-            return [await self.ainvoke(i, c, **kwargs) for i, c in zip(inputs, config)]
+            return await Runnable.abatch(self, inputs, config, return_exceptions=return_exceptions, **kwargs)  # type: ignore[arg-type]
         first = config[0] if isinstance(config, list) and config else config
         return await super().abatch(inputs, config, return_exceptions=return_exceptions, **scoped(first, kwargs))  # type: ignore[misc]
 
