@@ -389,12 +389,18 @@ async def _cancel_and_count_rows(engine, task: asyncio.Task) -> None:
 
 
 async def test_cancelled_llama_index_and_langchain_calls_free_their_rows(engine):
-    """LlamaIndex's acomplete/achat and LangChain's ainvoke run on the engine's asyncio path: a task
-    cancelled mid-answer frees its row (on a worker thread, LlamaIndex's decoded on to its 400th token)."""
+    """LlamaIndex's acomplete/achat/astructured_predict and LangChain's ainvoke run on the engine's
+    asyncio path: a task cancelled mid-answer frees its row (on a worker thread, LlamaIndex's decoded
+    on to its 400th token)."""
     from llama_index.core.llms import ChatMessage
+    from llama_index.core.prompts import PromptTemplate
+    from pydantic import BaseModel
 
     from pc_rag.integrations.langchain import ChatPromptCache
     from pc_rag.integrations.llama_index import PromptCacheLLM
+
+    class Story(BaseModel):
+        text: str
 
     engine.stop_token_ids.clear()
     llm = PromptCacheLLM(engine=engine, max_new_tokens=400)
@@ -402,7 +408,7 @@ async def test_cancelled_llama_index_and_langchain_calls_free_their_rows(engine)
     await keeper.__anext__()
     chat = ChatPromptCache(engine=engine, max_new_tokens=400)
     for call in (lambda: llm.acomplete("Stop soon, please."), lambda: llm.achat([ChatMessage(role="user", content="Stop soon.")]),
-                 lambda: chat.ainvoke("Stop soon.")):
+                 lambda: chat.ainvoke("Stop soon."), lambda: llm.astructured_predict(Story, PromptTemplate("Stop soon."))):
         task = asyncio.create_task(call())
         while engine.scheduler.running < 2:  # its row admitted beside the keeper's (a condition, not a timing)
             await asyncio.sleep(0.01)

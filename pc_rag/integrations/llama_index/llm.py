@@ -3,7 +3,6 @@ structured prediction; sync and async)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any
@@ -301,17 +300,18 @@ class PromptCacheLLM(FunctionCallingLLM):
             return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
         response = self.chat(self._structured_messages(prompt, prompt_args), **_structured_kwargs(output_cls, llm_kwargs))
-        result = output_cls.model_validate_json(response.message.content or "")
-        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
-        return result
+        return _structured_result(output_cls, response)
 
     @dispatcher.span
     async def astructured_predict(self, output_cls: type[Any], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None,
                                   **prompt_args: Any) -> Any:
-        """:meth:`structured_predict` on a worker thread."""
+        """:meth:`structured_predict` through :meth:`achat` (the engine's asyncio path: a cancelled
+        call frees its row at the next step; on a worker thread it decoded on to the end)."""
         if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
             return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
-        return await asyncio.to_thread(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
+        response = await self.achat(self._structured_messages(prompt, prompt_args), **_structured_kwargs(output_cls, llm_kwargs))
+        return _structured_result(output_cls, response)
 
     @dispatcher.span
     def stream_structured_predict(self, output_cls: type[Any], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None,
@@ -337,6 +337,13 @@ class PromptCacheLLM(FunctionCallingLLM):
         if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
             return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
         return iterate_in_thread(self.stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args))
+
+
+def _structured_result(output_cls: type[Any], response: ChatResponse) -> Any:
+    """The reply parsed as ``output_cls`` (constrained decoding made it a document of its schema)."""
+    result = output_cls.model_validate_json(response.message.content or "")
+    dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+    return result
 
 
 def _structured_kwargs(output_cls: type[Any], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
