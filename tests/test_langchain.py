@@ -114,10 +114,13 @@ def test_chat_logprobs_where_chat_openai_puts_them(smollm):
     content = message.response_metadata["logprobs"]["content"]
     assert "".join(t["token"] for t in content) == message.content and len(content) == message.usage_metadata["output_tokens"]
     assert all(len(t["top_logprobs"]) == 2 and t["top_logprobs"][0]["token"] == t["token"] and t["logprob"] <= 0 for t in content)
-    streamed = None
-    for chunk in chat.stream(messages):
+    streamed, chunks = None, list(chat.stream(messages))
+    for chunk in chunks:  # each chunk with the tokens its text completes, as ChatOpenAI streams them
         streamed = chunk if streamed is None else streamed + chunk
+        if chunk.content:
+            assert "".join(t["token"] for t in chunk.response_metadata["logprobs"]["content"]) == chunk.content
     assert [t["token"] for t in streamed.response_metadata["logprobs"]["content"]] == [t["token"] for t in content]
+    assert sum(bool(c.content) for c in chunks) > 1
     per_call = ChatPromptCache(engine=smollm, max_new_tokens=8).bind(logprobs=True).invoke(messages)
     assert [(t["token"], t["top_logprobs"]) for t in per_call.response_metadata["logprobs"]["content"]] == [
         (t["token"], []) for t in content]

@@ -61,6 +61,29 @@ def test_a_stop_token_or_string_leaves_one_entry_per_generated_token(make_engine
     assert stopped.finish_reason == "stop" and len(stopped.logprobs) == len(stopped.token_ids)
 
 
+async def test_streamed_pieces_carry_the_logprobs_of_the_tokens_they_complete(make_engine, tokenizer):
+    """Each piece of a stream is a str with ``.logprobs``: the entries of the tokens whose text it
+    completes, in order; joined, they are the result's (a stop sequence's cut tokens excepted)."""
+    engine = make_engine("llama")
+    engine.stop_token_ids.clear()
+    prompt = _prompts(engine)[1]
+    whole = engine.generate(prompt, max_new_tokens=24, logprobs=1)
+    for stop in (None, [whole.text[5:9]]):
+        stream = engine.stream(prompt, max_new_tokens=24, logprobs=1, stop=stop)
+        pieces = list(stream)
+        result = stream.result
+        entries = [e for piece in pieces for e in piece.logprobs]
+        assert entries == result.logprobs[: len(entries)] and "".join(pieces) == result.text
+        if stop is None:  # without held-back text, each piece is the text of its own tokens
+            assert len(pieces) > 1 and entries == result.logprobs == whole.logprobs
+            assert all(tokenizer.decode([e.token_id for e in piece.logprobs], skip_special_tokens=True) == piece for piece in pieces)
+        else:
+            assert result.finish_reason == "stop" and len(entries) < len(result.logprobs)
+    streamed = [piece async for piece in engine.astream(prompt, max_new_tokens=24, logprobs=1)]
+    assert [e for piece in streamed for e in piece.logprobs] == whole.logprobs
+    assert all(type(piece) is str for piece in engine.stream(prompt, max_new_tokens=8))  # not asked for: plain text
+
+
 def test_batched_and_concurrent_callers_get_their_lone_calls_logprobs(make_engine):
     engine = make_engine("llama")
     prompts = _prompts(engine)

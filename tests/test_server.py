@@ -121,13 +121,23 @@ def test_logprobs_of_chat_and_text_completions(client):
                       ({"top_logprobs": 2}, "top_logprobs needs logprobs: true")):
         with pytest.raises(openai.BadRequestError, match=says):
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **bad)
-    # streamed: the chunks' lists joined are the whole reply's
+    # streamed: each chunk carries the tokens its text completes, and the lists joined are the whole reply's
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, logprobs=True, top_logprobs=3,
                                                  stream=True))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    with_text = [c.choices[0] for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(with_text) > 1 and all("".join(t.token for t in c.logprobs.content) == c.delta.content for c in with_text)
     pieces = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2, stream=True))
     assert [t for p in pieces if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens] == text.logprobs.tokens
+    offsets = [o for p in pieces if p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset]
+    assert offsets == text.logprobs.text_offset and sum(bool(p.choices[0].text) for p in pieces) > 1
+    # a stop sequence holds text back: its tokens come with the text that shows them, those it cuts at the end
+    stopped = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, logprobs=0, stream=True,
+                                             stop=[text.text[3:6]]))
+    whole = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, logprobs=0, stop=[text.text[3:6]])
+    assert [t for p in stopped if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens] == whole.choices[0].logprobs.tokens
+    assert "".join(p.choices[0].text for p in stopped) == whole.choices[0].text
 
 
 def test_logit_bias_forces_and_bans_tokens(client, tokenizer):

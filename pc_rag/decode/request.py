@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
-from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
+from .logprobs import MAX_TOP_LOGPROBS, PieceAligner, TokenLogprob, token_logprob
 
 
 @dataclass
@@ -529,6 +529,7 @@ class RequestState:
         self.logits: list[torch.Tensor] | None = [] if params.output_logits else None
         self.top_logprobs = params.logprobs
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.aligner = PieceAligner(self.logprobs) if self.logprobs is not None else None  # streamed pieces carry theirs
         self.done = self.budget <= 0
         self.error: Exception | None = None  # what failed this request alone (see fail)
         self.prefill_started = time.perf_counter()
@@ -569,9 +570,14 @@ class RequestState:
         self.stats.generated_tokens += 1
         if self.logprobs is not None and logits is not None:
             self.logprobs.append(token_logprob(logits, token, self.top_logprobs or 0))
-        delta = self.stops.feed(self.detok.add(token))
+        text = self.detok.add(token)
+        if self.aligner is not None:
+            self.aligner.decoded(self.detok.released, bool(text))
+        delta = self.stops.feed(text)
         if delta:
             self.pieces.append(delta)
+            if self.aligner is not None:
+                delta = self.aligner.piece(delta)
         if self.stops.stopped:
             self.finish, self.done = "stop", True
         elif self.steps >= self.budget:
@@ -584,9 +590,14 @@ class RequestState:
         """The text still held back (flushed now) and the finished Generation."""
         tail = ""
         if not self.stops.stopped:
-            tail = self.stops.feed(self.detok.finish()) + self.stops.flush()
+            rest = self.detok.finish()
+            if self.aligner is not None:
+                self.aligner.settle(self.detok.released)
+            tail = self.stops.feed(rest) + self.stops.flush()
             if tail:
                 self.pieces.append(tail)
+                if self.aligner is not None:
+                    tail = self.aligner.piece(tail)
         self.stats.total_s = time.perf_counter() - self.started
         return tail, Generation("".join(self.pieces), self.stats, list(self.detok.tokens), self.finish, self.logits,
                                 self.logprobs)

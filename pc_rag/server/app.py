@@ -205,6 +205,8 @@ class Server:
     async def _events(self, request_id: str, call: Call, stream: Any, first: str | None, chat: bool,
                       tenant: Tenant) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
+        tokenizer = self.backend.tokenizer
+        sent = shown = 0  # log-probability entries and characters streamed so far
         try:
             if chat:
                 yield _sse(chat_chunk(request_id, self.model, {"role": "assistant", "content": ""}))
@@ -214,9 +216,16 @@ class Server:
                     pass
             else:
                 async for piece in pieces:
-                    yield _sse(chat_chunk(request_id, self.model, {"content": piece}) if chat
-                               else completion_chunk(request_id, self.model, piece))
+                    # a piece carries the log-probabilities of the tokens it completes (LoggedPiece)
+                    logged = getattr(piece, "logprobs", None)
+                    if chat:
+                        yield _sse(chat_chunk(request_id, self.model, {"content": str(piece)}, logprobs=chat_logprobs(logged, tokenizer)))
+                    else:
+                        yield _sse(completion_chunk(request_id, self.model, str(piece), logprobs=completion_logprobs(logged, tokenizer, shown)))
+                    sent += len(logged or ())
+                    shown += len(piece)
             result: Generation = stream.result
+            rest = None if result.logprobs is None else result.logprobs[sent:]  # those of tokens never shown (a stop sequence)
             self.metrics.generation(result)
             self.quota.spend(tenant, usage([result])["total_tokens"])
             if chat:
@@ -225,12 +234,9 @@ class Server:
                     delta = ({"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]} if "tool_calls" in message
                              else {"content": message["content"]})
                     yield _sse(chat_chunk(request_id, self.model, delta))
-                # streamed, every token's log-probability comes on the last chunk: pieces are text
-                # held back past stop sequences, not tokens (a client joining the chunks' lists has them all)
-                yield _sse(chat_chunk(request_id, self.model, {}, finish, chat_logprobs(result.logprobs, self.backend.tokenizer)))
+                yield _sse(chat_chunk(request_id, self.model, {}, finish, chat_logprobs(rest, tokenizer)))
             else:
-                yield _sse(completion_chunk(request_id, self.model, "", result.finish_reason,
-                                            completion_logprobs(result.logprobs, self.backend.tokenizer)))
+                yield _sse(completion_chunk(request_id, self.model, "", result.finish_reason, completion_logprobs(rest, tokenizer, shown)))
             if call.include_usage:
                 yield _sse(usage_chunk(request_id, self.model, kind, result))
         except Exception as exc:  # headers are sent: the error is the stream's last event

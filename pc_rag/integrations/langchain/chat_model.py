@@ -60,11 +60,12 @@ def _turn(message: BaseMessage) -> dict[str, Any]:
     return turn
 
 
-def _ai_message(result: EngineGeneration, engine: PromptCache, tools: list[dict[str, Any]]) -> AIMessage:
-    """The reply as an AIMessage: tool calls in ``tool_calls`` when it is one, text otherwise."""
+def _ai_message(result: EngineGeneration, engine: PromptCache, tools: list[dict[str, Any]], logprobs_from: int = 0) -> AIMessage:
+    """The reply as an AIMessage: tool calls in ``tool_calls`` when it is one, text otherwise;
+    its log-probabilities from entry ``logprobs_from`` on (a stream sent those before)."""
     info = generation_info(result, engine)
     if result.logprobs is not None:  # ChatOpenAI's place and shape for them
-        info["logprobs"] = chat_logprobs(result.logprobs, engine.tokenizer)
+        info["logprobs"] = chat_logprobs(result.logprobs[logprobs_from:], engine.tokenizer)
     calls = parse_calls(result.text, tools) if tools else []
     if calls:
         info["finish_reason"] = "tool_calls"
@@ -226,16 +227,20 @@ class ChatPromptCache(EngineParams, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         prompt, params, tools = self._request(messages, stop, kwargs)
         stream: StreamingGeneration = self.engine.stream(prompt, **params)
+        sent = 0  # log-probability entries streamed: a piece carries those of the tokens it completes
         for text in stream:
             if tools:  # the reply may be a call: read whole before it is sent
                 continue
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=text))
+            logged = getattr(text, "logprobs", None)
+            metadata = {} if logged is None else {"logprobs": chat_logprobs(logged, self.engine.tokenizer)}
+            sent += len(logged or ())
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=str(text), response_metadata=metadata))
             if run_manager is not None:
                 run_manager.on_llm_new_token(text, chunk=chunk)
             yield chunk
         assert stream.result is not None
         check_document(stream.result, self.engine, params)
-        message = _ai_message(stream.result, self.engine, tools)
+        message = _ai_message(stream.result, self.engine, tools, logprobs_from=sent)
         if tools:
             chunk = ChatGenerationChunk(message=AIMessageChunk(
                 content=message.content,
