@@ -105,12 +105,7 @@ class Serving:
     def next_token_logits(self, prompt: str, *, use_cache: bool = True, collections: str | Sequence[str] | None = None) -> torch.Tensor:
         """Logits of the first generated token: the quantity cached inference must reproduce."""
         plans = self._prepare([prompt], use_cache, planner.scope(collections))
-        run = self._run(plans, SamplingParams(max_new_tokens=0), use_cache, time.perf_counter(), share=False, logits_only=True)
-        try:
-            while True:
-                next(run)
-        except StopIteration as done:
-            return done.value
+        return _finish(self._run(plans, SamplingParams(max_new_tokens=0), use_cache, time.perf_counter(), share=False, logits_only=True))
 
     def generate(self, prompt: str, *, max_new_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, stop: str | Sequence[str] | None = None,
@@ -203,17 +198,14 @@ class Serving:
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
         params = sampling_params({**kwargs, **generation}, self.generation_config)  # bad arguments fail first
         scope = planner.scope(collections)
-        if len(prompts) <= 1 or not self.spec.one_pass:
+        if len(prompts) <= 1:
             return [self.generate(p, use_cache=use_cache, collections=scope, **kwargs, **generation) for p in prompts]  # type: ignore[arg-type]
         started = time.perf_counter()
         plans = self._prepare(prompts, use_cache, scope)
+        if not self.spec.one_pass:  # one prompt after another, each its own request (planned above, all first)
+            return [_finish(self._run([plan], params, use_cache, started, share=False)) for plan in plans]
         share = self._shares if share_modules is None else share_modules and self.spec.split
-        run = self._run(plans, params, use_cache, started, share=share)
-        try:
-            while True:
-                next(run)
-        except StopIteration as done:
-            return done.value
+        return _finish(self._run(plans, params, use_cache, started, share=share))
 
     def warm_up(self, *, new_tokens: int = 3) -> WarmUp:
         """Compile (under ``compile="reduce-overhead"`` on a GPU: record as CUDA graphs) the decode
@@ -312,3 +304,12 @@ class Serving:
             for p in plans
         ]
         return Ticket(plans, requests, use_cache=use_cache, share=share, submitted=time.perf_counter(), logits_only=logits_only)
+
+
+def _finish(run: Generator[str, None, Any]) -> Any:
+    """What ``run`` (a :meth:`Serving._run`) returns, its text pieces passed over."""
+    try:
+        while True:
+            next(run)
+    except StopIteration as done:
+        return done.value

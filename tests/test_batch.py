@@ -58,12 +58,15 @@ def test_models_without_custom_masks_are_served_one_by_one(make_engine):
     ]
 
 
-def test_bad_batches_fail_before_any_work(make_engine):
-    engine = make_engine("llama")
+@pytest.mark.parametrize("arch", ["llama", "bloom", "gpt2"])
+def test_bad_batches_fail_before_any_work(make_engine, arch):
+    """Every prompt is planned before any work, on models served one prompt after another too
+    (ALiBi, learned positions: the first prompt was answered before the second was refused)."""
+    engine = make_engine(arch)
     with pytest.raises(PromptCacheError, match="sequence of prompts"):
         engine.generate_batch("one prompt")
     passes = engine.forward.passes
-    with pytest.raises(PromptCacheError, match="unknown schema"):
+    with pytest.raises(PromptCacheError, match="prompt 1: .*unknown schema"):
         engine.generate_batch(["fine", PML('<prompt schema="nope"><user>x</user></prompt>')])
     assert engine.forward.passes == passes
     assert engine.generate_batch([]) == []

@@ -236,7 +236,7 @@ class ChatPromptCache(EngineParams, BaseChatModel):
             sent += len(logged or ())
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=str(text), response_metadata=metadata))
             if run_manager is not None:
-                run_manager.on_llm_new_token(text, chunk=chunk)
+                run_manager.on_llm_new_token(str(text), chunk=chunk)
             yield chunk
         assert stream.result is not None
         check_document(stream.result, self.engine, params)
