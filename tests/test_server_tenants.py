@@ -23,13 +23,15 @@ from .servers import MODEL, ServerProcess
 
 KEY_A, KEY_B, KEY_C = "key-of-tenant-a-0001", "key-of-tenant-b-0002", "key-of-tenant-c-0003"
 KEY_D = "key-of-tenant-d-0004"  # 60 tokens a minute: a chat request of 8 new tokens uses ~40
+KEY_E = "key-of-tenant-e-0005"  # a bound no test reaches: its minute's tokens are read
 
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     server = ServerProcess(tmp_path_factory.mktemp("keyed"), "--max-running", "2", "--max-queued", "2",
                            keys={KEY_A: ["alpha"], KEY_B: ["beta"], KEY_C: {"collections": ["gamma"], "max_in_flight": 1},
-                                 KEY_D: {"collections": ["delta"], "max_tokens_per_minute": 60}})
+                                 KEY_D: {"collections": ["delta"], "max_tokens_per_minute": 60},
+                                 KEY_E: {"collections": ["epsilon"], "max_tokens_per_minute": 10**9}})
     yield server
     server.close()
 
@@ -183,6 +185,31 @@ def test_a_key_past_its_tokens_per_minute_waits_while_others_are_served(keyed):
     assert ask(keyed, KEY_A, "Say hi.").status_code == 200  # other keys are served meanwhile
     assert keyed.metric("pcrag_tenant_refused_total", tenant="key #4") >= 1
     assert keyed.metric("pcrag_tenant_tokens_last_minute", tenant="key #4") == used
+
+
+def test_a_client_that_leaves_is_charged_what_its_reply_used(keyed):
+    """A stream its client cut, or a whole reply it did not wait for, is charged to the key's
+    minute (its prompt, and what was streamed or the reply's budget): a key that left just before
+    each reply's end was never charged."""
+    def spent() -> float:
+        return keyed.metric("pcrag_tenant_tokens_last_minute", tenant="key #5")
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", keyed.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_E}"},
+                      timeout=120) as response:
+        events = (line for line in response.iter_lines() if line)
+        assert all(next(events).startswith("data: ") for _ in range(3))
+    keyed.wait_for(lambda: spent() > 0, "the cut stream charged")
+    keyed.wait_for(lambda: keyed.metric("pcrag_running_rows") == 0, "the stream's row let go")
+    assert spent() < 2000  # its prompt and the few tokens streamed, not its budget
+    before = spent()
+    payload = json.dumps({**body, "stream": False}).encode()
+    with socket.create_connection(("127.0.0.1", keyed.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {KEY_E}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        keyed.wait_for(lambda: keyed.metric("pcrag_running_rows") == 1, "request admitted")
+    keyed.wait_for(lambda: spent() >= before + 2000, "the abandoned reply charged its budget")
 
 
 def test_tokens_per_minute_leave_the_minute_on_time():

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..decode.logprobs import chat_logprobs, completion_logprobs
-from ..decode.request import Generation
+from ..decode.request import Generation, SamplingParams
 from ..errors import PromptCacheError, QueueFull, ServingFailed
 from ..integrations._shared import model_name as engine_model_name
 from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_reference
@@ -108,8 +108,8 @@ class Server:
             if call.stream:
                 return await self._stream(request_id, call, tenant, documents, slots, chat=True)
             slots.grow(body.n)  # one per choice: each is a row of the scheduler
-            results = await _unless_disconnected(request, gather_or_cancel(*(self._generate(c, tenant, documents)
-                                                                            for c in choices(call, body.n))))
+            calls = choices(call, body.n)
+            results = await self._whole(request, tenant, calls, body.n, documents)
             self.quota.spend(tenant, usage(results, body.n)["total_tokens"])
             return JSONResponse(chat_response(request_id, self.model, results, call.tools, self.backend.tokenizer))
         finally:
@@ -125,7 +125,7 @@ class Server:
             request_id = new_id("cmpl")
             if calls[0].stream:
                 return await self._stream(request_id, calls[0], tenant, (), slots, chat=False)
-            results = await _unless_disconnected(request, gather_or_cancel(*(self._generate(call, tenant) for call in calls)))
+            results = await self._whole(request, tenant, calls, body.n)
             self.quota.spend(tenant, usage(results, body.n)["total_tokens"])
             return JSONResponse(completion_response(request_id, self.model, results, body.n, self.backend.tokenizer))
         finally:
@@ -176,6 +176,29 @@ class Server:
         return Response(self.metrics.scrape(), media_type=CONTENT_TYPE)
 
     # -- generation -------------------------------------------------------------------------------
+    async def _whole(self, request: Request, tenant: Tenant, calls: list[Call], n: int, documents: Sequence[str] = ()) -> list[Generation]:
+        """Every call's Generation (a refused one cancels the rest); a client gone first is charged."""
+        try:
+            return await _unless_disconnected(request, gather_or_cancel(*(self._generate(c, tenant, documents) for c in calls)))
+        except _ClientGone:
+            self._charge_departed(tenant, calls[::n])
+            raise
+
+    def _charge_departed(self, tenant: Tenant, calls: Sequence[Call], streamed: str | None = None) -> None:
+        """A client gone before its reply finished is charged what the reply may have used: the
+        tokens of its prompts (``calls``: one per prompt; as rendered, so a module reference counts
+        as its own short text) and of the text streamed to it, or, for a whole reply it never saw,
+        each generation's budget. Else a key could leave just before each reply's end and never
+        be charged for its tokens per minute."""
+        if tenant.max_tokens_per_minute is None:
+            return
+        tokens = sum(_count(self.backend.tokenizer, c.prompt) for c in calls)
+        if streamed is not None:
+            tokens += _count(self.backend.tokenizer, streamed)
+        else:
+            tokens += sum(c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
+        self.quota.spend(tenant, tokens)
+
     async def _generate(self, call: Call, tenant: Tenant, documents: Sequence[str] = ()) -> Generation:
         result = await self.backend.generate(call_payload(call.prompt, call.params, tenant.scope, documents))
         self.metrics.generation(result)
@@ -207,6 +230,8 @@ class Server:
         kind = "chat.completion.chunk" if chat else "text_completion"
         tokenizer = self.backend.tokenizer
         sent = shown = 0  # log-probability entries and characters streamed so far
+        texts: list[str] = []
+        finished = False
         try:
             if chat:
                 yield _sse(chat_chunk(request_id, self.model, {"role": "assistant", "content": ""}))
@@ -224,10 +249,12 @@ class Server:
                         yield _sse(completion_chunk(request_id, self.model, str(piece), logprobs=completion_logprobs(logged, tokenizer, shown)))
                     sent += len(logged or ())
                     shown += len(piece)
+                    texts.append(piece)
             result: Generation = stream.result
             rest = None if result.logprobs is None else result.logprobs[sent:]  # those of tokens never shown (a stop sequence)
             self.metrics.generation(result)
             self.quota.spend(tenant, usage([result])["total_tokens"])
+            finished = True
             if chat:
                 message, finish = reply_message(result, call.tools)
                 if call.tools:
@@ -241,6 +268,9 @@ class Server:
                 yield _sse(usage_chunk(request_id, self.model, kind, result))
         except Exception as exc:  # headers are sent: the error is the stream's last event
             yield _sse(_error(exc).body())  # _error logs what is not the client's fault
+        finally:
+            if not finished:  # its client left (or it failed): charged what it used
+                self._charge_departed(tenant, [call], "".join(texts))
         yield "data: [DONE]\n\n"
 
     # -- request parts ----------------------------------------------------------------------------
@@ -332,6 +362,10 @@ def _int_query(request: Request, name: str, default: int, low: int, high: int) -
     if not raw.isdigit() or not low <= int(raw) <= high:
         raise ApiError(400, f"{name} must be an integer from {low} to {high}, got {raw!r}", param=name)
     return int(raw)
+
+
+def _count(tokenizer: Any, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -13,7 +13,8 @@ A key's ``max_tokens_per_minute`` is checked at the same moment: the tokens its 
 429 with ``Retry-After`` saying when enough of them leave the minute. A request is not priced
 before it runs (its prompt is not read yet, its reply not written), so the one that crosses the
 bound finishes, and the key's next requests wait: the bound holds over any minute but one
-request's worth.
+request's worth. A request whose client leaves first is charged what it may have used (the
+server's ``_charge_departed``), so leaving just before the end does not escape the bound.
 
 Slots and tokens are counted on the event loop's thread only (every handler runs there), so no lock.
 """
