@@ -181,18 +181,18 @@ class Server:
         try:
             return await _unless_disconnected(request, gather_or_cancel(*(self._generate(c, tenant, documents) for c in calls)))
         except _ClientGone:
-            self._charge_departed(tenant, calls[::n])
+            self._charge_departed(tenant, calls, n)
             raise
 
-    def _charge_departed(self, tenant: Tenant, calls: Sequence[Call], streamed: str | None = None) -> None:
+    def _charge_departed(self, tenant: Tenant, calls: Sequence[Call], n: int = 1, streamed: str | None = None) -> None:
         """A client gone before its reply finished is charged what the reply may have used: the
-        tokens of its prompts (``calls``: one per prompt; as rendered, so a module reference counts
-        as its own short text) and of the text streamed to it, or, for a whole reply it never saw,
-        each generation's budget. Else a key could leave just before each reply's end and never
-        be charged for its tokens per minute."""
+        tokens of its prompts (``calls``: ``n`` choices of each; a prompt as rendered, so a module
+        reference counts as its own short text) and of the text streamed to it, or, for a whole
+        reply it never saw, each generation's budget. Else a key could leave just before each
+        reply's end and never be charged for its tokens per minute."""
         if tenant.max_tokens_per_minute is None:
             return
-        tokens = sum(_count(self.backend.tokenizer, c.prompt) for c in calls)
+        tokens = sum(_count(self.backend.tokenizer, c.prompt) for c in calls[::n])
         if streamed is not None:
             tokens += _count(self.backend.tokenizer, streamed)
         else:
@@ -237,8 +237,8 @@ class Server:
                 yield _sse(chat_chunk(request_id, self.model, {"role": "assistant", "content": ""}))
             pieces = _prepend(first, stream)
             if call.tools:  # the reply may be a tool call: read it whole before anything is sent
-                async for _ in pieces:
-                    pass
+                async for piece in pieces:
+                    texts.append(piece)
             else:
                 async for piece in pieces:
                     # a piece carries the log-probabilities of the tokens it completes (LoggedPiece)
@@ -270,7 +270,7 @@ class Server:
             yield _sse(_error(exc).body())  # _error logs what is not the client's fault
         finally:
             if not finished:  # its client left (or it failed): charged what it used
-                self._charge_departed(tenant, [call], "".join(texts))
+                self._charge_departed(tenant, [call], streamed="".join(texts))
         yield "data: [DONE]\n\n"
 
     # -- request parts ----------------------------------------------------------------------------
