@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import suppress
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import Field
 from starlette.applications import Starlette
@@ -105,10 +105,10 @@ class Server:
             call = chat_call(body, self.backend.render_chat, references)
             request_id = new_id("chatcmpl")
             documents = body.documents or ()
-            if call.stream:
-                return await self._stream(request_id, call, tenant, documents, slots, chat=True)
             slots.grow(body.n)  # one per choice: each is a row of the scheduler
             calls = choices(call, body.n)
+            if call.stream:
+                return await self._stream(request_id, calls, tenant, documents, slots, chat=True)
             results = await self._whole(request, tenant, calls, body.n, documents)
             self.quota.spend(tenant, usage(results, body.n)["total_tokens"])
             return JSONResponse(chat_response(request_id, self.model, results, call.tools, self.backend.tokenizer))
@@ -124,7 +124,7 @@ class Server:
             slots.grow(len(calls))  # one per prompt and choice: each is a row of the scheduler
             request_id = new_id("cmpl")
             if calls[0].stream:
-                return await self._stream(request_id, calls[0], tenant, (), slots, chat=False)
+                return await self._stream(request_id, calls, tenant, (), slots, chat=False)
             results = await self._whole(request, tenant, calls, body.n)
             self.quota.spend(tenant, usage(results, body.n)["total_tokens"])
             return JSONResponse(completion_response(request_id, self.model, results, body.n, self.backend.tokenizer))
@@ -184,7 +184,7 @@ class Server:
             self._charge_departed(tenant, calls, n)
             raise
 
-    def _charge_departed(self, tenant: Tenant, calls: Sequence[Call], n: int = 1, streamed: str | None = None) -> None:
+    def _charge_departed(self, tenant: Tenant, calls: Sequence[Call], n: int = 1, streamed: Sequence[str] | None = None) -> None:
         """A client gone before its reply finished is charged what the reply may have used: the
         tokens of its prompts (``calls``: ``n`` choices of each; a prompt as rendered, so a module
         reference counts as its own short text) and of the text streamed to it, or, for a whole
@@ -194,7 +194,7 @@ class Server:
             return
         tokens = sum(_count(self.backend.tokenizer, c.prompt) for c in calls[::n])
         if streamed is not None:
-            tokens += _count(self.backend.tokenizer, streamed)
+            tokens += sum(_count(self.backend.tokenizer, text) for text in streamed)
         else:
             tokens += sum(c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
         self.quota.spend(tenant, tokens)
@@ -204,74 +204,78 @@ class Server:
         self.metrics.generation(result)
         return result
 
-    async def _stream(self, request_id: str, call: Call, tenant: Tenant, documents: Sequence[str], slots: Slots, *,
+    async def _stream(self, request_id: str, calls: list[Call], tenant: Tenant, documents: Sequence[str], slots: Slots, *,
                       chat: bool) -> Response:
-        """Server-sent events. The first piece is awaited before the response starts, so a request
-        refused at submission (queue full, too long, bad) still gets its status code. The stream
-        holds ``slots`` until it ends."""
-        stream = self.backend.stream(call_payload(call.prompt, call.params, tenant.scope, documents))
+        """Server-sent events of ``calls`` (one per choice, interleaved as they come). Each
+        choice's first piece is awaited before the response starts, so a request refused at
+        submission (queue full, too long, bad) still gets its status code. The stream holds
+        ``slots`` until it ends."""
+        streamed = [_Choice(i, call, self.backend.stream(call_payload(call.prompt, call.params, tenant.scope, documents)))
+                    for i, call in enumerate(calls)]
         try:
-            first: str | None = await stream.__anext__()
-        except StopAsyncIteration:
-            first = None
+            await gather_or_cancel(*(choice.start() for choice in streamed))
         except BaseException:
-            await stream.aclose()
+            for choice in streamed:
+                await choice.stream.aclose()
             raise
         held = slots.hand_over()
 
         async def close() -> None:
-            await stream.aclose()  # a disconnect cancels the events: the row is let go
+            for choice in streamed:
+                await choice.stream.aclose()  # a disconnect cancels the events: the rows are let go
             held.release()
 
-        return _EventStream(self._events(request_id, call, stream, first, chat, tenant), close)
+        return _EventStream(self._events(request_id, streamed, chat, tenant), close)
 
-    async def _events(self, request_id: str, call: Call, stream: Any, first: str | None, chat: bool,
-                      tenant: Tenant) -> AsyncIterator[str]:
+    async def _events(self, request_id: str, streamed: list["_Choice"], chat: bool, tenant: Tenant) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
-        tokenizer = self.backend.tokenizer
-        sent = shown = 0  # log-probability entries and characters streamed so far
-        texts: list[str] = []
         finished = False
         try:
-            if chat:
-                yield _sse(chat_chunk(request_id, self.model, {"role": "assistant", "content": ""}))
-            pieces = _prepend(first, stream)
-            if call.tools:  # the reply may be a tool call: read it whole before anything is sent
-                async for piece in pieces:
-                    texts.append(piece)
-            else:
-                async for piece in pieces:
-                    # a piece carries the log-probabilities of the tokens it completes (LoggedPiece)
-                    logged = getattr(piece, "logprobs", None)
-                    if chat:
-                        yield _sse(chat_chunk(request_id, self.model, {"content": str(piece)}, logprobs=chat_logprobs(logged, tokenizer)))
-                    else:
-                        yield _sse(completion_chunk(request_id, self.model, str(piece), logprobs=completion_logprobs(logged, tokenizer, shown)))
-                    sent += len(logged or ())
-                    shown += len(piece)
-                    texts.append(piece)
-            result: Generation = stream.result
-            rest = None if result.logprobs is None else result.logprobs[sent:]  # those of tokens never shown (a stop sequence)
-            self.metrics.generation(result)
-            self.quota.spend(tenant, usage([result])["total_tokens"])
+            async for chunk in _merge([self._choice_chunks(request_id, choice, chat) for choice in streamed]):
+                yield _sse(chunk)
+            results: list[Generation] = [choice.stream.result for choice in streamed]
+            for result in results:
+                self.metrics.generation(result)
+            self.quota.spend(tenant, usage(results, len(results))["total_tokens"])
             finished = True
-            if chat:
-                message, finish = reply_message(result, call.tools)
-                if call.tools:
-                    delta = ({"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]} if "tool_calls" in message
-                             else {"content": message["content"]})
-                    yield _sse(chat_chunk(request_id, self.model, delta))
-                yield _sse(chat_chunk(request_id, self.model, {}, finish, chat_logprobs(rest, tokenizer)))
-            else:
-                yield _sse(completion_chunk(request_id, self.model, "", result.finish_reason, completion_logprobs(rest, tokenizer, shown)))
-            if call.include_usage:
-                yield _sse(usage_chunk(request_id, self.model, kind, result))
+            if streamed[0].call.include_usage:
+                yield _sse(usage_chunk(request_id, self.model, kind, results))
         except Exception as exc:  # headers are sent: the error is the stream's last event
             yield _sse(_error(exc).body())  # _error logs what is not the client's fault
         finally:
             if not finished:  # its client left (or it failed): charged what it used
-                self._charge_departed(tenant, [call], streamed="".join(texts))
+                self._charge_departed(tenant, [c.call for c in streamed], len(streamed), ["".join(c.texts) for c in streamed])
         yield "data: [DONE]\n\n"
+
+    async def _choice_chunks(self, request_id: str, choice: "_Choice", chat: bool) -> AsyncIterator[dict[str, Any]]:
+        """One choice's chunks: its text as it comes (each piece with the log-probabilities of the
+        tokens it completes: LoggedPiece), then its finish (a reply that may be a tool call, whole)."""
+        tokenizer, index, call = self.backend.tokenizer, choice.index, choice.call
+        if chat:
+            yield chat_chunk(request_id, self.model, {"role": "assistant", "content": ""}, index=index)
+        sent = shown = 0  # log-probability entries and characters streamed so far
+        async for piece in _prepend(choice.first, choice.stream):
+            choice.texts.append(piece)
+            if call.tools:  # the reply may be a tool call: read it whole before anything is sent
+                continue
+            logged = getattr(piece, "logprobs", None)
+            if chat:
+                yield chat_chunk(request_id, self.model, {"content": str(piece)}, logprobs=chat_logprobs(logged, tokenizer), index=index)
+            else:
+                yield completion_chunk(request_id, self.model, str(piece), logprobs=completion_logprobs(logged, tokenizer, shown), index=index)
+            sent += len(logged or ())
+            shown += len(piece)
+        result: Generation = choice.stream.result
+        rest = None if result.logprobs is None else result.logprobs[sent:]  # those of tokens never shown (a stop sequence)
+        if not chat:
+            yield completion_chunk(request_id, self.model, "", result.finish_reason, completion_logprobs(rest, tokenizer, shown), index=index)
+            return
+        message, finish = reply_message(result, call.tools)
+        if call.tools:
+            delta = ({"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]} if "tool_calls" in message
+                     else {"content": message["content"]})
+            yield chat_chunk(request_id, self.model, delta, index=index)
+        yield chat_chunk(request_id, self.model, {}, finish, chat_logprobs(rest, tokenizer), index=index)
 
     # -- request parts ----------------------------------------------------------------------------
     async def _body(self, request: Request) -> bytes:
@@ -346,6 +350,60 @@ class _EventStream(StreamingResponse):
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _Choice:
+    """One streamed choice: its call, its stream, its first piece (awaited before the response
+    starts) and the text streamed so far."""
+
+    def __init__(self, index: int, call: Call, stream: Any) -> None:
+        self.index, self.call, self.stream = index, call, stream
+        self.first: str | None = None
+        self.texts: list[str] = []
+
+    async def start(self) -> None:
+        try:
+            self.first = await self.stream.__anext__()
+        except StopAsyncIteration:
+            self.first = None
+
+
+T = TypeVar("T")
+
+
+async def _merge(sources: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of every source as they come (one source: in turn); a source's error is raised
+    here, and leaving early stops them all."""
+    if len(sources) == 1:
+        async for item in sources[0]:
+            yield item
+        return
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+
+    async def pump(source: AsyncIterator[T]) -> None:
+        try:
+            async for item in source:
+                await queue.put((True, item))
+        except Exception as exc:  # noqa: BLE001 - raised by the consumer below
+            await queue.put((False, exc))
+            return
+        await queue.put((False, None))
+
+    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
+    try:
+        left = len(tasks)
+        while left:
+            ok, item = await queue.get()
+            if ok:
+                yield item
+            elif item is None:
+                left -= 1
+            else:
+                raise item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _prepend(first: str | None, stream: Any) -> AsyncIterator[str]:

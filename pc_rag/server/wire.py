@@ -223,11 +223,6 @@ def choices(call: Call, n: int) -> list[Call]:
     return [replace(call, params={**call.params, "seed": (seed + i - SEED_MIN) % span + SEED_MIN}) for i in range(n)]
 
 
-def _refuse_unsupported(body: _Sampling) -> None:
-    if body.n > 1 and body.stream:
-        raise ApiError(400, f"n={body.n} is answered whole, not streamed (stream: false, or n=1)", param="n")
-
-
 def _logprobs(body: _Sampling) -> int | None:
     """How many alternatives each token's log-probability comes with (None: no log-probabilities).
     Chat asks with ``logprobs: true`` and ``top_logprobs``; text completions with ``logprobs: k``."""
@@ -293,7 +288,6 @@ def _turn(message: Message, index: int) -> dict[str, Any]:
 def chat_call(body: ChatRequest, render: Any, references: Sequence[str] = ()) -> Call:
     """The engine call of a chat completion; ``render`` is the engine's ``render_chat``;
     ``references`` (module references of the documents the body names) open the last user message."""
-    _refuse_unsupported(body)
     turns = [_turn(message, i) for i, message in enumerate(body.messages)]
     if references:
         users = [i for i, turn in enumerate(turns) if turn["role"] == "user"]
@@ -321,7 +315,6 @@ def chat_call(body: ChatRequest, render: Any, references: Sequence[str] = ()) ->
 
 def completion_calls(body: CompletionRequest) -> list[Call]:
     """The engine calls of a text completion: one per prompt (a list gives one choice each)."""
-    _refuse_unsupported(body)
     if body.echo or body.suffix or (body.best_of or 1) != 1:
         raise ApiError(400, "echo, suffix and best_of are not supported", param="echo")
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
@@ -377,17 +370,19 @@ def completion_response(request_id: str, model: str, results: Sequence[Generatio
 
 
 def chat_chunk(request_id: str, model: str, delta: dict[str, Any], finish: str | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
 
 def completion_chunk(request_id: str, model: str, text: str, finish: str | None = None,
-                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                     logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
+            "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
 
 
-def usage_chunk(request_id: str, model: str, kind: str, result: Generation) -> dict[str, Any]:
-    """The last chunk of a stream asked for with ``stream_options.include_usage``: no choices, the usage."""
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [], "usage": usage([result])}
+def usage_chunk(request_id: str, model: str, kind: str, results: Sequence[Generation]) -> dict[str, Any]:
+    """The last chunk of a stream asked for with ``stream_options.include_usage``: no choices, the
+    usage of its choices (one prompt's)."""
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(results, len(results))}
