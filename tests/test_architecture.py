@@ -1,10 +1,12 @@
 """The house rules docs/architecture.md states, held by the code itself: layers import downwards
 only, no import cycle (imports under TYPE_CHECKING and inside functions count), no private name
-imported across modules, short functions, a short engine and a short README."""
+imported across modules, short functions, a short engine and a short README, and a clean lint."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,14 @@ def _lengths(path: Path):
 def test_no_function_over_60_lines():
     long = [f"{p.relative_to(ROOT)}:{line} {name} ({n} lines)" for p in MODULES.values() for name, line, n in _lengths(p) if n > 60]
     assert long == []
+
+
+def test_lint_is_clean():
+    """pyflakes, pycodestyle's errors and import order (the rule set pyproject.toml fixes) over the
+    package, the tests and the benchmarks: unused imports and names, undefined names, shadowing."""
+    found = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "pc_rag", "tests", "benchmarks"],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout + found.stderr
 
 
 @pytest.mark.parametrize(("path", "limit"), [("pc_rag/engine.py", 300), ("README.md", 300)])
