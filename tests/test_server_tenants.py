@@ -171,20 +171,25 @@ def test_in_flight_bounds_from_the_key_file_and_the_flag():
 
 
 def test_a_key_past_its_tokens_per_minute_waits_while_others_are_served(keyed):
-    """Charged as each generation finishes (usage's total tokens); once a key's last minute holds
-    its bound, its requests get 429 with the seconds until enough leave the minute."""
+    """A request holds what it may use (its prompt and max_tokens) once its body is read: a key's
+    request that would take its minute past the bound gets 429 with the seconds until enough
+    leave the minute, so the key never uses more than its bound (before, the request that
+    crossed it was served and the key used ~80 of its 60 tokens)."""
     answers = []
     while len(answers) < 5 and (not answers or answers[-1].status_code == 200):
         answers.append(ask(keyed, KEY_D, "Say hi."))
     used = sum(a.json()["usage"]["total_tokens"] for a in answers if a.status_code == 200)
     refused = answers[-1]
-    assert refused.status_code == 429 and used >= 60 > used - answers[0].json()["usage"]["total_tokens"]
+    assert refused.status_code == 429 and 0 < used <= 60
     error = refused.json()["error"]
     assert error["code"] == "rate_limit_exceeded" and f"used {used} tokens in the last minute" in error["message"]
-    assert "max_tokens_per_minute: 60" in error["message"] and 1 <= int(refused.headers["Retry-After"]) <= 60
+    assert "this request may use" in error["message"] and "max_tokens_per_minute: 60" in error["message"]
+    assert 1 <= int(refused.headers["Retry-After"]) <= 60
     assert ask(keyed, KEY_A, "Say hi.").status_code == 200  # other keys are served meanwhile
     assert keyed.metric("pcrag_tenant_refused_total", tenant="key #4") >= 1
     assert keyed.metric("pcrag_tenant_tokens_last_minute", tenant="key #4") == used
+    alone = ask(keyed, KEY_D, "Say hi.", max_tokens=100)  # more than the bound by itself: it could never be served
+    assert alone.status_code == 400 and "lower max_tokens" in alone.json()["error"]["message"]
 
 
 def test_a_client_that_leaves_is_charged_what_its_reply_used(keyed):
@@ -210,6 +215,47 @@ def test_a_client_that_leaves_is_charged_what_its_reply_used(keyed):
                      + f"Authorization: Bearer {KEY_E}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
         keyed.wait_for(lambda: keyed.metric("pcrag_running_rows") == 1, "request admitted")
     keyed.wait_for(lambda: spent() >= before + 2000, "the abandoned reply charged its budget")
+
+
+def test_requests_in_flight_hold_what_they_may_use_of_the_minute():
+    """Slots.reserve, on a clock the test moves: what requests in flight hold counts against the
+    bound with what the minute spent, a charge lets go of the hold at once, and a request that
+    alone may use more than the bound is refused for good (400), not told to retry."""
+    now = [0.0]
+    tenant = Tenants({KEY_A: {"collections": ["a"], "max_tokens_per_minute": 100}}).authenticate(f"Bearer {KEY_A}")
+    quota = Quota(clock=lambda: now[0])
+    first = quota.take(tenant)
+    first.reserve(70)
+    second = quota.take(tenant)  # 70 held, none spent: room for one more token
+    with pytest.raises(ApiError) as refused:
+        second.reserve(40)
+    assert refused.value.status == 429 and "holds 70 for its requests in flight" in refused.value.message
+    assert "retry when a request has finished" in refused.value.message
+    second.release()
+    assert quota.reserved(tenant) == 70
+    now[0] = 5.0
+    first.charge(60)  # it used less than it held
+    assert (quota.reserved(tenant), quota.spent(tenant)) == (0, 60)
+    first.release()
+    later = quota.take(tenant)
+    later.reserve(40)  # 60 spent + 40 held: exactly the bound
+    assert quota.reserved(tenant) == 40
+    with pytest.raises(ApiError) as full:
+        quota.take(tenant)  # nothing left of the minute until the 60 leave it at t=65
+    assert full.value.status == 429 and full.value.headers["Retry-After"] == "60"
+    later.release()  # a request that failed: what it held is let go, nothing charged
+    assert (quota.reserved(tenant), quota.spent(tenant), quota.held(tenant)) == (0, 60, 0)
+    doomed = quota.take(tenant)
+    with pytest.raises(PromptCacheError, match="may use 101 tokens .* lower max_tokens"):
+        doomed.reserve(101)
+    doomed.release()
+    handed = quota.take(tenant)
+    handed.reserve(30)
+    stream = handed.hand_over()  # a streamed response holds them from here on
+    handed.release()
+    assert quota.reserved(tenant) == 30
+    stream.release()
+    assert (quota.reserved(tenant), quota.held(tenant)) == (0, 0)
 
 
 def test_tokens_per_minute_leave_the_minute_on_time():

@@ -107,10 +107,11 @@ class Server:
             documents = body.documents or ()
             slots.grow(body.n)  # one per choice: each is a row of the scheduler
             calls = choices(call, body.n)
+            slots.reserve(self._price(tenant, calls, body.n))  # of the key's minute, until it is charged what it used
             if call.stream:
                 return await self._stream(request_id, calls, tenant, documents, slots, chat=True)
-            results = await self._whole(request, tenant, calls, body.n, documents)
-            self.quota.spend(tenant, usage(results, body.n)["total_tokens"])
+            results = await self._whole(request, slots, calls, body.n, documents)
+            slots.charge(usage(results, body.n)["total_tokens"])
             return JSONResponse(chat_response(request_id, self.model, results, call.tools, self.backend.tokenizer))
         finally:
             slots.release()  # nothing after a stream's hand-over: the stream gives them back as it ends
@@ -122,11 +123,12 @@ class Server:
             self._check_model(body.model)
             calls = completion_calls(body)
             slots.grow(len(calls))  # one per prompt and choice: each is a row of the scheduler
+            slots.reserve(self._price(tenant, calls, body.n))
             request_id = new_id("cmpl")
             if calls[0].stream:
                 return await self._stream(request_id, calls, tenant, (), slots, chat=False)
-            results = await self._whole(request, tenant, calls, body.n)
-            self.quota.spend(tenant, usage(results, body.n)["total_tokens"])
+            results = await self._whole(request, slots, calls, body.n)
+            slots.charge(usage(results, body.n)["total_tokens"])
             return JSONResponse(completion_response(request_id, self.model, results, body.n, self.backend.tokenizer))
         finally:
             slots.release()
@@ -176,28 +178,36 @@ class Server:
         return Response(self.metrics.scrape(), media_type=CONTENT_TYPE)
 
     # -- generation -------------------------------------------------------------------------------
-    async def _whole(self, request: Request, tenant: Tenant, calls: list[Call], n: int, documents: Sequence[str] = ()) -> list[Generation]:
+    async def _whole(self, request: Request, slots: Slots, calls: list[Call], n: int, documents: Sequence[str] = ()) -> list[Generation]:
         """Every call's Generation (a refused one cancels the rest); a client gone first is charged."""
         try:
-            return await _unless_disconnected(request, gather_or_cancel(*(self._generate(c, tenant, documents) for c in calls)))
+            return await _unless_disconnected(request, gather_or_cancel(*(self._generate(c, slots.tenant, documents) for c in calls)))
         except _ClientGone:
-            self._charge_departed(tenant, calls, n)
+            self._charge_departed(slots, calls, n)
             raise
 
-    def _charge_departed(self, tenant: Tenant, calls: Sequence[Call], n: int = 1, streamed: Sequence[str] | None = None) -> None:
-        """A client gone before its reply finished is charged what the reply may have used: the
-        tokens of its prompts (``calls``: ``n`` choices of each; a prompt as rendered, so a module
-        reference counts as its own short text) and of the text streamed to it, or, for a whole
-        reply it never saw, each generation's budget. Else a key could leave just before each
-        reply's end and never be charged for its tokens per minute."""
-        if tenant.max_tokens_per_minute is None:
+    def _charge_departed(self, slots: Slots, calls: Sequence[Call], n: int = 1, streamed: Sequence[str] | None = None) -> None:
+        """A client gone before its reply finished is charged what the reply may have used: its
+        price (:meth:`_price`) for a whole reply it never saw, or its prompts and the text streamed
+        to it. Else a key could leave just before each reply's end and never be charged for its
+        tokens per minute."""
+        if slots.tenant.max_tokens_per_minute is None:
             return
-        tokens = sum(_count(self.backend.tokenizer, c.prompt) for c in calls[::n])
-        if streamed is not None:
-            tokens += sum(_count(self.backend.tokenizer, text) for text in streamed)
+        if streamed is None:
+            tokens = self._price(slots.tenant, calls, n)
         else:
-            tokens += sum(c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
-        self.quota.spend(tenant, tokens)
+            tokens = sum(_count(self.backend.tokenizer, c.prompt) for c in calls[::n])
+            tokens += sum(_count(self.backend.tokenizer, text) for text in streamed)
+        slots.charge(tokens)
+
+    def _price(self, tenant: Tenant, calls: Sequence[Call], n: int) -> int:
+        """What ``calls`` (``n`` choices of each prompt) may use of a key's tokens per minute: the
+        tokens of each prompt as rendered (a module reference counts as its own short text) and
+        each generation's budget; 0 for a key without that bound (nothing is counted)."""
+        if tenant.max_tokens_per_minute is None:
+            return 0
+        prompts = sum(_count(self.backend.tokenizer, c.prompt) for c in calls[::n])
+        return prompts + sum(c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
 
     async def _generate(self, call: Call, tenant: Tenant, documents: Sequence[str] = ()) -> Generation:
         result = await self.backend.generate(call_payload(call.prompt, call.params, tenant.scope, documents))
@@ -225,9 +235,9 @@ class Server:
                 await choice.stream.aclose()  # a disconnect cancels the events: the rows are let go
             held.release()
 
-        return _EventStream(self._events(request_id, streamed, chat, tenant), close)
+        return _EventStream(self._events(request_id, streamed, chat, held), close)
 
-    async def _events(self, request_id: str, streamed: list["_Choice"], chat: bool, tenant: Tenant) -> AsyncIterator[str]:
+    async def _events(self, request_id: str, streamed: list["_Choice"], chat: bool, slots: Slots) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         finished = False
         try:
@@ -236,7 +246,7 @@ class Server:
             results: list[Generation] = [choice.stream.result for choice in streamed]
             for result in results:
                 self.metrics.generation(result)
-            self.quota.spend(tenant, usage(results, len(results))["total_tokens"])
+            slots.charge(usage(results, len(results))["total_tokens"])
             finished = True
             if streamed[0].call.include_usage:
                 yield _sse(usage_chunk(request_id, self.model, kind, results))
@@ -244,7 +254,7 @@ class Server:
             yield _sse(_error(exc).body())  # _error logs what is not the client's fault
         finally:
             if not finished:  # its client left (or it failed): charged what it used
-                self._charge_departed(tenant, [c.call for c in streamed], len(streamed), ["".join(c.texts) for c in streamed])
+                self._charge_departed(slots, [c.call for c in streamed], len(streamed), ["".join(c.texts) for c in streamed])
         yield "data: [DONE]\n\n"
 
     async def _choice_chunks(self, request_id: str, choice: "_Choice", chat: bool) -> AsyncIterator[dict[str, Any]]:

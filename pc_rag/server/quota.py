@@ -8,12 +8,16 @@ body is read: a slow body holds a slot, so one key cannot tie up connections eit
 last token is sent or its client goes away; past its bound the key gets 429 at once, while other
 keys' requests go on.
 
-A key's ``max_tokens_per_minute`` is checked at the same moment: the tokens its generations used
-(prompt and completion, charged as each finishes) within the last minute must be below it, else
-429 with ``Retry-After`` saying when enough of them leave the minute. A request is not priced
-before it runs (its prompt is not read yet, its reply not written), so the one that crosses the
-bound finishes, and the key's next requests wait: the bound holds over any minute but one
-request's worth. A request whose client leaves first is charged what it may have used (the
+A key's ``max_tokens_per_minute`` is checked at the same moment (its tokens of the last minute,
+with those its requests in flight hold, must be below it), and again once the body is read: the
+request then holds what it may use (:meth:`Slots.reserve`: the tokens of its rendered prompts and
+each generation's ``max_tokens``, as OpenAI prices a request against its rate limit), refused with
+429 when that would take the key past its bound, with ``Retry-After`` saying when enough of the
+minute's tokens leave it (400 when the request alone asks for more than the bound: it could never
+be served). As each request finishes it is charged what it used (``usage``'s total tokens) and
+lets go of what it held, so the bound holds over any minute, but for the documents a request
+imports (a module reference is priced as its own short text, and charged in full when the
+request finishes). A request whose client leaves first is charged what it may have used (the
 server's ``_charge_departed``), so leaving just before the end does not escape the bound.
 
 Slots and tokens are counted on the event loop's thread only (every handler runs there), so no lock.
@@ -40,6 +44,13 @@ class Slots:
 
     def __init__(self, quota: "Quota", tenant: Tenant, count: int) -> None:
         self._quota, self.tenant, self.count = quota, tenant, count
+        self.tokens = 0  # of the key's minute, held until the request is charged what it used
+
+    def reserve(self, tokens: int) -> None:
+        """Hold ``tokens`` of the key's ``max_tokens_per_minute`` (what the request may use) until
+        :meth:`release`: 429 when they do not fit the key's minute now, 400 when they never could."""
+        self._quota._reserve(self.tenant, tokens)
+        self.tokens += tokens
 
     def grow(self, total: int) -> None:
         """Hold ``total`` slots instead (a request whose body asks for several generations)."""
@@ -47,17 +58,26 @@ class Slots:
             self._quota._take(self.tenant, total - self.count, asked=total)
             self.count = total
 
+    def charge(self, tokens: int) -> None:
+        """The request used ``tokens`` (prompt and completion) of the key's minute: charged, and
+        what it held let go of at the same moment (a request of the key checked between the two
+        would count them twice)."""
+        self._quota.spend(self.tenant, tokens)
+        if self.tokens:
+            self._quota._give_back(self.tenant, 0, self.tokens)
+            self.tokens = 0
+
     def hand_over(self) -> "Slots":
         """The same slots, held on by whoever takes them (a streamed response, until it ends);
         this object's :meth:`release` then gives back nothing."""
         taken = Slots(self._quota, self.tenant, self.count)
-        self.count = 0
+        taken.tokens, self.count, self.tokens = self.tokens, 0, 0
         return taken
 
     def release(self) -> None:
-        if self.count:
-            self._quota._give_back(self.tenant, self.count)
-            self.count = 0
+        if self.count or self.tokens:
+            self._quota._give_back(self.tenant, self.count, self.tokens)
+            self.count = self.tokens = 0
 
 
 class Quota:
@@ -67,6 +87,7 @@ class Quota:
     def __init__(self, listener: Listener | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._held: dict[Tenant, int] = {}
         self._spent: dict[Tenant, deque[tuple[float, int]]] = {}  # (when, tokens) of the last minute, oldest first
+        self._reserved: dict[Tenant, int] = {}  # tokens the requests in flight may still use (Slots.reserve)
         self._listener = listener
         self._clock = clock
 
@@ -75,8 +96,8 @@ class Quota:
 
     def take(self, tenant: Tenant, count: int = 1) -> Slots:
         """``count`` slots for ``tenant``'s request: 429 past its bound or with its tokens of the
-        last minute at ``max_tokens_per_minute``, 400 for a request that alone asks for more
-        slots than the bound (it could never be served)."""
+        last minute (and those its requests in flight hold) at ``max_tokens_per_minute``, 400 for a
+        request that alone asks for more slots than the bound (it could never be served)."""
         self._check_tokens(tenant)
         self._take(tenant, count)
         return Slots(self, tenant, count)
@@ -85,6 +106,10 @@ class Quota:
         """``tenant``'s generation finished having used ``tokens`` (prompt and completion)."""
         if tenant.max_tokens_per_minute is not None and tokens > 0:
             self._spent.setdefault(tenant, deque()).append((self._clock(), tokens))
+
+    def reserved(self, tenant: Tenant) -> int:
+        """The tokens ``tenant``'s requests in flight hold (what they may still use)."""
+        return self._reserved.get(tenant, 0)
 
     def spent(self, tenant: Tenant) -> int:
         """The tokens ``tenant``'s generations used within the last minute."""
@@ -105,22 +130,41 @@ class Quota:
             del self._spent[tenant]
         return spent
 
-    def _check_tokens(self, tenant: Tenant) -> None:
+    def _check_tokens(self, tenant: Tenant, tokens: int = 0) -> None:
+        """Room in ``tenant``'s minute for ``tokens`` more (for at least one more, by default)."""
         bound = tenant.max_tokens_per_minute
         if bound is None:
             return
+        need, held = max(tokens, 1), self.reserved(tenant)
         window = self._window(tenant)
-        used = sum(tokens for _, tokens in window)
-        if used < bound:
+        used = sum(spent for _, spent in window)
+        if used + held + need <= bound:
             return
-        for when, tokens in window:  # the earliest moment the minute holds fewer than the bound
-            used -= tokens
-            if used < bound:
+        self._tell(tenant, self.held(tenant), refused=True)
+        asking = f"; this request may use {tokens}" if tokens else ""
+        holding = f" and holds {held} for its requests in flight" if held else ""
+        if held + need > bound:  # the minute's spent tokens leaving is not enough: its requests in flight must end
+            raise rate_limited(f"{tenant.name} used {used} tokens in the last minute{holding}{asking}, past its bound "
+                               f"(max_tokens_per_minute: {bound}); retry when a request has finished", "rate_limit_exceeded")
+        left = used
+        for when, spent in window:  # the earliest moment the minute has room
+            left -= spent
+            if left + held + need <= bound:
                 break
         wait = max(1, math.ceil(when + WINDOW_S - self._clock()))
-        self._tell(tenant, self.held(tenant), refused=True)
-        raise rate_limited(f"{tenant.name} used {sum(t for _, t in window)} tokens in the last minute, its bound "
+        raise rate_limited(f"{tenant.name} used {used} tokens in the last minute{holding}{asking}, past its bound "
                            f"(max_tokens_per_minute: {bound}); retry in {wait} s", "rate_limit_exceeded", wait)
+
+    def _reserve(self, tenant: Tenant, tokens: int) -> None:
+        bound = tenant.max_tokens_per_minute
+        if bound is None or tokens <= 0:
+            return
+        if tokens > bound:
+            self._tell(tenant, self.held(tenant), refused=True)
+            raise PromptCacheError(f"this request may use {tokens} tokens (its prompts and max_tokens for each generation); "
+                                   f"{tenant.name} may use at most {bound} a minute (max_tokens_per_minute): lower max_tokens")
+        self._check_tokens(tenant, tokens)
+        self._reserved[tenant] = self.reserved(tenant) + tokens
 
     def _take(self, tenant: Tenant, count: int, *, asked: int | None = None) -> None:
         """``count`` more slots for a request that holds ``asked`` in all (default: ``count``)."""
@@ -135,7 +179,13 @@ class Quota:
         self._held[tenant] = held + count
         self._tell(tenant, held + count, refused=False)
 
-    def _give_back(self, tenant: Tenant, count: int) -> None:
+    def _give_back(self, tenant: Tenant, count: int, tokens: int = 0) -> None:
+        if tokens:
+            reserved = self.reserved(tenant) - tokens
+            if reserved > 0:
+                self._reserved[tenant] = reserved
+            else:
+                self._reserved.pop(tenant, None)
         left = max(self.held(tenant) - count, 0)
         if left:
             self._held[tenant] = left
