@@ -24,6 +24,7 @@ from .servers import MODEL, ServerProcess
 KEY_A, KEY_B, KEY_C = "key-of-tenant-a-0001", "key-of-tenant-b-0002", "key-of-tenant-c-0003"
 KEY_D = "key-of-tenant-d-0004"  # 60 tokens a minute: a chat request of 8 new tokens uses ~40
 KEY_E = "key-of-tenant-e-0005"  # a bound no test reaches: its minute's tokens are read
+KEY_F = "key-of-tenant-f-0006"  # 120 tokens a minute: a chat request of 8 new tokens with a module reference is priced ~76
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def keyed(tmp_path_factory):
     server = ServerProcess(tmp_path_factory.mktemp("keyed"), "--max-running", "2", "--max-queued", "2",
                            keys={KEY_A: ["alpha"], KEY_B: ["beta"], KEY_C: {"collections": ["gamma"], "max_in_flight": 1},
                                  KEY_D: {"collections": ["delta"], "max_tokens_per_minute": 60},
-                                 KEY_E: {"collections": ["epsilon"], "max_tokens_per_minute": 10**9}})
+                                 KEY_E: {"collections": ["epsilon"], "max_tokens_per_minute": 10**9},
+                                 KEY_F: {"collections": ["zeta"], "max_tokens_per_minute": 120}})
     yield server
     server.close()
 
@@ -189,7 +191,22 @@ def test_a_key_past_its_tokens_per_minute_waits_while_others_are_served(keyed):
     assert keyed.metric("pcrag_tenant_refused_total", tenant="key #4") >= 1
     assert keyed.metric("pcrag_tenant_tokens_last_minute", tenant="key #4") == used
     alone = ask(keyed, KEY_D, "Say hi.", max_tokens=100)  # more than the bound by itself: it could never be served
-    assert alone.status_code == 400 and "lower max_tokens" in alone.json()["error"]["message"]
+    assert alone.status_code == 400 and "may use at most 60 a minute" in alone.json()["error"]["message"]
+
+
+def test_the_documents_a_request_imports_are_priced_with_its_prompt(keyed):
+    """A document named in the body stands in the rendered prompt as a short module reference;
+    priced by that text alone, a request of "Say hi." importing a 100-token document fitted a
+    120-token minute (~76 tokens) and then used ~170 of it."""
+    text = " ".join(f"Fact {i} is that the number {i} follows {i - 1}." for i in range(1, 9))  # ~100 tokens
+    added = call(keyed, "POST", "/v1/collections/zeta/documents", KEY_F, json={"documents": [{"id": "facts", "text": text}]})
+    assert added.status_code == 202
+    keyed.wait_for(lambda: call(keyed, "GET", "/v1/collections/zeta/documents", KEY_F).json()["data"][0]["status"] == "encoded",
+                   "the document encoded")
+    priced = ask(keyed, KEY_F, "Say hi.", documents=["facts"])
+    assert priced.status_code == 400, priced.text
+    assert "may use at most 120 a minute" in priced.json()["error"]["message"]
+    assert ask(keyed, KEY_F, "Say hi.").status_code == 200  # the same request without the document fits
 
 
 def test_a_client_that_leaves_is_charged_what_its_reply_used(keyed):
@@ -205,7 +222,9 @@ def test_a_client_that_leaves_is_charged_what_its_reply_used(keyed):
                       timeout=120) as response:
         events = (line for line in response.iter_lines() if line)
         assert all(next(events).startswith("data: ") for _ in range(3))
+        assert keyed.metric("pcrag_tenant_tokens_held", tenant="key #5") > 2000  # its prompt and max_tokens, while it runs
     keyed.wait_for(lambda: spent() > 0, "the cut stream charged")
+    assert keyed.metric("pcrag_tenant_tokens_held", tenant="key #5") == 0  # let go of as it was charged
     keyed.wait_for(lambda: keyed.metric("pcrag_running_rows") == 0, "the stream's row let go")
     assert spent() < 2000  # its prompt and the few tokens streamed, not its budget
     before = spent()
@@ -246,7 +265,7 @@ def test_requests_in_flight_hold_what_they_may_use_of_the_minute():
     later.release()  # a request that failed: what it held is let go, nothing charged
     assert (quota.reserved(tenant), quota.spent(tenant), quota.held(tenant)) == (0, 60, 0)
     doomed = quota.take(tenant)
-    with pytest.raises(PromptCacheError, match="may use 101 tokens .* lower max_tokens"):
+    with pytest.raises(PromptCacheError, match=r"may use 101 tokens .* may use at most 100 a minute \(max_tokens_per_minute\)"):
         doomed.reserve(101)
     doomed.release()
     handed = quota.take(tenant)

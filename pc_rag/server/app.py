@@ -92,7 +92,7 @@ class Server:
         self.body_timeout_s = body_timeout_s
         self.metrics = Metrics(engine)
         self.quota = Quota(self.metrics.tenant)  # generations each key has in flight, tokens it used
-        self.metrics.watch_tokens(self.quota.spending)
+        self.metrics.watch_tokens(self.quota.spending, self.quota.holding)
         self.started = int(time.time())
 
     # -- the endpoints ----------------------------------------------------------------------------
@@ -101,8 +101,8 @@ class Server:
         try:
             body: ChatRequest = read_body(ChatRequest, await self._body(request))
             self._check_model(body.model)
-            references = await self._references(body.documents, body.collection, tenant)
-            call = chat_call(body, self.backend.render_chat, references)
+            references, imported = await self._references(body.documents, body.collection, tenant)
+            call = chat_call(body, self.backend.render_chat, references, imported)
             request_id = new_id("chatcmpl")
             documents = body.documents or ()
             slots.grow(body.n)  # one per choice: each is a row of the scheduler
@@ -196,18 +196,20 @@ class Server:
         if streamed is None:
             tokens = self._price(slots.tenant, calls, n)
         else:
-            tokens = sum(_count(self.backend.tokenizer, c.prompt) for c in calls[::n])
-            tokens += sum(_count(self.backend.tokenizer, text) for text in streamed)
+            tokens = self._prompt_tokens(calls, n) + sum(_count(self.backend.tokenizer, text) for text in streamed)
         slots.charge(tokens)
 
     def _price(self, tenant: Tenant, calls: Sequence[Call], n: int) -> int:
-        """What ``calls`` (``n`` choices of each prompt) may use of a key's tokens per minute: the
-        tokens of each prompt as rendered (a module reference counts as its own short text) and
-        each generation's budget; 0 for a key without that bound (nothing is counted)."""
+        """What ``calls`` (``n`` choices of each prompt) may use of a key's tokens per minute: their
+        prompts' tokens and each generation's budget; 0 for a key without that bound (nothing is counted)."""
         if tenant.max_tokens_per_minute is None:
             return 0
-        prompts = sum(_count(self.backend.tokenizer, c.prompt) for c in calls[::n])
-        return prompts + sum(c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
+        return self._prompt_tokens(calls, n) + sum(c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
+
+    def _prompt_tokens(self, calls: Sequence[Call], n: int) -> int:
+        """The tokens of each prompt as rendered and of the documents it imports (a module reference
+        in the text stands for them; counted as text too, so a little over what the engine counts)."""
+        return sum(_count(self.backend.tokenizer, c.prompt) + c.imported_tokens for c in calls[::n])
 
     async def _generate(self, call: Call, tenant: Tenant, documents: Sequence[str] = ()) -> Generation:
         result = await self.backend.generate(call_payload(call.prompt, call.params, tenant.scope, documents))
@@ -322,11 +324,12 @@ class Server:
             raise not_found(f"collection {name!r}")
         return name
 
-    async def _references(self, ids: list[str] | None, collection: str | None, tenant: Tenant) -> list[str]:
+    async def _references(self, ids: list[str] | None, collection: str | None, tenant: Tenant) -> tuple[list[str], int]:
         """Module references of the documents a request names (``documents``, in ``collection``:
-        by default the key's only collection, or ``docs``); 404 for any it cannot see."""
+        by default the key's only collection, or ``docs``), and their tokens in all; 404 for any
+        it cannot see."""
         if not ids:
-            return []
+            return [], 0
         if collection is None:
             only = tenant.scope
             collection = only[0] if only is not None and len(only) == 1 else DEFAULT_SCHEMA
@@ -338,7 +341,7 @@ class Server:
         for name in ids:
             if name not in encoded:
                 raise not_found(f"document {name!r} in collection {collection!r}")
-        return [module_reference(name, collection) for name in ids]
+        return [module_reference(name, collection) for name in ids], sum(encoded[name] for name in ids)
 
 
 # -- plumbing -------------------------------------------------------------------------------------

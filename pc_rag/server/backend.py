@@ -31,10 +31,12 @@ def call_payload(prompt: str, params: dict[str, Any], scope: list[str] | None, d
     return {"prompt": prompt, "params": dict(params), "scope": scope, "documents": list(documents)}
 
 
-def held(engine: Any, collection: str) -> tuple[set[str], set[str]]:
-    """Names of ``collection``'s documents encoded, and queued for encoding, in ``engine``."""
+def held(engine: Any, collection: str) -> tuple[dict[str, int], set[str]]:
+    """``collection``'s documents encoded in ``engine`` (each name with its module's tokens: what a
+    prompt that imports it counts), and the names queued for encoding."""
     schema = engine.registry.snapshot().schemas.get(collection)
-    encoded = set(schema.documents) if schema is not None and schema.layout.documents else set()
+    encoded = ({name: len(schema.layout.modules[name].token_ids) for name in schema.documents}
+               if schema is not None and schema.layout.documents else {})
     return encoded, set(engine.background.queued(collection))
 
 
@@ -59,7 +61,7 @@ class LocalBackend:
         return self.engine.add_documents(texts, ids=ids, metadatas=metadatas, schema=collection, background=True,
                                          replace_changed=True, progress=False)
 
-    async def held(self, collection: str) -> tuple[set[str], set[str]]:
+    async def held(self, collection: str) -> tuple[dict[str, int], set[str]]:
         return held(self.engine, collection)
 
     async def wait_for_documents(self, timeout: float) -> None:

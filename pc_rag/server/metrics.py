@@ -57,11 +57,11 @@ class _EngineCollector(Collector):
 
 
 class _TokensCollector(Collector):
-    """Each key's tokens of the last minute (against its ``max_tokens_per_minute``), read at
-    scrape time: the minute slides whether or not requests come."""
+    """Each key's tokens of the last minute and those its requests in flight hold (against its
+    ``max_tokens_per_minute``), read at scrape time: the minute slides whether or not requests come."""
 
-    def __init__(self, spending: Callable[[], dict[str, int]]) -> None:
-        self.spending = spending
+    def __init__(self, spending: Callable[[], dict[str, int]], holding: Callable[[], dict[str, int]]) -> None:
+        self.spending, self.holding = spending, holding
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily("pcrag_tenant_tokens_last_minute", "Tokens a key's generations used in the last minute "
@@ -69,6 +69,11 @@ class _TokensCollector(Collector):
         for name, tokens in sorted(self.spending().items()):
             family.add_metric([name], tokens)
         yield family
+        held = GaugeMetricFamily("pcrag_tenant_tokens_held", "Tokens a key's requests in flight may still use (their prompts "
+                                 "and max_tokens, held against max_tokens_per_minute until they finish)", labels=["tenant"])
+        for name, tokens in sorted(self.holding().items()):
+            held.add_metric([name], tokens)
+        yield held
 
 
 class Metrics:
@@ -108,9 +113,10 @@ class Metrics:
         if refused:
             self.tenant_refused.labels(tenant=tenant.name).inc()
 
-    def watch_tokens(self, spending: Callable[[], dict[str, int]]) -> None:
-        """Report ``spending()`` (key name: tokens of the last minute) at each scrape."""
-        self.registry.register(_TokensCollector(spending))
+    def watch_tokens(self, spending: Callable[[], dict[str, int]], holding: Callable[[], dict[str, int]]) -> None:
+        """Report ``spending()`` (key name: tokens of the last minute) and ``holding()`` (key name:
+        tokens its requests in flight hold) at each scrape."""
+        self.registry.register(_TokensCollector(spending, holding))
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)

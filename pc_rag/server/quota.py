@@ -10,15 +10,15 @@ keys' requests go on.
 
 A key's ``max_tokens_per_minute`` is checked at the same moment (its tokens of the last minute,
 with those its requests in flight hold, must be below it), and again once the body is read: the
-request then holds what it may use (:meth:`Slots.reserve`: the tokens of its rendered prompts and
-each generation's ``max_tokens``, as OpenAI prices a request against its rate limit), refused with
-429 when that would take the key past its bound, with ``Retry-After`` saying when enough of the
-minute's tokens leave it (400 when the request alone asks for more than the bound: it could never
-be served). As each request finishes it is charged what it used (``usage``'s total tokens) and
-lets go of what it held, so the bound holds over any minute, but for the documents a request
-imports (a module reference is priced as its own short text, and charged in full when the
-request finishes). A request whose client leaves first is charged what it may have used (the
-server's ``_charge_departed``), so leaving just before the end does not escape the bound.
+request then holds what it may use (:meth:`Slots.reserve`: the tokens of its rendered prompts, of
+the documents they import and each generation's ``max_tokens``, as OpenAI prices a request against
+its rate limit), refused with 429 when that would take the key past its bound, with
+``Retry-After`` saying when enough of the minute's tokens leave it (400 when the request alone asks
+for more than the bound: it could never be served). As each request finishes it is charged what it
+used (``usage``'s total tokens) and lets go of what it held, so a key's
+tokens stay within its bound over any minute. A request whose client leaves first is charged what
+it may have used (the server's ``_charge_departed``), so leaving just before the end does not
+escape the bound.
 
 Slots and tokens are counted on the event loop's thread only (every handler runs there), so no lock.
 """
@@ -115,6 +115,10 @@ class Quota:
         """The tokens ``tenant``'s generations used within the last minute."""
         return sum(tokens for _, tokens in self._window(tenant))
 
+    def holding(self) -> dict[str, int]:
+        """Tokens the requests in flight of every key that holds any hold, by the key's name (the metrics)."""
+        return {tenant.name: tokens for tenant, tokens in list(self._reserved.items())}
+
     def spending(self) -> dict[str, int]:
         """Tokens of the last minute of every key that used any, by the key's name (the metrics)."""
         return {tenant.name: self.spent(tenant) for tenant in list(self._spent) if self.spent(tenant)}
@@ -161,8 +165,8 @@ class Quota:
             return
         if tokens > bound:
             self._tell(tenant, self.held(tenant), refused=True)
-            raise PromptCacheError(f"this request may use {tokens} tokens (its prompts and max_tokens for each generation); "
-                                   f"{tenant.name} may use at most {bound} a minute (max_tokens_per_minute): lower max_tokens")
+            raise PromptCacheError(f"this request may use {tokens} tokens (its prompts, the documents they import and max_tokens "
+                                   f"for each generation); {tenant.name} may use at most {bound} a minute (max_tokens_per_minute)")
         self._check_tokens(tenant, tokens)
         self._reserved[tenant] = self.reserved(tenant) + tokens
 

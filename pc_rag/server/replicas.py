@@ -67,7 +67,7 @@ class EngineReplica:
     async def add_documents(self, collection: str, texts: list[str], ids: list[str | None], metadatas: list[Any]) -> list[str]:
         return await self.local.add_documents(collection, texts, ids, metadatas)
 
-    async def held(self, collection: str) -> tuple[set[str], set[str]]:
+    async def held(self, collection: str) -> tuple[dict[str, int], set[str]]:
         self.engine.sync_if_due()  # documents another replica added: listed here within a second
         return await self.local.held(collection)
 
@@ -159,7 +159,7 @@ class RayBackend:
     async def add_documents(self, collection: str, texts: list[str], ids: list[str | None], metadatas: list[Any]) -> list[str]:
         return await self._call("add_documents", collection, texts, ids, metadatas)
 
-    async def held(self, collection: str) -> tuple[set[str], set[str]]:
+    async def held(self, collection: str) -> tuple[dict[str, int], set[str]]:
         return await self._call("held", collection)
 
     async def wait_for_documents(self, timeout: float) -> None:

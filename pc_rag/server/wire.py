@@ -204,13 +204,15 @@ _BRANCH_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "functi
 # -- requests as engine calls --------------------------------------------------------------------
 @dataclass
 class Call:
-    """One generation the engine runs: plain-text prompt, ``generate`` keywords, tools in force."""
+    """One generation the engine runs: plain-text prompt, ``generate`` keywords, tools in force,
+    and the tokens of the documents the prompt imports (its module references stand for them)."""
 
     prompt: str
     params: dict[str, Any]
     tools: list[dict[str, Any]] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    imported_tokens: int = 0
 
 
 def choices(call: Call, n: int) -> list[Call]:
@@ -285,9 +287,10 @@ def _turn(message: Message, index: int) -> dict[str, Any]:
     return turn
 
 
-def chat_call(body: ChatRequest, render: Any, references: Sequence[str] = ()) -> Call:
+def chat_call(body: ChatRequest, render: Any, references: Sequence[str] = (), imported_tokens: int = 0) -> Call:
     """The engine call of a chat completion; ``render`` is the engine's ``render_chat``;
-    ``references`` (module references of the documents the body names) open the last user message."""
+    ``references`` (module references of the documents the body names, ``imported_tokens`` in
+    all) open the last user message."""
     turns = [_turn(message, i) for i, message in enumerate(body.messages)]
     if references:
         users = [i for i, turn in enumerate(turns) if turn["role"] == "user"]
@@ -310,7 +313,7 @@ def chat_call(body: ChatRequest, render: Any, references: Sequence[str] = ()) ->
         raise ApiError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "response_format") from None
     prompt = render(turns, tools or None)
     include = body.stream_options is not None and body.stream_options.include_usage
-    return Call(prompt, params, tools, body.stream, include)
+    return Call(prompt, params, tools, body.stream, include, imported_tokens)
 
 
 def completion_calls(body: CompletionRequest) -> list[Call]:
