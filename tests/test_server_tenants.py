@@ -149,6 +149,31 @@ def test_a_stream_holds_its_slot_until_it_ends_or_its_client_leaves(keyed):
     assert ask(keyed, KEY_C, "Say hello.").status_code == 200
 
 
+def test_a_stream_whose_client_leaves_while_queued_is_let_go_before_admission(keyed):
+    """Two long streams fill the server's 2 rows; a third stream waits in the queue and its client
+    hangs up before its first token. It leaves the queue at once, never admitted (it was waited
+    on until its first piece: prefilled, and its row held, for nobody)."""
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 2000, "min_tokens": 2000, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    cancelled = keyed.metric("pcrag_scheduler_cancelled_total")
+    with httpx.stream("POST", keyed.url + "/v1/chat/completions", json=long, headers=headers, timeout=120) as first, \
+            httpx.stream("POST", keyed.url + "/v1/chat/completions", json=long, headers=headers, timeout=120) as second:
+        running = [first.iter_lines(), second.iter_lines()]  # kept: a dropped iterator closes the response
+        assert all(next(lines).startswith("data: ") for lines in running)
+        assert keyed.metric("pcrag_running_rows") == 2
+        payload = json.dumps({**long, "messages": [{"role": "user", "content": "Say hi."}]}).encode()
+        with socket.create_connection(("127.0.0.1", keyed.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Authorization: Bearer {KEY_B}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            keyed.wait_for(lambda: keyed.metric("pcrag_queue_depth") == 1, "the third stream queued")
+        keyed.wait_for(lambda: keyed.metric("pcrag_queue_depth") == 0, "the queued stream let go")
+        assert keyed.metric("pcrag_scheduler_cancelled_total") == cancelled + 1
+        assert keyed.metric("pcrag_running_rows") == 2  # the long streams still run: it was never admitted
+        assert keyed.metric("pcrag_tenant_in_flight", tenant="key #2") == 0  # its slot given back
+    keyed.wait_for(lambda: keyed.metric("pcrag_running_rows") == 0, "the long streams' rows let go")
+
+
 def test_in_flight_bounds_from_the_key_file_and_the_flag():
     tenants = Tenants({KEY_A: ["alpha"], KEY_B: {"collections": ["beta"], "max_in_flight": 5},
                        KEY_C: {"collections": [], "max_in_flight": None}}, max_in_flight=2)

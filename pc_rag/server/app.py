@@ -109,7 +109,7 @@ class Server:
             calls = choices(call, body.n)
             slots.reserve(self._price(tenant, calls, body.n))  # of the key's minute, until it is charged what it used
             if call.stream:
-                return await self._stream(request_id, calls, tenant, documents, slots, chat=True)
+                return await self._stream(request, request_id, calls, documents, slots, chat=True)
             results = await self._whole(request, slots, calls, body.n, documents)
             slots.charge(usage(results, body.n)["total_tokens"])
             return JSONResponse(chat_response(request_id, self.model, results, call.tools, self.backend.tokenizer))
@@ -126,7 +126,7 @@ class Server:
             slots.reserve(self._price(tenant, calls, body.n))
             request_id = new_id("cmpl")
             if calls[0].stream:
-                return await self._stream(request_id, calls, tenant, (), slots, chat=False)
+                return await self._stream(request, request_id, calls, (), slots, chat=False)
             results = await self._whole(request, slots, calls, body.n)
             slots.charge(usage(results, body.n)["total_tokens"])
             return JSONResponse(completion_response(request_id, self.model, results, body.n, self.backend.tokenizer))
@@ -216,19 +216,23 @@ class Server:
         self.metrics.generation(result)
         return result
 
-    async def _stream(self, request_id: str, calls: list[Call], tenant: Tenant, documents: Sequence[str], slots: Slots, *,
+    async def _stream(self, request: Request, request_id: str, calls: list[Call], documents: Sequence[str], slots: Slots, *,
                       chat: bool) -> Response:
         """Server-sent events of ``calls`` (one per choice, interleaved as they come). Each
         choice's first piece is awaited before the response starts, so a request refused at
-        submission (queue full, too long, bad) still gets its status code. The stream holds
+        submission (queue full, too long, bad) still gets its status code; a client that leaves
+        meanwhile (tired of waiting in the queue) lets its rows go at once. The stream holds
         ``slots`` until it ends."""
-        streamed = [_Choice(i, call, self.backend.stream(call_payload(call.prompt, call.params, tenant.scope, documents)))
+        scope = slots.tenant.scope
+        streamed = [_Choice(i, call, self.backend.stream(call_payload(call.prompt, call.params, scope, documents)))
                     for i, call in enumerate(calls)]
         try:
-            await gather_or_cancel(*(choice.start() for choice in streamed))
-        except BaseException:
+            await _unless_disconnected(request, gather_or_cancel(*(choice.start() for choice in streamed)))
+        except BaseException as exc:
             for choice in streamed:
                 await choice.stream.aclose()
+            if isinstance(exc, _ClientGone):  # charged like a stream cut before anything reached it
+                self._charge_departed(slots, calls, len(calls), ["" for _ in calls])
             raise
         held = slots.hand_over()
 
