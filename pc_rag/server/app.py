@@ -183,33 +183,29 @@ class Server:
         try:
             return await _unless_disconnected(request, gather_or_cancel(*(self._generate(c, slots.tenant, documents) for c in calls)))
         except _ClientGone:
-            self._charge_departed(slots, calls, n)
+            self._charge_departed(slots, calls)
             raise
 
-    def _charge_departed(self, slots: Slots, calls: Sequence[Call], n: int = 1, streamed: Sequence[str] | None = None) -> None:
-        """A client gone before its reply finished is charged what the reply may have used: its
-        price (:meth:`_price`) for a whole reply it never saw, or its prompts and the text streamed
-        to it. Else a key could leave just before each reply's end and never be charged for its
-        tokens per minute."""
-        if slots.tenant.max_tokens_per_minute is None:
+    def _charge_departed(self, slots: Slots, calls: Sequence[Call], streamed: Sequence[str] | None = None) -> None:
+        """A client gone before its reply finished is charged what the reply may have used: the
+        price it holds (:meth:`_price`) for a whole reply it never saw, or, for a stream, that
+        price's prompts and the text streamed to it. Else a key could leave just before each
+        reply's end and never be charged for its tokens per minute."""
+        if not slots.tokens:  # a key without max_tokens_per_minute: nothing was priced
             return
-        if streamed is None:
-            tokens = self._price(slots.tenant, calls, n)
-        else:
-            tokens = self._prompt_tokens(calls, n) + sum(_count(self.backend.tokenizer, text) for text in streamed)
+        tokens = slots.tokens
+        if streamed is not None:
+            tokens += sum(_count(self.backend.tokenizer, text) for text in streamed) - _budgets(calls)
         slots.charge(tokens)
 
     def _price(self, tenant: Tenant, calls: Sequence[Call], n: int) -> int:
-        """What ``calls`` (``n`` choices of each prompt) may use of a key's tokens per minute: their
-        prompts' tokens and each generation's budget; 0 for a key without that bound (nothing is counted)."""
+        """What ``calls`` (``n`` choices of each prompt) may use of a key's tokens per minute: the
+        tokens of each prompt as rendered and of the documents it imports (a module reference in
+        the text stands for them, and counts as text too: a little over what the engine counts),
+        and each generation's budget; 0 for a key without that bound (nothing is counted)."""
         if tenant.max_tokens_per_minute is None:
             return 0
-        return self._prompt_tokens(calls, n) + sum(c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
-
-    def _prompt_tokens(self, calls: Sequence[Call], n: int) -> int:
-        """The tokens of each prompt as rendered and of the documents it imports (a module reference
-        in the text stands for them; counted as text too, so a little over what the engine counts)."""
-        return sum(_count(self.backend.tokenizer, c.prompt) + c.imported_tokens for c in calls[::n])
+        return sum(_count(self.backend.tokenizer, c.prompt) + c.imported_tokens for c in calls[::n]) + _budgets(calls)
 
     async def _generate(self, call: Call, tenant: Tenant, documents: Sequence[str] = ()) -> Generation:
         result = await self.backend.generate(call_payload(call.prompt, call.params, tenant.scope, documents))
@@ -232,7 +228,7 @@ class Server:
             for choice in streamed:
                 await choice.stream.aclose()
             if isinstance(exc, _ClientGone):  # charged like a stream cut before anything reached it
-                self._charge_departed(slots, calls, len(calls), ["" for _ in calls])
+                self._charge_departed(slots, calls, ["" for _ in calls])
             raise
         held = slots.hand_over()
 
@@ -260,7 +256,7 @@ class Server:
             yield _sse(_error(exc).body())  # _error logs what is not the client's fault
         finally:
             if not finished:  # its client left (or it failed): charged what it used
-                self._charge_departed(slots, [c.call for c in streamed], len(streamed), ["".join(c.texts) for c in streamed])
+                self._charge_departed(slots, [c.call for c in streamed], ["".join(c.texts) for c in streamed])
         yield "data: [DONE]\n\n"
 
     async def _choice_chunks(self, request_id: str, choice: "_Choice", chat: bool) -> AsyncIterator[dict[str, Any]]:
@@ -441,6 +437,11 @@ def _int_query(request: Request, name: str, default: int, low: int, high: int) -
 
 def _count(tokenizer: Any, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _budgets(calls: Sequence[Call]) -> int:
+    """The new tokens ``calls`` may generate in all (each its ``max_tokens``, or the default)."""
+    return sum(c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
 
 
 async def _until_disconnected(request: Request) -> None:

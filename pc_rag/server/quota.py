@@ -117,7 +117,7 @@ class Quota:
 
     def holding(self) -> dict[str, int]:
         """Tokens the requests in flight of every key that holds any hold, by the key's name (the metrics)."""
-        return {tenant.name: tokens for tenant, tokens in list(self._reserved.items())}
+        return {tenant.name: tokens for tenant, tokens in self._reserved.items()}
 
     def spending(self) -> dict[str, int]:
         """Tokens of the last minute of every key that used any, by the key's name (the metrics)."""
@@ -145,19 +145,17 @@ class Quota:
         if used + held + need <= bound:
             return
         self._tell(tenant, self.held(tenant), refused=True)
-        asking = f"; this request may use {tokens}" if tokens else ""
-        holding = f" and holds {held} for its requests in flight" if held else ""
+        said = (f"{tenant.name} used {used} tokens in the last minute" + (f" and holds {held} for its requests in flight" if held else "")
+                + (f"; this request may use {tokens}" if tokens else "") + f", past its bound (max_tokens_per_minute: {bound})")
         if held + need > bound:  # the minute's spent tokens leaving is not enough: its requests in flight must end
-            raise rate_limited(f"{tenant.name} used {used} tokens in the last minute{holding}{asking}, past its bound "
-                               f"(max_tokens_per_minute: {bound}); retry when a request has finished", "rate_limit_exceeded")
+            raise rate_limited(f"{said}; retry when a request has finished", "rate_limit_exceeded")
         left = used
         for when, spent in window:  # the earliest moment the minute has room
             left -= spent
             if left + held + need <= bound:
                 break
         wait = max(1, math.ceil(when + WINDOW_S - self._clock()))
-        raise rate_limited(f"{tenant.name} used {used} tokens in the last minute{holding}{asking}, past its bound "
-                           f"(max_tokens_per_minute: {bound}); retry in {wait} s", "rate_limit_exceeded", wait)
+        raise rate_limited(f"{said}; retry in {wait} s", "rate_limit_exceeded", wait)
 
     def _reserve(self, tenant: Tenant, tokens: int) -> None:
         bound = tenant.max_tokens_per_minute
