@@ -360,6 +360,26 @@ def test_metrics_count_requests_and_tokens(client, pcrag_server):
     assert pcrag_server.metric("pcrag_ttft_seconds_count") >= 1
 
 
+def test_a_stream_whose_client_leaves_mid_reply_is_in_the_metrics(pcrag_server):
+    """A stream's first token is observed once, when it is sent, whether or not its client stays:
+    clients who give up on a slow reply are not missing from the TTFT histogram, and the tokens
+    sent to them are counted as generated."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "stream": True}
+    ttft = pcrag_server.metric("pcrag_ttft_seconds_count")
+    with httpx.stream("POST", pcrag_server.url + "/v1/chat/completions", json={**body, "max_tokens": 3}, timeout=60) as response:
+        assert any(line == "data: [DONE]" for line in response.iter_lines())
+    assert pcrag_server.metric("pcrag_ttft_seconds_count") == ttft + 1  # a whole stream: once
+    generated = pcrag_server.metric("pcrag_generated_tokens_total")
+    with httpx.stream("POST", pcrag_server.url + "/v1/chat/completions", json={**body, "max_tokens": 2000}, timeout=60) as response:
+        events = (line for line in response.iter_lines() if line.startswith("data: "))
+        texts = [json.loads(next(events)[6:])["choices"][0]["delta"].get("content") for _ in range(4)]
+        assert all(isinstance(text, str) for text in texts) and "".join(texts)  # the role chunk, then text
+    assert pcrag_server.metric("pcrag_ttft_seconds_count") == ttft + 2
+    pcrag_server.wait_for(lambda: pcrag_server.metric("pcrag_generated_tokens_total") >= generated + 3, "the tokens sent to it counted")
+    assert pcrag_server.metric("pcrag_generated_tokens_total") < generated + 2000
+
+
 # -- LangChain and LlamaIndex pointed at the server ----------------------------------------------
 def test_langchain_chat_openai(pcrag_server, passage):
     from langchain_openai import ChatOpenAI

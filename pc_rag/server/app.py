@@ -186,16 +186,16 @@ class Server:
             self._charge_departed(slots, calls)
             raise
 
-    def _charge_departed(self, slots: Slots, calls: Sequence[Call], streamed: Sequence[str] | None = None) -> None:
+    def _charge_departed(self, slots: Slots, calls: Sequence[Call], streamed: Sequence[int] | None = None) -> None:
         """A client gone before its reply finished is charged what the reply may have used: the
         price it holds (:meth:`_price`) for a whole reply it never saw, or, for a stream, that
-        price's prompts and the text streamed to it. Else a key could leave just before each
+        price's prompts and the tokens streamed to it (``streamed``, a count per call). Else a key could leave just before each
         reply's end and never be charged for its tokens per minute."""
         if not slots.tokens:  # a key without max_tokens_per_minute: nothing was priced
             return
         tokens = slots.tokens
         if streamed is not None:
-            tokens += sum(_count(self.backend.tokenizer, text) for text in streamed) - _budgets(calls)
+            tokens += sum(streamed) - _budgets(calls)
         slots.charge(tokens)
 
     def _price(self, tenant: Tenant, calls: Sequence[Call], n: int) -> int:
@@ -220,7 +220,8 @@ class Server:
         meanwhile (tired of waiting in the queue) lets its rows go at once. The stream holds
         ``slots`` until it ends."""
         scope = slots.tenant.scope
-        streamed = [_Choice(i, call, self.backend.stream(call_payload(call.prompt, call.params, scope, documents)))
+        started = time.perf_counter()
+        streamed = [_Choice(i, call, self.backend.stream(call_payload(call.prompt, call.params, scope, documents)), started)
                     for i, call in enumerate(calls)]
         try:
             await _unless_disconnected(request, gather_or_cancel(*(choice.start() for choice in streamed)))
@@ -228,8 +229,10 @@ class Server:
             for choice in streamed:
                 await choice.stream.aclose()
             if isinstance(exc, _ClientGone):  # charged like a stream cut before anything reached it
-                self._charge_departed(slots, calls, ["" for _ in calls])
+                self._charge_departed(slots, calls, [0 for _ in calls])
             raise
+        for choice in streamed:  # observed now: a client that leaves mid-reply (perhaps tired of a slow first token) counts too
+            self.metrics.first_token(choice.first_s)
         held = slots.hand_over()
 
         async def close() -> None:
@@ -247,7 +250,7 @@ class Server:
                 yield _sse(chunk)
             results: list[Generation] = [choice.stream.result for choice in streamed]
             for result in results:
-                self.metrics.generation(result)
+                self.metrics.generation(result, streamed=True)
             slots.charge(usage(results, len(results))["total_tokens"])
             finished = True
             if streamed[0].call.include_usage:
@@ -255,8 +258,10 @@ class Server:
         except Exception as exc:  # headers are sent: the error is the stream's last event
             yield _sse(_error(exc).body())  # _error logs what is not the client's fault
         finally:
-            if not finished:  # its client left (or it failed): charged what it used
-                self._charge_departed(slots, [c.call for c in streamed], ["".join(c.texts) for c in streamed])
+            if not finished:  # its client left (or it failed): counted and charged for what it was sent
+                sent = [_count(self.backend.tokenizer, "".join(c.texts)) for c in streamed]
+                self.metrics.generated.inc(sum(sent))
+                self._charge_departed(slots, [c.call for c in streamed], sent)
         yield "data: [DONE]\n\n"
 
     async def _choice_chunks(self, request_id: str, choice: "_Choice", chat: bool) -> AsyncIterator[dict[str, Any]]:
@@ -367,11 +372,12 @@ def _sse(payload: dict[str, Any]) -> str:
 
 class _Choice:
     """One streamed choice: its call, its stream, its first piece (awaited before the response
-    starts) and the text streamed so far."""
+    starts) and when it came (``first_s``: seconds from ``started``), and the text streamed so far."""
 
-    def __init__(self, index: int, call: Call, stream: Any) -> None:
-        self.index, self.call, self.stream = index, call, stream
+    def __init__(self, index: int, call: Call, stream: Any, started: float) -> None:
+        self.index, self.call, self.stream, self.started = index, call, stream, started
         self.first: str | None = None
+        self.first_s = 0.0
         self.texts: list[str] = []
 
     async def start(self) -> None:
@@ -379,6 +385,7 @@ class _Choice:
             self.first = await self.stream.__anext__()
         except StopAsyncIteration:
             self.first = None
+        self.first_s = time.perf_counter() - self.started
 
 
 T = TypeVar("T")

@@ -77,13 +77,14 @@ class _TokensCollector(Collector):
 
 
 class Metrics:
-    """The server's metrics; :meth:`finished` is called once per request."""
+    """The server's metrics: :meth:`answered` once per request, :meth:`generation` once per
+    finished generation, :meth:`first_token` once per streamed one."""
 
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("pcrag_requests", "Requests answered, by endpoint and HTTP status", ["endpoint", "status"],
                                 registry=self.registry)
-        self.ttft = Histogram("pcrag_ttft_seconds", "Time to first token from submission", buckets=_SECONDS, registry=self.registry)
+        self.ttft = Histogram("pcrag_ttft_seconds", "Time from submission to the first token (streams: to the first text sent)", buckets=_SECONDS, registry=self.registry)
         self.latency = Histogram("pcrag_request_seconds", "Time from submission to the last token", buckets=_SECONDS, registry=self.registry)
         self.cached = Counter("pcrag_prompt_tokens_cached", "Prompt tokens whose KV was reused", registry=self.registry)
         self.computed = Counter("pcrag_prompt_tokens_computed", "Prompt tokens computed", registry=self.registry)
@@ -99,13 +100,21 @@ class Metrics:
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
-    def generation(self, result: Generation) -> None:
+    def generation(self, result: Generation, *, streamed: bool = False) -> None:
+        """A finished generation; a stream's first token was observed when it was sent (:meth:`first_token`)."""
         stats = result.stats
-        self.ttft.observe(stats.ttft_s)
+        if not streamed:
+            self.ttft.observe(stats.ttft_s)
         self.latency.observe(stats.total_s)
         self.cached.inc(stats.cached_tokens)
         self.computed.inc(stats.computed_tokens)
         self.generated.inc(len(result.token_ids))
+
+    def first_token(self, seconds: float) -> None:
+        """A stream's first text is ready to send, ``seconds`` after its submission: observed
+        whether or not its client stays to the end (else slow first tokens, those clients give
+        up on, would be missing from the histogram)."""
+        self.ttft.observe(seconds)
 
     def tenant(self, tenant: Tenant, held: int, refused: bool) -> None:
         """A key's slots changed (:class:`pc_rag.server.quota.Quota`'s listener)."""
