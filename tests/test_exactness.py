@@ -204,6 +204,38 @@ def test_llama4_runs_its_decoder_stack_and_serves_within_its_attention_chunk(mak
     assert tuned.context_window == 63 and "query temperature tuning from position 63 on" in tuned.spec.context_reason
 
 
+def test_llama4_as_published_runs_its_language_model_for_text(tokenizer):
+    """Llama 4's checkpoints are image-and-text models (``Llama4ForConditionalGeneration``),
+    whose own forward fails without images in transformers 5.x (it reads ``image_outputs`` from
+    its language model's output): every pass pc-rag ran raised AttributeError. Text is its
+    language model's alone, so that is what runs, and cached prompts equal it."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from pc_rag import PromptCache
+
+    from .conftest import tiny_config
+
+    torch.manual_seed(0)
+    vocab = len(tokenizer)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8,
+                  vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    config = Llama4Config(text_config=tiny_config("llama4", vocab).to_dict(), vision_config=vision, image_token_index=vocab - 1)
+    model = Llama4ForConditionalGeneration(config).eval()
+    engine = PromptCache(model, tokenizer, recompute=0, attention_temperature=1.0, attention_scale=1.0, encoding="isolated")
+    assert engine.position_kind == "rope" and engine.movable
+    schema = engine.add_schema(SCHEMA, progress=False)
+    for prompt in PROMPTS:
+        plan = engine.plan(prompt)
+        expected, buffer = oracle(engine, plan)
+        with torch.no_grad():
+            own = model.language_model(input_ids=torch.tensor([plan.input_ids]),
+                                       position_ids=torch.tensor([plan.position_ids])).logits[0, -1]
+        assert (own - expected).abs().max().item() <= 1e-4
+        inject_contiguous_kv(engine, schema, plan, buffer)
+        assert (engine.next_token_logits(prompt) - expected).abs().max().item() <= 1e-4
+    assert engine.generate(PROMPTS[0], max_new_tokens=3, do_sample=False).token_ids
+
+
 def not_supported(name: str, vocab: int):
     """Tiny models pc-rag refuses: (config, what the refusal says)."""
     from transformers import DeepseekV3Config, Lfm2Config, MambaConfig, Qwen3NextConfig

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import PromptCacheError
 from ..kv.buffers import KVBuffer, ModuleKV
-from .decoder import decoder_of
+from .decoder import decoder_of, language_model_of
 from .packed import KWARG as PACKED_KWARG
 from .packed import PackedStep, Pass
 from .probe import PROBE_KWARG, Probe, ProbeDone
@@ -79,7 +79,7 @@ class Forward:
     """
 
     def __init__(self, model: Any, *, compile: bool | str = False) -> None:
-        self.model = model
+        self.model = language_model_of(model)  # a multimodal wrapper's language model: text is all pc-rag runs
         self.decoder = decoder_of(model)  # the stack under the head: KV without logits for every token
         self._cache = cache_keyword(model)
         # decode steps with fixed shapes (pc_rag.decode.loop.Cursor) through torch.compile. dynamic=None:
