@@ -137,6 +137,26 @@ def test_a_late_arrival_gets_its_answer_before_the_long_runners_finish(engine):
     assert late.token_ids == alone.token_ids
 
 
+def test_a_batch_is_rebuilt_without_its_finished_rows_only_when_steps_remain_to_pay_for_it(make_engine):
+    """When half a batch's rows have finished, the rest are rebuilt into a smaller batch: a copy of
+    their KV that later steps pay back by reading fewer rows. For rows with a step or two left it
+    never does (on the 2-core CPU 0.11 s for 4 rows of ~1K entries, against ~50 ms a step
+    saved), and 8 callers arriving in two cohorts paid it for their last step."""
+    engine = make_engine("llama")
+    engine.stop_token_ids.clear()
+    prompts = [f"Caller {i} asks about the harbour at dawn." for i in range(6)]
+    lone = [engine.generate(p, max_new_tokens=40).token_ids for p in prompts]
+    # two prompts and a token the first emits (first at step j >= 1) that the second never does
+    pair, stop, j = next(((a, b), t, lone[a].index(t)) for a in range(6) for b in range(6) if a != b
+                         for t in lone[a][1:20] if t not in lone[b] and lone[a].index(t) >= 1)
+    engine.stop_token_ids.add(stop)
+    for steps_after, rebuilt in ((2, 0), (30, 1)):  # what the second row has left when the first stops
+        before = engine.scheduler.stats()["merges"]
+        first, second = engine.generate_batch([prompts[pair[0]], prompts[pair[1]]], max_new_tokens=j + 1 + steps_after)
+        assert first.token_ids == lone[pair[0]][:j] and second.token_ids == lone[pair[1]][: j + 1 + steps_after]
+        assert engine.scheduler.stats()["merges"] - before == rebuilt, steps_after
+
+
 def test_a_compiled_engine_runs_every_step_compiled_when_callers_join(make_engine):
     """compile=True under concurrent RAG callers: rows copy the modules they import alike (a step
     over shared parts runs eagerly, and the schema's system prompt is shared by every RAG batch),
