@@ -189,8 +189,8 @@ class Server:
     def _charge_departed(self, slots: Slots, calls: Sequence[Call], streamed: Sequence[int] | None = None) -> None:
         """A client gone before its reply finished is charged what the reply may have used: the
         price it holds (:meth:`_price`) for a whole reply it never saw, or, for a stream, that
-        price's prompts and the tokens streamed to it (``streamed``, a count per call). Else a key could leave just before each
-        reply's end and never be charged for its tokens per minute."""
+        price's prompts and the tokens streamed to it (``streamed``, a count per call). Else a
+        key could leave just before each reply's end and never be charged for its tokens per minute."""
         if not slots.tokens:  # a key without max_tokens_per_minute: nothing was priced
             return
         tokens = slots.tokens
