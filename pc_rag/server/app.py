@@ -221,7 +221,7 @@ class Server:
         ``slots`` until it ends."""
         scope = slots.tenant.scope
         started = time.perf_counter()
-        streamed = [_Choice(i, call, self.backend.stream(call_payload(call.prompt, call.params, scope, documents)), started)
+        streamed = [_Choice(i, call, self.backend.stream(call_payload(call.prompt, call.params, scope, documents)))
                     for i, call in enumerate(calls)]
         try:
             await _unless_disconnected(request, gather_or_cancel(*(choice.start() for choice in streamed)))
@@ -232,7 +232,7 @@ class Server:
                 self._charge_departed(slots, calls, [0 for _ in calls])
             raise
         for choice in streamed:  # observed now: a client that leaves mid-reply (perhaps tired of a slow first token) counts too
-            self.metrics.first_token(choice.first_s)
+            self.metrics.first_token(choice.first_at - started)
         held = slots.hand_over()
 
         async def close() -> None:
@@ -260,7 +260,7 @@ class Server:
         finally:
             if not finished:  # its client left (or it failed): counted and charged for what it was sent
                 sent = [_count(self.backend.tokenizer, "".join(c.texts)) for c in streamed]
-                self.metrics.generated.inc(sum(sent))
+                self.metrics.cut_short(sum(sent))
                 self._charge_departed(slots, [c.call for c in streamed], sent)
         yield "data: [DONE]\n\n"
 
@@ -372,12 +372,12 @@ def _sse(payload: dict[str, Any]) -> str:
 
 class _Choice:
     """One streamed choice: its call, its stream, its first piece (awaited before the response
-    starts) and when it came (``first_s``: seconds from ``started``), and the text streamed so far."""
+    starts) and when it came (``first_at``, ``time.perf_counter()``), and the text streamed so far."""
 
-    def __init__(self, index: int, call: Call, stream: Any, started: float) -> None:
-        self.index, self.call, self.stream, self.started = index, call, stream, started
+    def __init__(self, index: int, call: Call, stream: Any) -> None:
+        self.index, self.call, self.stream = index, call, stream
         self.first: str | None = None
-        self.first_s = 0.0
+        self.first_at = 0.0
         self.texts: list[str] = []
 
     async def start(self) -> None:
@@ -385,7 +385,7 @@ class _Choice:
             self.first = await self.stream.__anext__()
         except StopAsyncIteration:
             self.first = None
-        self.first_s = time.perf_counter() - self.started
+        self.first_at = time.perf_counter()
 
 
 T = TypeVar("T")

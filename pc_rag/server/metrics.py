@@ -78,7 +78,8 @@ class _TokensCollector(Collector):
 
 class Metrics:
     """The server's metrics: :meth:`answered` once per request, :meth:`generation` once per
-    finished generation, :meth:`first_token` once per streamed one."""
+    finished generation, :meth:`first_token` once per streamed one, :meth:`cut_short` once per
+    stream that ends early."""
 
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry()
@@ -115,6 +116,11 @@ class Metrics:
         whether or not its client stays to the end (else slow first tokens, those clients give
         up on, would be missing from the histogram)."""
         self.ttft.observe(seconds)
+
+    def cut_short(self, tokens: int) -> None:
+        """A stream ended before its last token (its client left, or it failed): the ``tokens``
+        sent to it are counted as generated; its other counts, in its Generation, never came."""
+        self.generated.inc(tokens)
 
     def tenant(self, tenant: Tenant, held: int, refused: bool) -> None:
         """A key's slots changed (:class:`pc_rag.server.quota.Quota`'s listener)."""
