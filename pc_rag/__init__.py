@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from .decode.logprobs import TokenLogprob
     from .decode.request import CacheStats, Generation
     from .engine import DEFAULT_ENCODING, PromptCache
-    from .errors import PromptCacheError, QueueFull, ServingFailed
+    from .errors import ContextWindowExceeded, PromptCacheError, QueueFull, ServingFailed
     from .prompt.documents import DocumentRecord, build_prompt, module_reference
     from .prompt.plan import Plan, Segment
     from .prompt.pml import PML, escape, parse_prompt, parse_schema
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry", "DocumentRecord": "prompt.documents",
     "build_prompt": "prompt.documents", "module_reference": "prompt.documents", "PromptCacheError": "errors", "QueueFull": "errors",
-    "ServingFailed": "errors",
+    "ServingFailed": "errors", "ContextWindowExceeded": "errors",
     "CacheStats": "decode.request", "Generation": "decode.request", "TokenLogprob": "decode.logprobs", "Plan": "prompt.plan", "Segment": "prompt.plan",
     "PML": "prompt.pml", "escape": "prompt.pml", "parse_prompt": "prompt.pml", "parse_schema": "prompt.pml",
 }
@@ -43,6 +43,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "DEFAULT_ENCODING",
     "CacheStats",
+    "ContextWindowExceeded",
     "DocumentRecord",
     "Generation",
     "PML",

@@ -7,14 +7,23 @@ class PromptCacheError(ValueError):
     """Bad schema, prompt, argument or cache state.
 
     The message always says what is wrong and where. Errors that come from PML text carry the
-    1-based ``line`` and ``column`` of the offending character (``None`` when not from text).
+    1-based ``line`` and ``column`` of the offending character (``None`` when not from text); an
+    error in one argument of a call names it in ``param`` (``"temperature"``, ``"stop"``; a
+    server reports it as OpenAI's ``param``).
     """
 
-    def __init__(self, message: str, *, line: int | None = None, column: int | None = None) -> None:
+    def __init__(self, message: str, *, line: int | None = None, column: int | None = None, param: str | None = None) -> None:
         self.line = line
         self.column = column
+        self.param = param
         where = f" (line {line}, column {column})" if line is not None else ""
         super().__init__(message + where)
+
+
+class ContextWindowExceeded(PromptCacheError):
+    """A prompt needs more positions than the model's context window: shorten it (fewer
+    documents, a shorter history). A server answers 400 with OpenAI's ``context_length_exceeded``
+    code; the LangChain adapters raise it as LangChain's ``ContextOverflowError`` too."""
 
 
 class QueueFull(PromptCacheError):

@@ -19,7 +19,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from .errors import PromptCacheError
+from .errors import ContextWindowExceeded, PromptCacheError
 from .model.spec import ModelSpec
 from .prefill.recovery import encoded_behind
 from .prompt.documents import split_references
@@ -269,7 +269,8 @@ def admit(plans: Sequence[Plan], spec: ModelSpec, *, use_cache: bool, memory_bud
         end = planned.end
         if spec.context_window is not None and end > spec.context_window:
             why = f": {spec.context_reason}" if spec.context_reason else ""
-            raise PromptCacheError(f"{what} needs {end} positions, more than the model's context window ({spec.context_window}){why}")
+            raise ContextWindowExceeded(f"{what} needs {end} positions, more than the model's context window ({spec.context_window}){why}",
+                                        param="prompt")
         if use_cache and spec.exact_window is not None and end > spec.exact_window and planned.cached_tokens:
             raise PromptCacheError(
                 f"{what} needs {end} positions; this model has {spec.pinned_reason}, so cached KV is exact only within "

@@ -293,7 +293,8 @@ class Serving:
         """What the scheduler serves: ``plans`` with a request state each (sampling, stops, statistics)."""
         vocabulary = self.model.config.get_text_config(decoder=True).vocab_size
         if params.logit_bias and params.logit_bias[-1][0] >= vocabulary:  # refused here, not on the loop every caller shares
-            raise PromptCacheError(f"logit_bias names token {params.logit_bias[-1][0]}; the model's vocabulary has {vocabulary} tokens")
+            raise PromptCacheError(f"logit_bias names token {params.logit_bias[-1][0]}; the model's vocabulary has {vocabulary} tokens",
+                                   param="logit_bias")
         requests = [
             RequestState(params=params, tokenizer=self.tokenizer, device=self.spec.device, stop_token_ids=frozenset(self.stop_token_ids),
                          context_window=self.spec.context_window, modules=list(p.modules),

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
+from langchain_core.exceptions import ContextOverflowError, ModelInvalidRequestError, ModelRateLimitError
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
-from pc_rag import PromptCacheError
+from pc_rag import ContextWindowExceeded, PromptCacheError, QueueFull
 from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheLLM, PromptCacheRetriever, format_modules
 
 QUESTION = "Who won Super Bowl 50?"
@@ -136,6 +140,44 @@ async def test_async_paths(smollm):
     assert (await chat.ainvoke("Say hi.")).content == chat.invoke("Say hi.").content
     pieces = [c.content async for c in chat.astream("Say hi.")]
     assert "".join(pieces) == chat.invoke("Say hi.").content
+
+
+async def test_engine_errors_are_langchains_model_errors_too(smollm):
+    """What ChatOpenAI raises for the same condition (a chain that trims its history on
+    ContextOverflowError works with either), and still the engine's own error: before, only the latter."""
+    chat, llm = ChatPromptCache(engine=smollm, max_new_tokens=4), PromptCacheLLM(engine=smollm, max_new_tokens=4)
+    too_long = "word " * 9000
+    calls = {"chat.invoke": lambda: chat.invoke(too_long), "chat.stream": lambda: list(chat.stream(too_long)),
+             "llm.invoke": lambda: llm.invoke(too_long), "llm.batch": lambda: llm.batch([too_long, "hi"])}
+    for name, call in calls.items():
+        with pytest.raises(ContextOverflowError) as caught:
+            call()
+        assert isinstance(caught.value, ContextWindowExceeded) and caught.value.param == "prompt", name
+        assert "context window (8192)" in str(caught.value) and isinstance(caught.value.__cause__, ContextWindowExceeded)
+    for agen in (chat.ainvoke(too_long), llm.ainvoke(too_long)):
+        with pytest.raises(ContextOverflowError):
+            await agen
+    with pytest.raises(ModelInvalidRequestError) as caught:
+        chat.invoke("hi", stop=[""])
+    assert isinstance(caught.value, PromptCacheError) and caught.value.param == "stop"
+    assert chat.invoke("Say hi.").content  # the model lives on
+
+
+def test_a_full_queue_is_langchains_rate_limit(make_engine):
+    engine = make_engine("llama", max_running=1, max_queued=1)
+    engine.stop_token_ids.clear()
+    blocker = engine.stream("Keep the only row busy.", max_new_tokens=400)
+    next(blocker)
+    waiting = engine.stream("Queued.", max_new_tokens=2)
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(lambda: "".join(waiting))
+        while engine.scheduler.stats()["queued"] < 1:  # submitted (a wait for an event, not a timing)
+            threading.Event().wait(0.005)
+        with pytest.raises(ModelRateLimitError) as caught:
+            PromptCacheLLM(engine=engine, max_new_tokens=2).invoke("One too many.")
+        assert isinstance(caught.value, QueueFull) and caught.value.is_retryable
+        blocker.close()
+        assert isinstance(queued.result(), str)
 
 
 def test_bad_arguments_are_typed_errors(smollm):

@@ -239,43 +239,50 @@ def test_documents_listed_paged_and_deleted(pcrag_server):
 
 
 # -- bad input ----------------------------------------------------------------------------------
-@pytest.mark.parametrize(("body", "status", "says"), [
-    (b"{not json", 400, "not valid JSON"),
-    (b"[1, 2]", 400, "JSON object"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}).encode(), 400, "max_tokens"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "messages.0.role"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 17}).encode(), 400, "n: Input should be less"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}).encode(), 400,
-     "presence_penalty"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}).encode(), 400, "temperature"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "get_x"}).encode(), 400, "tool_choice"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}).encode(), 400,
-     "response_format"),
-    (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "gpt-4o"),
+def _chat(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+# ``param`` names the field at fault as the request spelled it (the openai SDK's error.param):
+# those the engine refused (seed, stop, logit_bias, penalties) came back with none
+@pytest.mark.parametrize(("body", "status", "says", "param"), [
+    (b"{not json", 400, "not valid JSON", None),
+    (b"[1, 2]", 400, "JSON object", None),
+    (_chat(max_tokens="8"), 400, "max_tokens", "max_tokens"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "messages.0.role", "messages.0.role"),
+    (_chat(n=17), 400, "n: Input should be less", "n"),
+    (_chat(presence_penalty=2.5), 400, "presence_penalty", "presence_penalty"),
+    (_chat(temperature=3), 400, "temperature", "temperature"),
+    (_chat(tool_choice="get_x"), 400, "tool_choice", "tool_choice"),
+    (_chat(response_format={"type": "yaml"}), 400, "response_format", "response_format"),
+    (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "gpt-4o", "model"),
     # a seed past 64 bits was a 500; a logit_bias was ignored (the reply unbiased, nothing said)
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2**80, "temperature": 1}).encode(), 400,
-     "seed"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"50": 101}}).encode(), 400,
-     "logit_bias of token 50 must be a number from -100 to 100"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"hello": 5}}).encode(), 400,
-     "logit_bias keys are token ids"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 5}}).encode(), 400,
-     "the model's vocabulary has 49152 tokens"),
+    (_chat(seed=2**80, temperature=1), 400, "seed", "seed"),
+    (_chat(logit_bias={"50": 101}), 400, "logit_bias of token 50 must be a number from -100 to 100", "logit_bias"),
+    (_chat(logit_bias={"hello": 5}), 400, "logit_bias keys are token ids", "logit_bias"),
+    (_chat(logit_bias={"99999999": 5}), 400, "the model's vocabulary has 49152 tokens", "logit_bias"),
     # JSON's Infinity passed the wire's check (> 0) and reached the sampler
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": float("inf")}).encode(), 400,
-     "repetition_penalty must be a finite number"),
+    (_chat(repetition_penalty=float("inf")), 400, "repetition_penalty must be a finite number", "repetition_penalty"),
+    (_chat(stop=""), 400, "stop sequences must be non-empty", "stop"),
     # 100,000 stops in one body slowed every tenant's decode steps (each searched after every token)
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [f"{i:08d}" for i in range(100_000)]}).encode(),
-     400, "at most 16 stop sequences"),
+    (_chat(stop=[f"{i:08d}" for i in range(100_000)]), 400, "at most 16 stop sequences", "stop"),
     # an image part: the error names the part's type, not the string the content could have been
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(),
-     400, "'image_url'"),
-])
-def test_bad_requests_get_openai_shaped_errors(pcrag_server, body, status, says):
+     400, "'image_url'", "messages.0.content.0.type"),
+], ids=lambda value: "body" if isinstance(value, bytes) else None)
+def test_bad_requests_get_openai_shaped_errors(pcrag_server, body, status, says, param):
     response = httpx.post(pcrag_server.url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == status
     error = response.json()["error"]
     assert says in error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize("field", ["echo", "suffix", "best_of"])
+def test_text_completion_fields_not_served_are_named(pcrag_server, field):
+    value = {"echo": True, "suffix": "!", "best_of": 2}[field]
+    response = httpx.post(pcrag_server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field  # was "echo" for all three
 
 
 def test_unknown_fields_are_ignored(client):
@@ -289,8 +296,9 @@ def test_oversized_body_and_long_prompt(pcrag_server):
     assert huge.status_code == 413
     long = httpx.post(pcrag_server.url + "/v1/completions", json={"model": MODEL, "prompt": "word " * 9000, "max_tokens": 4})
     assert long.status_code == 400
-    message = long.json()["error"]["message"]
-    assert "context window (8192)" in message and any(int(w) > 8192 for w in message.split() if w.isdigit())
+    error = long.json()["error"]
+    assert "context window (8192)" in error["message"] and any(int(w) > 8192 for w in error["message"].split() if w.isdigit())
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")  # OpenAI's code for it
     assert httpx.get(pcrag_server.url + "/health").status_code == 200  # and the server lives on
 
 
@@ -413,6 +421,19 @@ def test_langchain_chat_openai(pcrag_server, passage):
 
     called = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Rome?")
     assert called.tool_calls and called.tool_calls[0]["name"] == "get_weather"
+
+
+def test_a_prompt_past_the_context_window_is_langchains_context_overflow(pcrag_server):
+    """ChatOpenAI raises LangChain's ContextOverflowError on OpenAI's ``context_length_exceeded``
+    (a chain trims its history on it): pc-rag's 400 carried no code, so it raised a plain BadRequestError."""
+    from langchain_core.exceptions import ContextOverflowError
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=pcrag_server.url + "/v1", api_key="unused", max_tokens=4, max_retries=0)
+    with pytest.raises(ContextOverflowError) as caught:
+        llm.invoke("word " * 9000)
+    assert isinstance(caught.value, openai.BadRequestError) and caught.value.param == "messages"
+    assert llm.invoke("Say hi.").content  # the server lives on
 
 
 async def test_langchain_async_callers_at_once(pcrag_server):

@@ -82,15 +82,16 @@ def _is_real(value: Any) -> bool:
 def _stop_sequences(stop: Any) -> tuple[str, ...]:
     """``stop`` (a string, a list of them, or None) as a tuple, checked against the bounds."""
     if stop is not None and not isinstance(stop, (str, Sequence)):
-        raise PromptCacheError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        raise PromptCacheError(f"stop must be a string or a list of strings, got {type(stop).__name__}", param="stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if len(stops) > MAX_STOP_SEQUENCES:
-        raise PromptCacheError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+        raise PromptCacheError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}", param="stop")
     if any(not isinstance(s, str) or not s for s in stops):
-        raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}")
+        raise PromptCacheError(f"stop sequences must be non-empty strings, got {stop!r}", param="stop")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         longest = max(stops, key=len)
-        raise PromptCacheError(f"a stop sequence is at most {MAX_STOP_CHARS} characters, got one of {len(longest)}: {longest[:40]!r}...")
+        raise PromptCacheError(f"a stop sequence is at most {MAX_STOP_CHARS} characters, got one of {len(longest)}: {longest[:40]!r}...",
+                               param="stop")
     return stops
 
 
@@ -98,13 +99,13 @@ def _check_processor_settings(repetition_penalty: Any, presence_penalty: Any, fr
                               no_repeat_ngram_size: Any, min_new_tokens: Any) -> None:
     """The logits processors' settings, each typed and in its range (else a PromptCacheError naming it)."""
     if not _is_real(repetition_penalty) or not 0 < repetition_penalty < math.inf:
-        raise PromptCacheError(f"repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
+        raise PromptCacheError(f"repetition_penalty must be a finite number > 0, got {repetition_penalty!r}", param="repetition_penalty")
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not _is_real(value) or not -2 <= value <= 2:
-            raise PromptCacheError(f"{name} must be a number from -2 to 2 (OpenAI's range), got {value!r}")
+            raise PromptCacheError(f"{name} must be a number from -2 to 2 (OpenAI's range), got {value!r}", param=name)
     for name, value in (("no_repeat_ngram_size", no_repeat_ngram_size), ("min_new_tokens", min_new_tokens)):
         if not _is_int(value) or value < 0:
-            raise PromptCacheError(f"{name} must be an integer >= 0, got {value!r}")
+            raise PromptCacheError(f"{name} must be an integer >= 0, got {value!r}", param=name)
 
 
 def _schema(json_schema: Any) -> str | None:
@@ -123,14 +124,14 @@ def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
     if bias is None:
         return ()
     if not isinstance(bias, Mapping):
-        raise PromptCacheError(f"logit_bias must map token ids to biases, got {type(bias).__name__}")
+        raise PromptCacheError(f"logit_bias must map token ids to biases, got {type(bias).__name__}", param="logit_bias")
     pairs = {}
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.isdigit() else key
         if not _is_int(token) or token < 0:
-            raise PromptCacheError(f"logit_bias keys are token ids (integers >= 0), got {key!r}")
+            raise PromptCacheError(f"logit_bias keys are token ids (integers >= 0), got {key!r}", param="logit_bias")
         if not _is_real(value) or not -100 <= value <= 100:
-            raise PromptCacheError(f"logit_bias of token {token} must be a number from -100 to 100, got {value!r}")
+            raise PromptCacheError(f"logit_bias of token {token} must be a number from -100 to 100, got {value!r}", param="logit_bias")
         pairs[token] = float(value)
     return tuple(sorted(pairs.items()))
 
@@ -190,25 +191,26 @@ class SamplingParams:
         # every check types its value first: a string or a NaN that slipped through would fail the
         # scheduler's step, and with it every row sharing that step, not just this call
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
-            raise PromptCacheError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+            raise PromptCacheError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}", param="max_new_tokens")
         if not _is_real(temperature) or not 0 <= temperature < math.inf:
-            raise PromptCacheError(f"temperature must be a finite number >= 0, got {temperature!r}")
+            raise PromptCacheError(f"temperature must be a finite number >= 0, got {temperature!r}", param="temperature")
         if not _is_real(top_p) or not 0 < top_p <= 1:
-            raise PromptCacheError(f"top_p must be in (0, 1], got {top_p!r}")
+            raise PromptCacheError(f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
         if top_k is not None and (not _is_int(top_k) or top_k < 1):
-            raise PromptCacheError(f"top_k must be a positive integer or None, got {top_k!r}")
+            raise PromptCacheError(f"top_k must be a positive integer or None, got {top_k!r}", param="top_k")
         if seed is not None and (not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX):
-            raise PromptCacheError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (torch's generator), got {seed!r}")
+            raise PromptCacheError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (torch's generator), got {seed!r}", param="seed")
         if stop is not None and stop_strings is not None:
-            raise PromptCacheError("give stop or stop_strings (the same thing), not both")
+            raise PromptCacheError("give stop or stop_strings (the same thing), not both", param="stop")
         if do_sample is not None and not isinstance(do_sample, bool):
-            raise PromptCacheError(f"do_sample must be True, False or None, got {do_sample!r}")
+            raise PromptCacheError(f"do_sample must be True, False or None, got {do_sample!r}", param="do_sample")
         if do_sample is not None:
             temperature = (temperature or 1.0) if do_sample else 0.0
         _check_processor_settings(repetition_penalty, presence_penalty, frequency_penalty, no_repeat_ngram_size, min_new_tokens)
         stops = _stop_sequences(stop if stop is not None else stop_strings)
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
-            raise PromptCacheError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token) or None, got {logprobs!r}")
+            raise PromptCacheError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token) or None, got {logprobs!r}",
+                                   param="logprobs")
         return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed,
                    float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits), _schema(json_schema), logprobs,
                    float(presence_penalty), float(frequency_penalty), _logit_bias(logit_bias))

@@ -43,6 +43,7 @@ from .wire import (
     ChatRequest,
     CompletionRequest,
     RequestBody,
+    bad_request,
     chat_call,
     chat_chunk,
     chat_response,
@@ -256,7 +257,7 @@ class Server:
             if streamed[0].call.include_usage:
                 yield _sse(usage_chunk(request_id, self.model, kind, results))
         except Exception as exc:  # headers are sent: the error is the stream's last event
-            yield _sse(_error(exc).body())  # _error logs what is not the client's fault
+            yield _sse(_error(exc, chat=chat).body())  # _error logs what is not the client's fault
         finally:
             if not finished:  # its client left (or it failed): counted and charged for what it was sent
                 sent = [_count(self.backend.tokenizer, "".join(c.texts)) for c in streamed]
@@ -474,8 +475,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     raise _ClientGone
 
 
-def _error(exc: BaseException) -> ApiError:
-    """Any failure as the error a client gets; anything unexpected is a 500 and logged."""
+def _error(exc: BaseException, *, chat: bool = False) -> ApiError:
+    """Any failure as the error a client gets (of a chat completion: ``chat``, whose fields are
+    named otherwise); anything unexpected is a 500 and logged."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, QueueFull):
@@ -486,7 +488,7 @@ def _error(exc: BaseException) -> ApiError:
             return ApiError(503, "the server is shutting down", kind="server_error", code="unavailable")
         return ApiError(500, "the engine failed to serve this request; trying again may succeed", kind="server_error")
     if isinstance(exc, PromptCacheError):
-        return ApiError(400, str(exc))
+        return bad_request(exc, chat=chat)
     logger.error("request failed", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
@@ -511,7 +513,7 @@ def _endpoint(server: Server, name: str, handler: Handler) -> Callable[[Request]
             server.metrics.answered(name, 499)  # nginx's code for it: nobody reads this response
             return Response(status_code=499)
         except Exception as exc:
-            error = _error(exc)
+            error = _error(exc, chat=name == "chat")
             response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
         server.metrics.answered(name, response.status_code)
         return response

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..decode.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs
 from ..decode.request import SEED_MAX, SEED_MIN, Generation
-from ..errors import PromptCacheError
+from ..errors import ContextWindowExceeded, PromptCacheError
 from ..prompt.schemas import response_format_schema
 from ..prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
 
@@ -44,6 +44,25 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# the engine's names of its arguments (PromptCacheError.param) where the wire's differ
+_WIRE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format"}
+
+
+def bad_request(exc: PromptCacheError, *, chat: bool) -> ApiError:
+    """A request the engine refused, as OpenAI's 400: ``param`` names the field at fault as the
+    request spelled it, and a prompt past the context window carries OpenAI's
+    ``context_length_exceeded`` code (on which ChatOpenAI raises LangChain's ContextOverflowError)."""
+    param = getattr(exc, "param", None)  # (a Ray task error stands in for its cause)
+    if param == "prompt" and chat:
+        param = "messages"
+    elif param == "logprobs" and chat:
+        param = "top_logprobs"
+    else:
+        param = _WIRE_NAMES.get(param, param) if param is not None else None
+    code = "context_length_exceeded" if isinstance(exc, ContextWindowExceeded) else None
+    return ApiError(400, str(exc), param=param, code=code)
 
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait (the openai SDK and ChatOpenAI retry after it)
@@ -318,8 +337,9 @@ def chat_call(body: ChatRequest, render: Any, references: Sequence[str] = (), im
 
 def completion_calls(body: CompletionRequest) -> list[Call]:
     """The engine calls of a text completion: one per prompt (a list gives one choice each)."""
-    if body.echo or body.suffix or (body.best_of or 1) != 1:
-        raise ApiError(400, "echo, suffix and best_of are not supported", param="echo")
+    for name, given in (("echo", body.echo), ("suffix", body.suffix), ("best_of", (body.best_of or 1) != 1)):
+        if given:
+            raise ApiError(400, f"{name} is not supported (pc-rag serves no echo, suffix or best_of)", param=name)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if body.stream and len(prompts) != 1:
         raise ApiError(400, "a streamed completion takes one prompt", param="prompt")

@@ -39,6 +39,7 @@ from .._shared import (
     iterate_in_thread,
 )
 from .base import EngineParams, scoped
+from .errors import langchain_errors
 
 
 def _role(message: BaseMessage) -> str:
@@ -203,6 +204,7 @@ class ChatPromptCache(EngineParams, BaseChatModel):
         prompt = self.engine.render_chat([_turn(m) for m in messages], tools=tools or None)
         return prompt, params, tools
 
+    @langchain_errors
     def _generate(
         self,
         messages: list[BaseMessage],
@@ -218,6 +220,7 @@ class ChatPromptCache(EngineParams, BaseChatModel):
         message = _ai_message(result, self.engine, tools)
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=dict(message.response_metadata))])
 
+    @langchain_errors
     def _stream(
         self,
         messages: list[BaseMessage],
@@ -272,6 +275,7 @@ class ChatPromptCache(EngineParams, BaseChatModel):
             _pending.batch = None
         return [generations[0].message for generations in result.generations]  # type: ignore[attr-defined]
 
+    @langchain_errors
     async def _agenerate(
         self,
         messages: list[BaseMessage],

@@ -21,6 +21,7 @@ from .._shared import (
     iterate_in_thread,
 )
 from .base import EngineParams, token_usage
+from .errors import langchain_errors
 
 
 class PromptCacheLLM(EngineParams, BaseLLM):
@@ -35,6 +36,7 @@ class PromptCacheLLM(EngineParams, BaseLLM):
     def _llm_type(self) -> str:
         return "pc-rag"
 
+    @langchain_errors
     def _generate(
         self,
         prompts: list[str],
@@ -60,6 +62,7 @@ class PromptCacheLLM(EngineParams, BaseLLM):
         usage = token_usage([g[0].generation_info or {} for g in generations])
         return LLMResult(generations=generations, llm_output={"model_name": self.model_name, "token_usage": usage})
 
+    @langchain_errors
     def _stream(
         self,
         prompt: str,
@@ -76,6 +79,7 @@ class PromptCacheLLM(EngineParams, BaseLLM):
         assert stream.result is not None
         yield GenerationChunk(text="", generation_info=generation_info(stream.result, self.engine))
 
+    @langchain_errors
     async def _agenerate(
         self,
         prompts: list[str],
