@@ -84,11 +84,29 @@ def test_affinity_routing_reads_memory_more_often_than_the_default_router(tmp_pa
             add_groups(server, "docs", groups)
             rates[router], replies = memory_served(server, groups, rounds=4, tokenizer=tokenizer)
             if router == "affinity":
+                refusals_are_the_engines_own(server)
                 killed_replica_is_answered_again(server, groups, replies)
         finally:
             server.close()
         redis.client().flushall()  # the next server starts from an empty Redis, as this one did
     assert rates["affinity"] > rates["default"], rates
+
+
+def refusals_are_the_engines_own(server: ServerProcess) -> None:
+    """A request a replica refuses is answered with the engine's error, its field and code, as by
+    one engine: it was Ray's wrapper, whose message is the replica's traceback (its pid, address
+    and file paths), with neither field nor code."""
+    hi = [{"role": "user", "content": "hi"}]
+    for fields, says, param, code in [({"messages": [{"role": "user", "content": "word " * 9000}]}, "context window (8192)", "messages",
+                                       "context_length_exceeded"),
+                                      ({"messages": hi, "stop": ""}, "stop sequences must be non-empty", "stop", None)]:
+        for stream in (False, True):
+            response = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+                                  json={"model": MODEL, "max_tokens": 2, "stream": stream, **fields})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["message"].startswith(("the prompt needs", says)) and says in error["message"], error["message"][:300]
+            assert (error["param"], error["code"]) == (param, code)
 
 
 def killed_replica_is_answered_again(server: ServerProcess, groups: list[list[str]], replies: list[dict]) -> None:

@@ -484,7 +484,7 @@ def _error(exc: BaseException, *, chat: bool = False) -> ApiError:
         return rate_limited(str(exc), "queue_full")
     if isinstance(exc, ServingFailed):  # not the client's input: a 5xx, which clients retry
         logger.error("request failed", exc_info=exc)
-        if getattr(exc, "unavailable", False):  # (a Ray task error stands in for its cause)
+        if exc.unavailable:
             return ApiError(503, "the server is shutting down", kind="server_error", code="unavailable")
         return ApiError(500, "the engine failed to serve this request; trying again may succeed", kind="server_error")
     if isinstance(exc, PromptCacheError):

@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from ..decode.request import Generation
+from ..errors import PromptCacheError
 from .backend import LocalBackend
 from .routing import routing_stats
 
@@ -29,6 +30,16 @@ logger = logging.getLogger(__name__)
 
 _REPLICA_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 APP_NAME = "pc-rag"
+
+
+def _replica_error(error: RayTaskError) -> BaseException:
+    """What a replica raised, as it raised it: Ray's wrapper reads as the replica's traceback (its
+    pid, address and file paths), which a client must never get as an error message; what is
+    not the client's fault keeps that traceback in the server's log."""
+    cause = error.cause
+    if not isinstance(cause, PromptCacheError):
+        logger.error("a replica failed: %s", error)
+    return cause if isinstance(cause, Exception) else RuntimeError(f"a replica failed: {type(error).__name__}")
 
 
 @serve.deployment
@@ -110,6 +121,8 @@ class _ReplicaStream:
                 logger.warning("a replica died before answering: the request goes to another")
                 self._response = None
                 continue
+            except RayTaskError as error:  # (after the above: a replica's death may come wrapped as one)
+                raise _replica_error(error) from None
             self._started = True
             if isinstance(item, Generation):
                 self.result = item
@@ -148,6 +161,8 @@ class RayBackend:
                 if attempt:
                     raise
                 logger.warning("a replica died serving %s: sent again to another", method)
+            except RayTaskError as error:  # (after the above: a replica's death may come wrapped as one)
+                raise _replica_error(error) from None
         raise AssertionError("unreachable")
 
     async def generate(self, call: dict[str, Any]) -> Generation:

@@ -54,7 +54,7 @@ def bad_request(exc: PromptCacheError, *, chat: bool) -> ApiError:
     """A request the engine refused, as OpenAI's 400: ``param`` names the field at fault as the
     request spelled it, and a prompt past the context window carries OpenAI's
     ``context_length_exceeded`` code (on which ChatOpenAI raises LangChain's ContextOverflowError)."""
-    param = getattr(exc, "param", None)  # (a Ray task error stands in for its cause)
+    param = exc.param
     if param == "prompt" and chat:
         param = "messages"
     elif param == "logprobs" and chat:
