@@ -21,8 +21,8 @@ class PromptCacheError(ValueError):
 
 
 class ContextWindowExceeded(PromptCacheError):
-    """A prompt needs more positions than the model's context window: shorten it (fewer
-    documents, a shorter history). A server answers 400 with OpenAI's ``context_length_exceeded``
+    """A prompt (or a document) needs more positions than the model's context window: shorten it
+    (fewer documents, a shorter history; a document split in chunks). A server answers 400 with OpenAI's ``context_length_exceeded``
     code; the LangChain adapters raise it as LangChain's ``ContextOverflowError`` too."""
 
 

@@ -86,6 +86,7 @@ class Registration:
         options = {"context": context, "neighbours": neighbours, "embedding": embedding, "neighbour_search": neighbour_search}
         if background:
             check_name(schema, "schema name")
+            self.registry.check_documents_fit(records, schema)  # refused now, not dropped later in the background
             self.background.submit(schema, system, records, replace_changed=replace_changed, options=options)
             return [record.name for record in records]
         return self._add_records(records, schema=schema, system=system, progress=progress, batch_tokens=batch_tokens,

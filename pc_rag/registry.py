@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from .errors import PromptCacheError
+from .errors import ContextWindowExceeded, PromptCacheError
 from .model.spec import ModelSpec
 from .prefill.encode import ModuleEncoder
 from .prompt import documents as docs_mod
@@ -151,10 +151,21 @@ class Registry:
         self._schemas = schemas
         self._snapshot = Snapshot(MappingProxyType(schemas), self.index.snapshot())
 
-    def _check_window(self, length: int, what: str) -> None:
+    def _check_window(self, length: int, what: str, param: str | None = None) -> None:
         window = self.spec.context_window
         if window is not None and length > window:
-            raise PromptCacheError(f"{what} needs {length} positions, more than the model's context window ({window})")
+            raise ContextWindowExceeded(f"{what} needs {length} positions, more than the model's context window ({window})", param=param)
+
+    def check_documents_fit(self, records: Sequence[DocumentRecord], schema: str) -> None:
+        """Refuse, before they are queued for encoding, documents that cannot fit the model's
+        context window: their tokens, behind collection ``schema``'s system prompt when it exists
+        (a new collection's is counted when the document is encoded)."""
+        if self.spec.context_window is None:
+            return
+        target = self._schemas.get(schema)
+        start = target.layout.document_start if target is not None and target.layout.documents else 0
+        for record, text_ids in zip(records, self.spec.tokenize_many([r.text for r in records])):
+            self._check_window(start + len(text_ids) + len(self.spec.separator_ids), f"document {record.name!r}", "documents")
 
     # -----------------------------------------------------------------------------------------
     def add_schema(self, pml: str, *, progress: bool = True, publish: bool = True) -> Schema:
@@ -295,7 +306,7 @@ class Registry:
         spec = self.spec
         fresh = {}
         for record, text_ids in zip(records, spec.tokenize_many([r.text for r in records])):
-            self._check_window(target.layout.document_start + len(text_ids) + len(spec.separator_ids), f"document {record.name!r}")
+            self._check_window(target.layout.document_start + len(text_ids) + len(spec.separator_ids), f"document {record.name!r}", "documents")
             fresh[record.name] = (record, text_ids)
         return fresh
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pc_rag import PromptCache, PromptCacheError, build_prompt, module_reference, parse_prompt
+from pc_rag import ContextWindowExceeded, PromptCache, PromptCacheError, build_prompt, module_reference, parse_prompt
 from pc_rag.prompt.documents import DEFAULT_SYSTEM, SEPARATOR, default_name
 from pc_rag.prompt.pml import ModuleRef, PromptRole, TextNode
 
@@ -21,6 +21,19 @@ def engine(make_engine):
     engine = make_engine("llama")
     engine.add_documents(DOCS, progress=False)
     return engine
+
+
+def test_documents_that_cannot_be_encoded_are_refused_before_they_are_queued(engine):
+    """In the background a document past the context window was dropped (a warning in the log):
+    its caller had its name back, and it never came."""
+    too_long = "word " * 1100  # the tiny model's window: 1024
+    for collection in ("docs", "fresh"):  # behind an existing collection's system prompt, and a new one's
+        with pytest.raises(ContextWindowExceeded, match="document 'long' needs") as caught:
+            engine.add_documents(["A short note.", too_long], ids=["short", "long"], schema=collection, background=True)
+        assert caught.value.param == "documents"
+    assert engine.background.pending == 0  # nothing of the call was queued
+    with pytest.raises(PromptCacheError, match="at most 128 characters"):  # a folder's name under kv_dir
+        engine.add_documents(["A short note."], schema="c" * 129, background=True)
 
 
 def test_names_are_stable_and_the_same_text_is_stored_once(make_engine):

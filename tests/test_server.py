@@ -302,6 +302,21 @@ def test_oversized_body_and_long_prompt(pcrag_server):
     assert httpx.get(pcrag_server.url + "/health").status_code == 200  # and the server lives on
 
 
+def test_a_document_that_cannot_be_encoded_is_refused_when_added(pcrag_server):
+    """Accepted (202), then dropped by the background encoder, its error only in the server's log:
+    never listed, so a client waiting for "encoded" waited for ever."""
+    url = f"{pcrag_server.url}/v1/collections/longdocs/documents"
+    too_long = httpx.post(url, json={"documents": [{"id": "fits", "text": "A short note."}, {"id": "huge", "text": "word " * 9000}]})
+    assert too_long.status_code == 400
+    error = too_long.json()["error"]
+    assert "document 'huge' needs" in error["message"] and (error["param"], error["code"]) == ("documents", "context_length_exceeded")
+    assert httpx.get(url).status_code == 404  # nothing of the request was queued
+    # a collection is a folder under --kv-dir: a name past the filesystem's bound was accepted, then
+    # failed to encode (OSError); now no such collection can exist (404, as for any invalid name)
+    long_name = httpx.post(f"{pcrag_server.url}/v1/collections/{'c' * 300}/documents", json={"documents": [{"text": "x"}]})
+    assert long_name.status_code == 404
+
+
 def test_a_body_that_never_arrives_times_out(pcrag_server):
     """A client that announces a body and stalls (slowloris) gets a 408 and the server lives on."""
     with socket.create_connection(("127.0.0.1", pcrag_server.port), timeout=60) as sock:

@@ -33,6 +33,7 @@ DEFAULT_SYSTEM = "You are a helpful assistant. Answer the user's question using 
 # separate paragraphs, as in LangChain's "\n\n".join(page_contents)
 SEPARATOR = "\n\n"
 
+MAX_COLLECTION_CHARS = 128
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 _RESERVED = set(ROLES) | {"prompt", "schema", "module", "union", "param", "parameter"}
 
@@ -87,6 +88,10 @@ def document_id(name: str) -> str:
 def check_name(name: str, what: str = "document id") -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise PromptCacheError(f"invalid {what} {name!r}: use letters, digits, '_', '-', '.', starting with a letter or '_'")
+    # a collection's (schema's) name is a folder's under kv_dir: past a filesystem's 255 bytes its
+    # documents were accepted, then failed to encode (the OSError only in the server's log)
+    if what in ("schema name", "collection name") and len(name) > MAX_COLLECTION_CHARS:
+        raise PromptCacheError(f"invalid {what} {name[:40]!r}...: at most {MAX_COLLECTION_CHARS} characters, got {len(name)}")
     if name in _RESERVED:
         raise PromptCacheError(f"invalid {what} {name!r}: it is a reserved PML tag name")
     return name

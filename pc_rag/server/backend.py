@@ -57,9 +57,9 @@ class LocalBackend:
         return self.engine.astream(call["prompt"], collections=call["scope"], **call["params"])
 
     async def add_documents(self, collection: str, texts: list[str], ids: list[str | None], metadatas: list[Any]) -> list[str]:
-        # background=True only queues them: cheap enough for the event loop
-        return self.engine.add_documents(texts, ids=ids, metadatas=metadatas, schema=collection, background=True,
-                                         replace_changed=True, progress=False)
+        # background=True queues them once they are tokenised (a body of up to 8 MiB: off the event loop)
+        return await asyncio.to_thread(self.engine.add_documents, texts, ids=ids, metadatas=metadatas, schema=collection,
+                                       background=True, replace_changed=True, progress=False)
 
     async def held(self, collection: str) -> tuple[dict[str, int], set[str]]:
         return held(self.engine, collection)
