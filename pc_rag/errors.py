@@ -22,8 +22,9 @@ class PromptCacheError(ValueError):
 
 class ContextWindowExceeded(PromptCacheError):
     """A prompt (or a document) needs more positions than the model's context window: shorten it
-    (fewer documents, a shorter history; a document split in chunks). A server answers 400 with OpenAI's ``context_length_exceeded``
-    code; the LangChain adapters raise it as LangChain's ``ContextOverflowError`` too."""
+    (fewer documents, a shorter history; a document split in chunks). A server answers 400 with
+    OpenAI's ``context_length_exceeded`` code; the LangChain adapters raise it as LangChain's
+    ``ContextOverflowError`` too."""
 
 
 class QueueFull(PromptCacheError):
