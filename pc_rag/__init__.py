@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from .decode.logprobs import TokenLogprob
     from .decode.request import CacheStats, Generation
     from .engine import DEFAULT_ENCODING, PromptCache
-    from .errors import ContextWindowExceeded, PromptCacheError, QueueFull, ServingFailed
+    from .errors import ContextWindowExceeded, PromptCacheError, QueueFull, ServingFailed, UnknownModule
     from .prompt.documents import DocumentRecord, build_prompt, module_reference
     from .prompt.plan import Plan, Segment
     from .prompt.pml import PML, escape, parse_prompt, parse_schema
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry", "DocumentRecord": "prompt.documents",
     "build_prompt": "prompt.documents", "module_reference": "prompt.documents", "PromptCacheError": "errors", "QueueFull": "errors",
-    "ServingFailed": "errors", "ContextWindowExceeded": "errors",
+    "ServingFailed": "errors", "ContextWindowExceeded": "errors", "UnknownModule": "errors",
     "CacheStats": "decode.request", "Generation": "decode.request", "TokenLogprob": "decode.logprobs", "Plan": "prompt.plan", "Segment": "prompt.plan",
     "PML": "prompt.pml", "escape": "prompt.pml", "parse_prompt": "prompt.pml", "parse_schema": "prompt.pml",
 }
@@ -55,6 +55,7 @@ __all__ = [
     "Segment",
     "ServingFailed",
     "TokenLogprob",
+    "UnknownModule",
     "build_prompt",
     "escape",
     "module_reference",

@@ -182,7 +182,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     key_bounds = {"max_in_flight": args.max_in_flight_per_key, "max_tokens_per_minute": args.max_tokens_per_minute_per_key}
     tenants = Tenants.from_file(expand(args.api_keys), **key_bounds) if args.api_keys else None
     limits = dict(max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued,
-                  buffer_budget=None if args.buffer_budget_mb is None else int(args.buffer_budget_mb * 2**20))
+                  buffer_budget=None if args.buffer_budget_mb is None else int(args.buffer_budget_mb * 2**20),
+                  encode_share=args.encode_share)
     memory_budget = None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
     compile_mode = args.compile or False  # False: eager
     name = args.served_model_name or (Path(args.model.rstrip("/")).name if args.model else "SmolLM2-135M-Instruct")
@@ -199,7 +200,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if compile_mode:  # before the port opens: no caller waits for a compilation
         done = engine.warm_up()
         print(f"pc-rag: decode step compiled ({args.compile}) for {len(done.shapes)} shapes in {done.seconds:.1f} s", file=sys.stderr)
-    serve(engine, host=args.host, port=args.port, tenants=tenants, model_name=name, body_timeout_s=args.body_timeout_s)
+    serve(engine, host=args.host, port=args.port, tenants=tenants, model_name=name, body_timeout_s=args.body_timeout_s,
+          shutdown_timeout_s=args.shutdown_timeout_s)
     return 0
 
 
@@ -278,6 +280,10 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                        help="run decode steps through torch.compile in this mode (reduce-overhead: CUDA graphs on a GPU), "
                             "compiled for every batch size before the port opens (default: eager)")
     serve.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body not received within this answers 408")
+    serve.add_argument("--shutdown-timeout-s", type=float, default=10.0,
+                       help="on SIGTERM: stop accepting, let requests in flight finish this long, then cancel the rest and exit")
+    serve.add_argument("--encode-share", type=float, default=0.25,
+                       help="share of the model's time documents are encoded in while requests run (all of it when idle)")
     serve.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
                        help="module KV held in memory, per engine (default: no bound; the least recently used leave first)")
     serve.add_argument("--replicas", type=int, default=0, metavar="N",

@@ -34,6 +34,7 @@ from .model.forward import Forward, compile_mode
 from .model.loading import load_model
 from .model.rope import RopeRotator
 from .model.spec import ModelSpec, inspect_model
+from .model.turns import DEFAULT_ENCODE_SHARE, ModelTurns
 from .prefill.assemble import Assembler, Assembly, choose_assembly
 from .prefill.encode import ModuleEncoder
 from .prefill.recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, configure_recovery, recovery_tokens
@@ -47,10 +48,8 @@ from .serving import Serving
 
 logger = logging.getLogger(__name__)
 
-# shared_prefix: every module sees the schema's system prompt, as it would in full prefill, so the
-# first module after it is exact and no module's first token becomes a spurious attention sink.
-# scaffold: a PML schema is encoded jointly along its paths (the reference implementation's
-# scaffolds): every module sees all the schema text before it; documents as with shared_prefix.
+# shared_prefix: every module sees the schema's system prompt, as in full prefill (no first token becomes a
+# spurious attention sink); scaffold: a PML schema encoded jointly along its paths, as the reference implementation does
 DEFAULT_ENCODING: Encoding = "shared_prefix"
 DEFAULT_ASSEMBLY: Assembly = "copy"
 
@@ -117,6 +116,8 @@ class PromptCache(Registration, Serving):
             ``x @ W^T`` streams them two or three times (:mod:`pc_rag.model.small_batch`). None:
             for a float32 model on a CPU with over 32 MB of linear weights. It is set on the
             model's layers, so it holds for every user of that model object (False undoes it).
+        encode_share: the share of the model's time documents queued with ``background=True`` are
+            encoded in while requests run (all of it when none do; :mod:`pc_rag.model.turns`).
     """
 
     def __init__(
@@ -153,9 +154,11 @@ class PromptCache(Registration, Serving):
         fuse_prefill: bool = True,
         compile: bool | str = False,
         small_batch_linear: bool | None = None,
+        encode_share: float = DEFAULT_ENCODE_SHARE,
     ) -> None:
         self.encoding: Encoding = _checked(encoding or DEFAULT_ENCODING, memory_budget, kv_location, remote_sync_interval_s)
         compile_mode(compile)  # a mode torch.compile does not know is refused before anything is built
+        turns = ModelTurns(encode_share)  # background encoding's share of the model while requests run (refused if not a share)
         self.model, self.tokenizer = model, tokenizer
         self.small_batch_linear = small_batch.install(model, small_batch_linear)  # before anything runs the model
         self.spec: ModelSpec = inspect_model(model, tokenizer, separator=SEPARATOR)
@@ -172,18 +175,17 @@ class PromptCache(Registration, Serving):
         self._kv_bytes_per_token = tiers.bytes_per_token
         self.remote_sync_interval_s = remote_sync_interval_s
         self._synced_at = time.monotonic()
-        self._build(drop_in=drop_in, compile=compile, remote_collections=remote_collections,
+        self._build(drop_in=drop_in, compile=compile, remote_collections=remote_collections, turns=turns,
                     limits=Limits(max_running, max_step_tokens, max_queued, queue_timeout_s, buffer_budget, fuse_prefill))
         if self.remote is not None and remote_sync:
             self.sync_documents()  # documents other processes stored: served here without encoding
 
-    def _build(self, *, drop_in: bool, compile: bool | str, remote_collections: Sequence[str] | None, limits: Limits) -> None:
+    def _build(self, *, drop_in: bool, compile: bool | str, remote_collections: Sequence[str] | None, limits: Limits, turns: ModelTurns) -> None:
         """The parts over the model and the KV tiers, lowest first."""
         model = self.model
         # load or recompute (pc_rag.kv.load_or_compute): rates measured from this engine's own loads and prefills
-        self.costs = CostModel()
-        self.store.costs = self.costs
-        self.forward = Forward(model, compile=compile)
+        self.costs = self.store.costs = CostModel()
+        self.forward = Forward(model, compile=compile, turns=turns)
         if self.store.disk is not None or self.remote is not None:  # a prefill rate before the first load-or-compute choice
             self.costs.observe_prefill(CALIBRATION_TOKENS, self.forward.time_prefill(CALIBRATION_TOKENS))
         self.encoder = ModuleEncoder(self.forward, self.store, self.spec, self.encoding, self.fingerprint)
@@ -193,15 +195,13 @@ class PromptCache(Registration, Serving):
         # the registry shared with other replicas through the remote tier: this one's changes out, theirs in
         self.registry_sync = RegistrySync(self.registry, self.remote, remote_collections) if self.remote is not None else None
         self.registry.publisher = self.registry_sync
-        self.background = BackgroundEncoder(self._add_records)  # add_documents(background=True)
+        self.background = BackgroundEncoder(self._add_records, delete=self.registry.delete_documents, turns=turns)
         self.buffers = BufferPool(model)
         self.assembler = Assembler(self.spec, self.encoder, self.buffers)
         self.scheduler = self._scheduler(limits)
-        # tokens that end an answer (EOS, end of turn); empty it for fixed-length generations
-        self.stop_token_ids: set[int] = set(self.spec.stop_token_ids)
+        self.stop_token_ids: set[int] = set(self.spec.stop_token_ids)  # EOS, end of turn; empty it for fixed-length generations
         # the model's generation defaults, used where a call leaves a setting unset; edit it like transformers'
-        config = getattr(model, "generation_config", None)
-        self.generation_config: Any = copy.deepcopy(config) if config is not None else None
+        self.generation_config: Any = copy.deepcopy(getattr(model, "generation_config", None))
         self._vocabularies: dict[frozenset[int], Vocabulary] = {}  # constrained decoding, per set of stop tokens
 
     def _scheduler(self, limits: Limits) -> Scheduler:

@@ -27,6 +27,15 @@ class ContextWindowExceeded(PromptCacheError):
     ``ContextOverflowError`` too."""
 
 
+class UnknownModule(PromptCacheError):
+    """A module reference names a module its schema does not hold (never added, or deleted since the
+    reference was made). A server answers 404, as for a document that does not exist."""
+
+    def __init__(self, message: str, *, schema: str, name: str) -> None:
+        super().__init__(message)
+        self.schema, self.name = schema, name
+
+
 class QueueFull(PromptCacheError):
     """The scheduler's queue is full (``max_queued`` requests wait): retry later. A server answers 429."""
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from .errors import ContextWindowExceeded, PromptCacheError
+from .errors import ContextWindowExceeded, PromptCacheError, UnknownModule
 from .model.spec import ModelSpec
 from .prefill.recovery import encoded_behind
 from .prompt.documents import split_references
@@ -178,9 +178,8 @@ def _referenced(ref: ModuleSpan, snapshot: Snapshot, spec: ModelSpec) -> Any:
                                f"(schemas this request may read: {', '.join(sorted(snapshot.schemas)) or 'none'})")
     info = schema.layout.modules.get(ref.name)
     if info is None or info.anonymous:
-        raise PromptCacheError(
-            f"module reference to unknown module {ref.name!r} in schema {ref.schema!r}; {close_names(ref.name, schema.layout.named_modules())}"
-        )
+        raise UnknownModule(f"module reference to unknown module {ref.name!r} in schema {ref.schema!r}; "
+                            f"{close_names(ref.name, schema.layout.named_modules())}", schema=ref.schema, name=ref.name)
     if info.text is None:
         raise PromptCacheError(f"module {ref.name!r} has parameters or nested modules: import it with a PML prompt")
     if not spec.movable:

@@ -55,8 +55,9 @@ class Registration:
         An id that already holds another text is an error, unless ``replace_changed=True``: then
         the old document is deleted (:meth:`delete_documents`) and the new text stored under the id.
 
-        ``background=True`` returns the names at once and encodes the documents later, between
-        requests (after the request being served, never during one: :mod:`pc_rag.background`).
+        ``background=True`` returns the names at once and encodes the documents later (after the
+        request being served, then in turns with the requests, taking ``encode_share`` of the
+        model while they run: :mod:`pc_rag.background`).
         Until a document is encoded, a prompt reads it as text. :meth:`wait_for_documents`
         waits for the queue.
 
@@ -164,8 +165,8 @@ class Registration:
         return self.add_documents(records, schema=schema, context=context, neighbours=neighbours, embedding=embedding, progress=progress)
 
     def wait_for_documents(self, timeout: float | None = None) -> bool:
-        """Encode the documents queued by ``add_documents(background=True)`` now (still between
-        requests) and wait for them; False if ``timeout`` seconds passed first."""
+        """Encode the documents queued by ``add_documents(background=True)`` now (in turns with the
+        requests being served) and wait for them; False if ``timeout`` seconds passed first."""
         return self.background.join(timeout)
 
     def delete_documents(self, names: str | Sequence[str], *, schema: str = DEFAULT_SCHEMA) -> list[str]:
@@ -173,9 +174,13 @@ class Registration:
         registry and the drop-in index (no request planned from now on imports or matches them),
         memory, ``kv_dir``, the remote tier's KV and registry (other replicas drop them at their
         next sync), and every :class:`~pc_rag.retrievers.FaissModuleRetriever` bound to this
-        engine. Returns the names removed; names the collection does not hold are ignored. A
-        request planned before the call finishes on the KV it was planned with."""
-        return self.registry.delete_documents(names, schema=schema)
+        engine; a document queued by ``add_documents(background=True)`` leaves the queue (one being
+        encoded is deleted as its encoding ends). Returns the names removed; names the collection
+        does not hold are ignored. A request planned before the call finishes on the KV it was planned with."""
+        names = [names] if isinstance(names, str) else list(names)
+        queued = self.background.remove(schema, names)
+        removed = self.registry.delete_documents(names, schema=schema)
+        return [name for name in dict.fromkeys(names) if name in queued or name in removed]
 
     def sync_documents(self) -> int:
         """Take in the documents, deletions and PML schemas that other processes published to the

@@ -463,7 +463,8 @@ class Scheduler:
                         serving.enter_context(self._serving())
                         held = True
                 try:
-                    self._iteration()
+                    with self.forward.turns.step():  # a background encoding's pass may go first (pc_rag.model.turns)
+                        self._iteration()
                 except Exception as err:  # noqa: BLE001 - the loop outlives any request's failure
                     logger.exception("scheduler step failed; failing the requests it was serving")
                     self._fail_running(err)

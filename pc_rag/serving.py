@@ -143,8 +143,8 @@ class Serving:
         first ``next()``, on the KV it was planned with.
         """
         started = time.perf_counter()
-        params = sampling_params(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                     stop=stop, seed=seed, **generation), self.generation_config)
+        params = _checked(sampling_params(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                               stop=stop, seed=seed, **generation), self.generation_config), self.model)
         plans = self._prepare([prompt], use_cache, planner.scope(collections))
         # share: admitted with other callers' rows, it shares the module KV they import alike (not
         # when decode steps are compiled: see _shares)
@@ -167,8 +167,8 @@ class Serving:
         holds the Generation once exhausted. Bad arguments are refused now; the prompt is planned
         (and refused, if it cannot be served) on a worker thread at the first ``__anext__``."""
         started = time.perf_counter()
-        params = sampling_params(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                     stop=stop, seed=seed, **generation), self.generation_config)
+        params = _checked(sampling_params(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                               stop=stop, seed=seed, **generation), self.generation_config), self.model)
         scope = planner.scope(collections)
 
         def start() -> Ticket:
@@ -196,7 +196,7 @@ class Serving:
             raise PromptCacheError("generate_batch takes a sequence of prompts; use generate() for one")
         prompts = list(prompts)
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
-        params = sampling_params({**kwargs, **generation}, self.generation_config)  # bad arguments fail first
+        params = _checked(sampling_params({**kwargs, **generation}, self.generation_config), self.model)  # bad arguments fail first
         scope = planner.scope(collections)
         if len(prompts) <= 1:
             return [self.generate(p, use_cache=use_cache, collections=scope, **kwargs, **generation) for p in prompts]  # type: ignore[arg-type]
@@ -291,10 +291,6 @@ class Serving:
     def _ticket(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool,
                 logits_only: bool = False) -> Ticket:
         """What the scheduler serves: ``plans`` with a request state each (sampling, stops, statistics)."""
-        vocabulary = self.model.config.get_text_config(decoder=True).vocab_size
-        if params.logit_bias and params.logit_bias[-1][0] >= vocabulary:  # refused here, not on the loop every caller shares
-            raise PromptCacheError(f"logit_bias names token {params.logit_bias[-1][0]}; the model's vocabulary has {vocabulary} tokens",
-                                   param="logit_bias")
         requests = [
             RequestState(params=params, tokenizer=self.tokenizer, device=self.spec.device, stop_token_ids=frozenset(self.stop_token_ids),
                          context_window=self.spec.context_window, modules=list(p.modules),
@@ -305,6 +301,15 @@ class Serving:
             for p in plans
         ]
         return Ticket(plans, requests, use_cache=use_cache, share=share, submitted=time.perf_counter(), logits_only=logits_only)
+
+
+def _checked(params: SamplingParams, model: Any) -> SamplingParams:
+    """``params`` once what only the model can tell is checked too, before anything is queued."""
+    vocabulary = model.config.get_text_config(decoder=True).vocab_size
+    if params.logit_bias and params.logit_bias[-1][0] >= vocabulary:
+        raise PromptCacheError(f"logit_bias names token {params.logit_bias[-1][0]}; the model's vocabulary has {vocabulary} tokens",
+                               param="logit_bias")
+    return params
 
 
 def _finish(run: Generator[str, None, Any]) -> Any:

@@ -20,21 +20,71 @@ def test_ids_become_module_names_and_back():
         module_name(7, "t")
 
 
-def test_background_documents_wait_for_the_request_and_never_run_during_one(make_engine):
+def test_documents_are_encoded_while_a_request_runs_and_it_goes_on(make_engine):
+    # a service that is never idle still warms its cache: the document takes turns with the request's steps
     engine = make_engine("llama")
-    engine.background.grace_s = 3600.0  # no request finishing: nothing starts on its own
+    engine.background.grace_s = 0.0  # ready at once (else: after the next request, or grace_s)
     engine.add_documents(["Seed document so the collection exists."], progress=False)
-    names = engine.add_documents(["A document queued while a request is served."], background=True)
-    assert engine.store_stats()["background_pending"] == 1 and names[0] not in engine.schemas["docs"].documents
     engine.stop_token_ids.clear()  # the request runs to the end of the context window unless closed
     stream = engine.stream(build_prompt("Which?", []), max_new_tokens=100_000)
-    next(stream)  # the request is being served now (the scheduler decodes on, ahead of this reader)
-    assert engine.wait_for_documents(timeout=0.5) is False  # not while a request is in flight, even when asked
-    assert names[0] not in engine.schemas["docs"].documents
-    stream.close()  # the request ends: the queue may run
-    assert engine.wait_for_documents(timeout=120)
-    assert engine.schemas["docs"].documents[names[0]].text == "A document queued while a request is served."
+    next(stream)  # the request is being served now
+    names = engine.add_documents(["A document queued while a request is served."], background=True)
+    steps = 0
+    for _ in stream:  # nobody waits for the document: it is encoded within the request's own steps
+        steps += 1
+        if not engine.background.pending:
+            break
+    assert engine.background.pending == 0 and names[0] in engine.schemas["docs"].documents
+    assert engine.scheduler.running == 1 and next(stream)  # the request goes on
+    assert engine.forward.turns.background_s > 0  # its passes ran while the request was served
+    stream.close()
     assert engine.plan(build_prompt("Which?", names)).cached_tokens > 0
+
+
+def test_a_queued_document_deleted_leaves_the_queue_at_once(make_engine):
+    engine = make_engine("llama")
+    engine.background.grace_s = 3600.0  # nothing starts on its own
+    engine.add_documents(["Seed."], ids=["seed"], progress=False)
+    engine.add_documents(["Queued, then deleted."], ids=["gone"], background=True)
+    engine.add_documents(["Queued and kept."], ids=["kept"], background=True)
+    assert {n: s.status for n, s in engine.background.statuses("docs").items()} == {"gone": "queued", "kept": "queued"}
+    assert engine.background.text("docs", "gone") == "Queued, then deleted."
+    assert engine.delete_documents("gone") == ["gone"]  # a queued document counts as held
+    assert engine.background.queued("docs") == ["kept"] and engine.background.text("docs", "gone") is None
+    assert engine.wait_for_documents(timeout=120)
+    assert set(engine.schemas["docs"].documents) == {"seed", "kept"}  # never added back
+    assert engine.delete_documents(["gone", "kept"]) == ["kept"]
+
+
+def test_a_document_deleted_while_it_is_encoded_is_deleted_as_that_ends(make_engine):
+    engine = make_engine("llama")
+    engine.add_documents(["Seed."], ids=["seed"], progress=False)
+    encoder = engine.background
+    add = encoder._add  # noqa: SLF001 - the engine's own add, with a DELETE arriving in the middle of it
+
+    def add_while_deleted(records, **kwargs):
+        assert {n: s.status for n, s in encoder.statuses("docs").items()} == {"doc": "in_progress"}
+        assert engine.delete_documents("doc") == ["doc"]  # what a DELETE does: answered now
+        assert encoder.statuses("docs") == {}  # no longer listed
+        return add(records, **kwargs)
+
+    encoder._add = add_while_deleted  # noqa: SLF001
+    engine.add_documents(["Encoded, then deleted."], ids=["doc"], background=True)
+    assert engine.wait_for_documents(timeout=120)
+    assert set(engine.schemas["docs"].documents) == {"seed"} and encoder.encoded == 1
+
+
+def test_a_document_a_request_waits_for_goes_first(make_engine):
+    engine = make_engine("llama")
+    engine.background.grace_s = 3600.0
+    engine.add_documents([f"Document number {i}." for i in range(3)], ids=["a", "b", "c"], background=True)
+    engine.background.prioritise("docs", ["c", "b"])
+    assert [job.name for job in engine.background._queue] == ["c", "b", "a"]  # noqa: SLF001
+    assert [job.urgent for job in engine.background._queue] == [True, True, False]  # noqa: SLF001
+    done = []
+    engine.background.add_listener(lambda: done.append(sorted(engine.schemas["docs"].documents)))
+    assert engine.wait_for_documents(timeout=120)
+    assert done[:2] == [["c"], ["b", "c"]]
 
 
 def test_a_request_finishing_starts_the_queue(make_engine):
@@ -46,16 +96,19 @@ def test_a_request_finishing_starts_the_queue(make_engine):
     assert engine.wait_for_documents(timeout=120) and name in engine.schemas["docs"].documents
 
 
-def test_a_document_that_cannot_be_encoded_is_logged_and_not_retried(make_engine, caplog):
+def test_a_document_that_cannot_be_encoded_is_logged_listed_failed_and_not_retried(make_engine, caplog):
     engine = make_engine("llama")
     engine.add_schema('<schema name="pml"><module name="a">A module.</module></schema>')
-    engine.add_documents(["Cannot go into a PML schema."], schema="pml", background=True)
+    (name,) = engine.add_documents(["Cannot go into a PML schema."], schema="pml", background=True)
     assert engine.wait_for_documents(timeout=120)
     assert "not encoded in the background" in caplog.text
+    failed = engine.background.statuses("pml")[name]
+    assert (failed.status, failed.code) == ("failed", "invalid_file") and "PML schema" in failed.last_error
     assert engine.background.submit("pml", None, [DocumentRecord("doc-x", "Cannot go into a PML schema.")]) == 1  # other name: queued
     engine.wait_for_documents(timeout=120)
     again = [DocumentRecord(default_name("Cannot go into a PML schema."), "Cannot go into a PML schema.")]
     assert engine.background.submit("pml", None, again) == 0  # refused before: not queued again
+    assert engine.background.remove("pml", [name]) == [name] and name not in engine.background.statuses("pml")  # deleted: forgotten
 
 
 def test_an_edited_document_replaces_its_module_and_kv(make_engine):

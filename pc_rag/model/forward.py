@@ -21,6 +21,7 @@ from .probe import PROBE_KWARG, Probe, ProbeDone
 from .row_extents import KWARG as EXTENTS_KWARG
 from .row_extents import RowExtents
 from .shared_attention import KWARG, SharedKV
+from .turns import ModelTurns
 
 
 def _shared_kwargs(shared: SharedKV | None, positions: torch.Tensor, bounds: tuple[int, int] | None) -> dict[str, Any]:
@@ -78,7 +79,7 @@ class Forward:
     forward pass and that concurrent callers encode every module once.
     """
 
-    def __init__(self, model: Any, *, compile: bool | str = False) -> None:
+    def __init__(self, model: Any, *, compile: bool | str = False, turns: ModelTurns | None = None) -> None:
         self.model = language_model_of(model)  # a multimodal wrapper's language model: text is all pc-rag runs
         self.decoder = decoder_of(model)  # the stack under the head: KV without logits for every token
         self._cache = cache_keyword(model)
@@ -98,6 +99,8 @@ class Forward:
         self.passes = 0
         self.encoded = 0
         self._count_lock = threading.Lock()
+        # shared with the scheduler: a background encoding's passes run in turns with its steps
+        self.turns = turns if turns is not None else ModelTurns()
 
     @property
     def compiled(self) -> bool:
@@ -150,10 +153,11 @@ class Forward:
         self._count(1)
         device = self.model.device
         pos = pos.to(device)
-        self.decoder(
-            input_ids=ids.to(device), position_ids=pos, attention_mask=mask, use_cache=True,
-            **{self._cache: buffer.cache}, **_shared_kwargs(shared, pos, bounds),
-        )
+        with self.turns.encoding():  # a turn on the background encoder's thread (nothing elsewhere)
+            self.decoder(
+                input_ids=ids.to(device), position_ids=pos, attention_mask=mask, use_cache=True,
+                **{self._cache: buffer.cache}, **_shared_kwargs(shared, pos, bounds),
+            )
         return None
 
     def decode_batch(
@@ -280,8 +284,9 @@ class Forward:
             ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
         positions = torch.arange(start, start + width, dtype=torch.long).expand(len(sequences), -1)
         self._count(1, len(sequences))
-        self.decoder(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=True,
-                     **{self._cache: buffer.cache})
+        with self.turns.encoding():
+            self.decoder(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=True,
+                         **{self._cache: buffer.cache})
         kept = keep_from if keep_from is not None else [0] * len(sequences)
         return [
             ModuleKV(buffer.slice(before + skip, before + len(seq), row).clone(), torch.arange(start + skip, start + len(seq), dtype=torch.long))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import time
 from typing import Any
 
 from .app import create_app
@@ -20,22 +21,35 @@ from .tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+
 __all__ = ["Tenants", "create_app", "serve"]
 
 
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, tenants: Tenants | None = None,
-          model_name: str | None = None, timeout_keep_alive: int = 5, body_timeout_s: float = 30.0) -> None:
+          model_name: str | None = None, timeout_keep_alive: int = 5, body_timeout_s: float = 30.0,
+          shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
     """Serve ``engine`` with uvicorn until interrupted. Without ``tenants`` the server is
     single-user: meant for localhost, and a warning says so when bound to another interface.
     Idle keep-alive connections close after ``timeout_keep_alive`` s; a body not received within
-    ``body_timeout_s`` answers 408."""
+    ``body_timeout_s`` answers 408. On SIGTERM or Ctrl-C it stops accepting connections, lets the
+    requests in flight finish for up to ``shutdown_timeout_s`` seconds, then cancels the rest
+    (their rows are let go) and exits; a document being encoded is given what is left of that time."""
     import uvicorn
 
     if tenants is None and not _loopback(host):
         logger.warning("serving on %s without --api-keys: anyone who can reach this port reads and writes every collection", host)
     app = create_app(engine, tenants=tenants, model_name=model_name, body_timeout_s=body_timeout_s)
-    # h11: its ASGI spec version makes Starlette watch for disconnects while a stream waits on the model
-    uvicorn.run(app, host=host, port=port, http="h11", timeout_keep_alive=timeout_keep_alive, log_level="info")
+    deadline = None
+    try:
+        # h11: its ASGI spec version makes Starlette watch for disconnects while a stream waits on the model
+        uvicorn.run(app, host=host, port=port, http="h11", timeout_keep_alive=timeout_keep_alive, log_level="info",
+                    timeout_graceful_shutdown=max(shutdown_timeout_s, 0.1))
+    finally:
+        deadline = time.monotonic() + 2.0  # what is left after uvicorn: the loop lets cancelled rows go within a step
+        engine.scheduler.close(timeout=max(deadline - time.monotonic(), 0.1))
+        engine.background.close(timeout=max(deadline - time.monotonic(), 0.1))
+        app.state.server.backend.close()
 
 
 def _loopback(host: str) -> bool:

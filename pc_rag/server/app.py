@@ -27,11 +27,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..background import IN_PROGRESS, QUEUED
 from ..decode.logprobs import chat_logprobs, completion_logprobs
 from ..decode.request import Generation, SamplingParams
-from ..errors import PromptCacheError, QueueFull, ServingFailed
+from ..errors import PromptCacheError, QueueFull, ServingFailed, UnknownModule
 from ..integrations._shared import model_name as engine_model_name
-from ..prompt.documents import DEFAULT_SCHEMA, check_name, module_reference
+from ..prompt.documents import DEFAULT_SCHEMA, SEPARATOR, check_name, module_reference
 from ..scheduler import gather_or_cancel
 from .backend import LocalBackend, call_payload
 from .metrics import CONTENT_TYPE, Metrics
@@ -64,7 +65,11 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 BODY_TIMEOUT_S = 30.0
-DOCUMENTS_WAIT_S = 120.0  # a request naming documents still being encoded waits this long for them
+# a request naming documents still queued for encoding waits this long for them (moved to the front
+# of the queue), then reads them as text; a key with DOCUMENT_WAITS_PER_KEY such waits in flight
+# reads them as text at once, so no key's document traffic holds up its own requests for long
+DOCUMENTS_WAIT_S = 10.0
+DOCUMENT_WAITS_PER_KEY = 4
 
 
 class _Document(RequestBody):
@@ -95,6 +100,8 @@ class Server:
         self.quota = Quota(self.metrics.tenant)  # generations each key has in flight, tokens it used
         self.metrics.watch_tokens(self.quota.spending, self.quota.holding)
         self.started = int(time.time())
+        self.documents_wait_s = DOCUMENTS_WAIT_S
+        self._document_waits: dict[str, int] = {}  # a key's requests waiting for queued documents now
 
     # -- the endpoints ----------------------------------------------------------------------------
     async def chat_completions(self, request: Request, tenant: Tenant) -> Response:
@@ -147,29 +154,25 @@ class Server:
 
     async def list_documents(self, request: Request, tenant: Tenant) -> Response:
         collection = self._collection(request.path_params["collection"], tenant)
-        encoded, queued = await self.backend.held(collection)
-        if not encoded and not queued:
+        encoded, pending = await self.backend.held(collection)
+        if not encoded and not pending:
             raise not_found(f"collection {collection!r}")
         limit = _int_query(request, "limit", 100, 1, 1000)
         after = request.query_params.get("after")
-        # a document whose new version waits is "queued" (its old one serves until then): a client
-        # that replaced a document and waits for "encoded" then waits for the new text
-        statuses = {**{name: "encoded" for name in encoded}, **{name: "queued" for name in queued}}
+        # a document whose new version waits is "queued" or "in_progress" (its old one serves until
+        # then): a client that replaced a document and waits for "encoded" then waits for the new text
+        statuses = {**{name: {"status": "encoded", "last_error": None} for name in encoded}, **pending}
         names = sorted(n for n in statuses if after is None or n > after)
         page = names[:limit]
-        return JSONResponse({"object": "list", "data": [{"id": n, "object": "document", "status": statuses[n]} for n in page],
+        return JSONResponse({"object": "list", "data": [{"id": n, "object": "document", **statuses[n]} for n in page],
                              "has_more": len(names) > limit, "last_id": page[-1] if page else None})
 
     async def delete_document(self, request: Request, tenant: Tenant) -> Response:
         collection = self._collection(request.path_params["collection"], tenant)
         name = request.path_params["document"]
-        encoded, queued = await self.backend.held(collection)
-        if name in queued:  # finish encoding it first, or it would be added back after the delete
-            await self.backend.wait_for_documents(DOCUMENTS_WAIT_S)
-            encoded, _ = await self.backend.held(collection)
-        if name not in encoded:
+        # at once, whatever its status: queued, it leaves the queue; being encoded, it is deleted as that ends
+        if not await self.backend.delete_document(collection, name):
             raise not_found(f"document {name!r} in collection {collection!r}")
-        await self.backend.delete_document(collection, name)
         return JSONResponse({"id": name, "object": "document", "deleted": True})
 
     async def health(self, request: Request) -> Response:
@@ -331,23 +334,51 @@ class Server:
         return name
 
     async def _references(self, ids: list[str] | None, collection: str | None, tenant: Tenant) -> tuple[list[str], int]:
-        """Module references of the documents a request names (``documents``, in ``collection``:
-        by default the key's only collection, or ``docs``), and their tokens in all; 404 for any
-        it cannot see."""
+        """What stands for the documents a request names (``documents``, in ``collection``: by
+        default the key's only collection, or ``docs``), and the tokens they import: a module
+        reference for each encoded one; a queued one is waited for (first in the queue, up to
+        ``documents_wait_s``) and read as text if it is still not encoded. 404 for any it cannot see."""
         if not ids:
             return [], 0
         if collection is None:
             only = tenant.scope
             collection = only[0] if only is not None and len(only) == 1 else DEFAULT_SCHEMA
         collection = self._collection(collection, tenant)
-        encoded, queued = await self.backend.held(collection)
-        if any(name in queued and name not in encoded for name in ids):
-            await self.backend.wait_for_documents(DOCUMENTS_WAIT_S)
-            encoded, _ = await self.backend.held(collection)
+        encoded, pending = await self.backend.held(collection)
+        queued = [name for name in dict.fromkeys(ids) if name not in encoded and pending.get(name, {}).get("status") in (QUEUED, IN_PROGRESS)]
         for name in ids:
-            if name not in encoded:
+            if name not in encoded and name not in queued:
+                failed = pending.get(name, {}).get("last_error")
+                if failed is not None:
+                    raise ApiError(400, f"document {name!r} of collection {collection!r} could not be encoded: {failed['message']}",
+                                   param="documents", code="document_failed")
                 raise not_found(f"document {name!r} in collection {collection!r}")
-        return [module_reference(name, collection) for name in ids], sum(encoded[name] for name in ids)
+        texts = await self._wait_for(collection, queued, tenant) if queued else {}
+        if texts != {name: texts.get(name) for name in queued}:  # some were encoded meanwhile (or deleted: 404 below)
+            encoded, _ = await self.backend.held(collection)
+        parts, imported = [], 0
+        for name in ids:
+            if name in texts:
+                parts.append(texts[name] + SEPARATOR)  # plain text: a forged reference in it is text like any other
+            elif name in encoded:
+                parts.append(module_reference(name, collection))
+                imported += encoded[name]
+            else:  # deleted while it was waited for
+                raise not_found(f"document {name!r} in collection {collection!r}")
+        return parts, imported
+
+    async def _wait_for(self, collection: str, names: list[str], tenant: Tenant) -> dict[str, str]:
+        """The texts of ``names`` (queued documents) not encoded within ``documents_wait_s``; a key
+        already waiting on ``DOCUMENT_WAITS_PER_KEY`` requests does not wait at all."""
+        waits = self._document_waits.get(tenant.name, 0)
+        timeout = self.documents_wait_s if waits < DOCUMENT_WAITS_PER_KEY else 0.0
+        self._document_waits[tenant.name] = waits + 1
+        try:
+            return await self.backend.await_documents(collection, names, timeout)
+        finally:
+            self._document_waits[tenant.name] -= 1
+            if not self._document_waits[tenant.name]:
+                del self._document_waits[tenant.name]
 
 
 # -- plumbing -------------------------------------------------------------------------------------
@@ -487,6 +518,8 @@ def _error(exc: BaseException, *, chat: bool = False) -> ApiError:
         if exc.unavailable:
             return ApiError(503, "the server is shutting down", kind="server_error", code="unavailable")
         return ApiError(500, "the engine failed to serve this request; trying again may succeed", kind="server_error")
+    if isinstance(exc, UnknownModule):  # a document deleted after the request named it: as if it never existed
+        return not_found(f"document {exc.name!r} in collection {exc.schema!r}")
     if isinstance(exc, PromptCacheError):
         return bad_request(exc, chat=chat)
     logger.error("request failed", exc_info=exc)

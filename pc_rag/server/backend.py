@@ -9,10 +9,16 @@ streams whose ``result`` holds one once exhausted.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 from ..decode.request import Generation
+
+DOCUMENT_THREADS = 4  # the document calls that may block at once (the rest wait their turn, not the event loop)
+T = TypeVar("T")
 
 
 class Stream(Protocol):
@@ -31,21 +37,29 @@ def call_payload(prompt: str, params: dict[str, Any], scope: list[str] | None, d
     return {"prompt": prompt, "params": dict(params), "scope": scope, "documents": list(documents)}
 
 
-def held(engine: Any, collection: str) -> tuple[dict[str, int], set[str]]:
+def held(engine: Any, collection: str) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
     """``collection``'s documents encoded in ``engine`` (each name with its module's tokens: what a
-    prompt that imports it counts), and the names queued for encoding."""
+    prompt that imports it counts), and those its background queue holds, each with its status as
+    OpenAI's vector-store files give it (``{"status": "queued" | "in_progress" | "failed",
+    "last_error": {"code", "message"} | None}``): plain data, so it crosses to a Ray replica."""
     schema = engine.registry.snapshot().schemas.get(collection)
     encoded = ({name: len(schema.layout.modules[name].token_ids) for name in schema.documents}
                if schema is not None and schema.layout.documents else {})
-    return encoded, set(engine.background.queued(collection))
+    pending = {name: {"status": held.status, "last_error": None if held.last_error is None else {"code": held.code, "message": held.last_error}}
+               for name, held in engine.background.statuses(collection).items()}
+    return encoded, pending
 
 
 class LocalBackend:
-    """The engine in this process: generations go through its scheduler (``agenerate``/``astream``)."""
+    """The engine in this process: generations go through its scheduler (``agenerate``/``astream``);
+    the document calls that block (tokenising a body, deleting from every tier) run on a small
+    executor of their own, never on asyncio's default one, which carries every generation's
+    submission: a slow document call cannot hold up another caller's chat."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, *, document_threads: int = DOCUMENT_THREADS) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer  # names the tokens of log-probabilities
+        self._executor = ThreadPoolExecutor(document_threads, thread_name_prefix="pc-rag-documents")
 
     def render_chat(self, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         return self.engine.render_chat(turns, tools)
@@ -56,20 +70,57 @@ class LocalBackend:
     def stream(self, call: dict[str, Any]) -> Stream:
         return self.engine.astream(call["prompt"], collections=call["scope"], **call["params"])
 
+    async def _blocking(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(function, *args, **kwargs))
+
     async def add_documents(self, collection: str, texts: list[str], ids: list[str | None], metadatas: list[Any]) -> list[str]:
         # background=True queues them once they are tokenised (a body of up to 8 MiB: off the event loop)
-        return await asyncio.to_thread(self.engine.add_documents, texts, ids=ids, metadatas=metadatas, schema=collection,
-                                       background=True, replace_changed=True, progress=False)
+        return await self._blocking(self.engine.add_documents, texts, ids=ids, metadatas=metadatas, schema=collection,
+                                    background=True, replace_changed=True, progress=False)
 
-    async def held(self, collection: str) -> tuple[dict[str, int], set[str]]:
+    async def held(self, collection: str) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
         return held(self.engine, collection)
 
-    async def wait_for_documents(self, timeout: float) -> None:
-        await asyncio.to_thread(self.engine.wait_for_documents, timeout)
+    async def await_documents(self, collection: str, names: list[str], timeout: float) -> dict[str, str]:
+        """Wait up to ``timeout`` seconds for these queued documents alone (moved to the front of
+        the queue) without holding a thread; returns the texts of those still not encoded (a
+        request reads them as text), none for a document deleted meanwhile."""
+        background = self.engine.background
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
 
-    async def delete_document(self, collection: str, name: str) -> None:
-        await asyncio.to_thread(self.engine.delete_documents, [name], schema=collection)
+        def wake() -> None:
+            loop.call_soon_threadsafe(changed.set)
+
+        def waiting() -> list[str]:
+            queued = set(background.queued(collection))
+            return [name for name in names if name in queued]
+
+        background.add_listener(wake)
+        try:
+            background.prioritise(collection, names)
+            deadline = loop.time() + timeout
+            while (left := waiting()) and (remaining := deadline - loop.time()) > 0:
+                changed.clear()
+                if waiting():
+                    with suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), remaining)
+        finally:
+            background.remove_listener(wake)
+        texts = {name: background.text(collection, name) for name in left}
+        return {name: text for name, text in texts.items() if text is not None}
+
+    async def wait_for_documents(self, timeout: float) -> bool:
+        """Every queued document encoded (a test's or a script's wait, not a request's)."""
+        return await self._blocking(self.engine.wait_for_documents, timeout)
+
+    async def delete_document(self, collection: str, name: str) -> bool:
+        """Delete it now (queued: out of the queue); whether this collection held it."""
+        return bool(await self._blocking(self.engine.delete_documents, [name], schema=collection))
 
     async def health(self) -> dict[str, Any]:
         stats = self.engine.scheduler.stats()
         return {"running": stats["running"], "queued": stats["queued"], "compile": self.engine.forward.compile_mode}
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -78,15 +78,18 @@ class EngineReplica:
     async def add_documents(self, collection: str, texts: list[str], ids: list[str | None], metadatas: list[Any]) -> list[str]:
         return await self.local.add_documents(collection, texts, ids, metadatas)
 
-    async def held(self, collection: str) -> tuple[dict[str, int], set[str]]:
+    async def held(self, collection: str) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
         self.engine.sync_if_due()  # documents another replica added: listed here within a second
         return await self.local.held(collection)
 
-    async def wait_for_documents(self, timeout: float) -> None:
-        await self.local.wait_for_documents(timeout)
+    async def await_documents(self, collection: str, names: list[str], timeout: float) -> dict[str, str]:
+        return await self.local.await_documents(collection, names, timeout)
 
-    async def delete_document(self, collection: str, name: str) -> None:
-        await self.local.delete_document(collection, name)
+    async def wait_for_documents(self, timeout: float) -> bool:
+        return await self.local.wait_for_documents(timeout)
+
+    async def delete_document(self, collection: str, name: str) -> bool:
+        return await self.local.delete_document(collection, name)
 
     async def health(self) -> dict[str, Any]:
         return await self.local.health()
@@ -174,14 +177,17 @@ class RayBackend:
     async def add_documents(self, collection: str, texts: list[str], ids: list[str | None], metadatas: list[Any]) -> list[str]:
         return await self._call("add_documents", collection, texts, ids, metadatas)
 
-    async def held(self, collection: str) -> tuple[dict[str, int], set[str]]:
+    async def held(self, collection: str) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
         return await self._call("held", collection)
 
-    async def wait_for_documents(self, timeout: float) -> None:
-        await self._call("wait_for_documents", timeout)
+    async def await_documents(self, collection: str, names: list[str], timeout: float) -> dict[str, str]:
+        return await self._call("await_documents", collection, names, timeout)
 
-    async def delete_document(self, collection: str, name: str) -> None:
-        await self._call("delete_document", collection, name)
+    async def wait_for_documents(self, timeout: float) -> bool:
+        return await self._call("wait_for_documents", timeout)
+
+    async def delete_document(self, collection: str, name: str) -> bool:
+        return await self._call("delete_document", collection, name)
 
     async def health(self) -> dict[str, Any]:
         return await self._call("health")

@@ -1,0 +1,87 @@
+"""The model's turns (pc_rag.model.turns): background encoding passes never overlap the scheduler's
+steps, take their share of the model while requests are served, and all of it when none are."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pc_rag import PromptCacheError
+from pc_rag.model.turns import ModelTurns
+
+
+def _busy(seconds: float) -> None:
+    """Work that holds the model for ``seconds`` (a stand-in for a forward pass; no sleep: the CPU is used)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _run(turns: ModelTurns, passes: int, pass_s: float, step_s: float, *, urgent: bool = False) -> list[tuple[str, float, float]]:
+    """A scheduler stepping (inside serving()) while a background job runs ``passes`` passes; the
+    (who, start, end) of every turn, in order."""
+    log: list[tuple[str, float, float]] = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def record(who: str, work: float) -> None:
+        start = time.perf_counter()
+        _busy(work)
+        with lock:
+            log.append((who, start, time.perf_counter()))
+
+    def background() -> None:
+        with turns.background_job(urgent=urgent):
+            for _ in range(passes):
+                with turns.encoding():
+                    record("background", pass_s)
+        done.set()
+
+    with turns.serving():
+        worker = threading.Thread(target=background)
+        worker.start()
+        while not done.is_set():
+            with turns.step():
+                record("scheduler", step_s)
+        worker.join()
+    return sorted(log, key=lambda entry: entry[1])
+
+
+def test_background_passes_and_scheduler_steps_never_overlap_and_keep_the_share():
+    turns = ModelTurns(share=0.25)
+    log = _run(turns, passes=4, pass_s=0.02, step_s=0.005)
+    for (_, _, end), (_, start, _) in zip(log, log[1:]):
+        assert start >= end  # one at a time
+    # after each background pass of d seconds, the scheduler ran d * (1 - share) / share of steps first
+    passes = [i for i, (who, _, _) in enumerate(log) if who == "background"]
+    for before, after in zip(passes, passes[1:]):
+        owed = (log[before][2] - log[before][1]) * 3
+        stepped = sum(end - start for who, start, end in log[before + 1:after] if who == "scheduler")
+        assert stepped >= 0.9 * owed  # (the turns count a little more than the work inside them)
+    assert len(passes) == 4 and turns.background_s > 0
+
+
+def test_an_urgent_pass_does_not_wait_for_its_share():
+    turns = ModelTurns(share=0.1)
+    log = _run(turns, passes=3, pass_s=0.02, step_s=0.005, urgent=True)
+    passes = [i for i, (who, _, _) in enumerate(log) if who == "background"]
+    # a request waits for it: no 9x the pass of steps in between (one step at most slips in)
+    assert all(after - before <= 2 for before, after in zip(passes, passes[1:]))
+
+
+def test_an_idle_model_is_the_background_s_and_other_threads_never_wait():
+    turns = ModelTurns(share=0.01)
+    with turns.background_job():
+        with turns.encoding():  # nothing served: no share owed, no wait
+            pass
+    assert turns.background_s == 0
+    with turns.serving(), turns.encoding():  # not a background job's thread: a request's own encoding, in its turn
+        pass
+
+
+@pytest.mark.parametrize("share", [0, 1.5, -0.2, True, "half"])
+def test_a_share_that_is_not_a_fraction_is_refused(share):
+    with pytest.raises(PromptCacheError, match="encode_share"):
+        ModelTurns(share)
