@@ -4,9 +4,9 @@ A retriever over a user's own vector store meets documents pc-rag has not encode
 one costs what prefilling it costs, so doing it inside the request that found it would make that
 request slower than full prefill. Instead the request reads the document as text, and the document
 is queued here: one worker thread encodes it *after* that request (once a request has finished
-since it was queued, or after ``grace_s``), one document at a time. Its forward passes take turns
-with the scheduler's steps (:mod:`pc_rag.model.turns`): all the model's time when nothing is
-served, a share of it while requests run, so a service that is never idle still warms its cache,
+since it was queued, or after ``grace_s``), one document at a time, in turns with the scheduler's
+steps (:mod:`pc_rag.model.turns`): all the model's time when nothing is served, a share of it
+while requests run, so a service that is never idle still warms its cache,
 and a request beside it is slowed by at most that share. The next request that retrieves the
 document imports its KV.
 
@@ -283,7 +283,9 @@ class BackgroundEncoder:
     def _work(self) -> None:
         while (job := self._next()) is not None:
             try:
-                with self.turns.background_job(urgent=job.urgent or self._urgent):
+                with self.turns.background(urgent=job.urgent or self._urgent):
+                    if job.deleted:  # while it waited for its turn
+                        continue
                     self._add([DocumentRecord(job.name, job.text, job.metadata)], schema=job.schema, system=job.system,
                               progress=False, replace_changed=job.replace_changed, **job.options)
                 self.encoded += 1

@@ -73,6 +73,9 @@ def test_logit_bias_is_added_to_the_logits_at_every_step(make_engine):
     assert direct.token_ids == [plain.token_ids[2]] * 6 and chat.invoke([HumanMessage(PROMPT)]).content == direct.text
     with pytest.raises(PromptCacheError, match="logit_bias names token 10000000; the model's vocabulary has"):
         engine.generate(PROMPT, max_new_tokens=2, logit_bias={10_000_000: 1})
+    # refused when the call is made, before anything is queued (a server's request used to wait its turn first)
+    with pytest.raises(PromptCacheError, match="logit_bias names token 10000000"):
+        engine.astream(PROMPT, max_new_tokens=2, logit_bias={10_000_000: 1})
     for bad, says in (({"-3": 1}, "logit_bias keys are token ids"), ({5: 100.5}, "from -100 to 100"), ([5], "must map token ids")):
         with pytest.raises(PromptCacheError, match=says):
             engine.generate(PROMPT, max_new_tokens=2, logit_bias=bad)

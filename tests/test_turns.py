@@ -20,8 +20,8 @@ def _busy(seconds: float) -> None:
 
 
 def _run(turns: ModelTurns, passes: int, pass_s: float, step_s: float, *, urgent: bool = False) -> list[tuple[str, float, float]]:
-    """A scheduler stepping (inside serving()) while a background job runs ``passes`` passes; the
-    (who, start, end) of every turn, in order."""
+    """A scheduler stepping (inside serving()) while ``passes`` background jobs run one after another;
+    the (who, start, end) of every turn, in order."""
     log: list[tuple[str, float, float]] = []
     lock = threading.Lock()
     done = threading.Event()
@@ -33,10 +33,9 @@ def _run(turns: ModelTurns, passes: int, pass_s: float, step_s: float, *, urgent
             log.append((who, start, time.perf_counter()))
 
     def background() -> None:
-        with turns.background_job(urgent=urgent):
-            for _ in range(passes):
-                with turns.encoding():
-                    record("background", pass_s)
+        for _ in range(passes):
+            with turns.background(urgent=urgent):
+                record("background", pass_s)
         done.set()
 
     with turns.serving():
@@ -71,14 +70,34 @@ def test_an_urgent_pass_does_not_wait_for_its_share():
     assert all(after - before <= 2 for before, after in zip(passes, passes[1:]))
 
 
-def test_an_idle_model_is_the_background_s_and_other_threads_never_wait():
+def test_an_idle_model_is_the_background_s():
     turns = ModelTurns(share=0.01)
-    with turns.background_job():
-        with turns.encoding():  # nothing served: no share owed, no wait
+    for _ in range(2):  # one job after another at once: an idle model owes nobody
+        with turns.background():
             pass
     assert turns.background_s == 0
-    with turns.serving(), turns.encoding():  # not a background job's thread: a request's own encoding, in its turn
-        pass
+
+
+def test_a_lock_both_sides_take_inside_their_turns_never_deadlocks():
+    """The encoder's lock: a background job holds it while it encodes, and a scheduler step takes it
+    to encode a module evicted from memory. A turn taken inside that lock (per forward pass) would
+    wait for the scheduler while the scheduler waits for the lock."""
+    turns, lock = ModelTurns(share=0.5), threading.Lock()
+
+    def background() -> None:
+        for _ in range(20):
+            with turns.background(), lock:
+                _busy(0.001)
+
+    with turns.serving():
+        worker = threading.Thread(target=background, daemon=True)
+        worker.start()
+        while worker.is_alive():
+            with turns.step(), lock:
+                _busy(0.001)
+            worker.join(0)
+    worker.join(60)
+    assert not worker.is_alive()
 
 
 @pytest.mark.parametrize("share", [0, 1.5, -0.2, True, "half"])

@@ -99,7 +99,7 @@ class Forward:
         self.passes = 0
         self.encoded = 0
         self._count_lock = threading.Lock()
-        # shared with the scheduler: a background encoding's passes run in turns with its steps
+        # the model's turns: the scheduler's steps and the background encoder's documents (pc_rag.model.turns)
         self.turns = turns if turns is not None else ModelTurns()
 
     @property
@@ -153,11 +153,10 @@ class Forward:
         self._count(1)
         device = self.model.device
         pos = pos.to(device)
-        with self.turns.encoding():  # a turn on the background encoder's thread (nothing elsewhere)
-            self.decoder(
-                input_ids=ids.to(device), position_ids=pos, attention_mask=mask, use_cache=True,
-                **{self._cache: buffer.cache}, **_shared_kwargs(shared, pos, bounds),
-            )
+        self.decoder(
+            input_ids=ids.to(device), position_ids=pos, attention_mask=mask, use_cache=True,
+            **{self._cache: buffer.cache}, **_shared_kwargs(shared, pos, bounds),
+        )
         return None
 
     def decode_batch(
@@ -284,9 +283,8 @@ class Forward:
             ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
         positions = torch.arange(start, start + width, dtype=torch.long).expand(len(sequences), -1)
         self._count(1, len(sequences))
-        with self.turns.encoding():
-            self.decoder(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=True,
-                         **{self._cache: buffer.cache})
+        self.decoder(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=True,
+                     **{self._cache: buffer.cache})
         kept = keep_from if keep_from is not None else [0] * len(sequences)
         return [
             ModuleKV(buffer.slice(before + skip, before + len(seq), row).clone(), torch.arange(start + skip, start + len(seq), dtype=torch.long))

@@ -1,19 +1,17 @@
 """Who runs the model next: the scheduler's steps or a document being encoded in the background.
 
-Documents queued by ``add_documents(background=True)`` are encoded on a worker thread, but a
-forward pass of theirs never runs beside one of the scheduler's: on a CPU the two would share the
-same cores and both be slower, and neither would be bounded. So the model is taken in turns:
-the scheduler takes one turn per iteration (:meth:`ModelTurns.step`), the worker one per forward
-pass (:meth:`ModelTurns.encoding`, entered by :class:`~pc_rag.model.forward.Forward` on the
-worker's thread only).
+Documents queued by ``add_documents(background=True)`` are encoded on a worker thread, but never
+beside one of the scheduler's steps: on a CPU the two would share the same cores and both be
+slower, and neither would be bounded. So the model is taken in turns: the scheduler takes one
+turn per iteration (:meth:`ModelTurns.step`), the worker one per document (:meth:`ModelTurns.background`).
 
-While requests are being served the worker gets ``share`` of the model's time: after a pass of
-``d`` seconds the scheduler runs ``d * (1 - share) / share`` seconds of steps before the next
-pass may start. So documents reach the cache under steady traffic (a service that is never
-idle still warms up), and the requests beside them are slowed by at most that share, one pass
-at a time. A pass that a request waits for (``urgent``) does not wait for its share (its cost
-is still counted). With nothing to serve the worker runs freely; a request that arrives then
-waits for at most the pass in progress.
+While requests are being served the worker gets ``share`` of the model's time: after a document
+of ``d`` seconds the scheduler runs ``d * (1 - share) / share`` seconds of steps before the next
+may start. So documents reach the cache under steady traffic (a service that is never idle still
+warms up), and the requests beside them are slowed by at most that share, one document at a
+time. A document that a request waits for (``urgent``) does not wait for its share (its cost is
+still counted). With nothing to serve the worker runs freely; a request that arrives then waits
+for at most the document in progress.
 """
 
 from __future__ import annotations
@@ -40,9 +38,8 @@ class ModelTurns:
         self._owner: str | None = None
         self._serving = 0  # scheduler busy periods in progress (0 or 1)
         self._debt = 0.0  # seconds of steps the scheduler runs before the next background pass may start
-        self._wanting: list[bool] = []  # background passes waiting for a turn: urgent or not
-        self._local = threading.local()  # per thread: inside a background job (and whether urgent)
-        self.background_s = 0.0  # seconds of background passes taken while requests were served
+        self._wanting: list[bool] = []  # background jobs waiting for a turn: urgent or not
+        self.background_s = 0.0  # seconds of background jobs run while requests were served
 
     # -- the scheduler's side ---------------------------------------------------------------------
     @contextmanager
@@ -78,24 +75,12 @@ class ModelTurns:
 
     # -- the background encoder's side ----------------------------------------------------------------
     @contextmanager
-    def background_job(self, *, urgent: bool = False) -> Iterator[None]:
-        """Around one background job on the calling thread: its forward passes take turns
-        (:meth:`encoding`); ``urgent``: a request waits for it."""
-        self._local.job = True
-        self._local.urgent = urgent
-        try:
-            yield
-        finally:
-            self._local.job = False
-
-    @contextmanager
-    def encoding(self) -> Iterator[None]:
-        """Around one forward pass of module encoding: a turn on a background job's thread, nothing
-        on any other (a request's own encoding runs inside the scheduler's turn)."""
-        if not getattr(self._local, "job", False) or getattr(self._local, "depth", 0):
-            yield
-            return
-        urgent = bool(getattr(self._local, "urgent", False))
+    def background(self, *, urgent: bool = False) -> Iterator[None]:
+        """Around one background job (a document's encoding, its writes to the store tiers
+        included): it waits for its turn (``urgent``: a request waits for it, so it does not wait
+        for its share). The turn is taken before the job takes any lock, and held for the whole
+        job: a job that waited for a turn while holding the encoder's lock would deadlock with a
+        scheduler step that needs that lock (a module evicted from memory, encoded again)."""
         with self._cond:
             self._wanting.append(urgent)
             try:
@@ -105,12 +90,10 @@ class ModelTurns:
                 self._wanting.remove(urgent)
             self._owner = BACKGROUND
             during_service = bool(self._serving)
-        self._local.depth = 1
         started = time.perf_counter()
         try:
             yield
         finally:
-            self._local.depth = 0
             spent = time.perf_counter() - started
             with self._cond:
                 self._owner = None
