@@ -26,10 +26,53 @@ def kv_shape(model: Any) -> tuple[int, int, int]:
         raise PromptCacheError(f"{name} has no attention heads (num_attention_heads): Prompt Cache reuses "
                                "attention KV; this model is not supported")
     _refuse_recurrent_layers(config, name)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = _global(config, "head_dim", name) or config.hidden_size // heads
     _refuse_latent_attention(config, name, head_dim)
-    return config.num_hidden_layers, kv_heads, head_dim
+    return config.num_hidden_layers, _kv_heads(config, heads), head_dim
+
+
+def _kv_heads(config: Any, heads: int) -> int:
+    """The KV heads a layer caches. Falcon names them otherwise: ``multi_query`` (the 7B layout)
+    caches one; its new decoder architecture caches its keys repeated to every query head."""
+    if getattr(config, "num_key_value_heads", None):
+        return config.num_key_value_heads
+    if hasattr(config, "multi_query") and hasattr(config, "new_decoder_architecture"):
+        return heads if config.new_decoder_architecture else 1 if config.multi_query else getattr(config, "num_kv_heads", heads) or heads
+    return heads
+
+
+def _global(config: Any, attribute: str, name: str) -> Any:
+    """``config.attribute``, refused when it differs from layer to layer (Gemma 4: global layers
+    have larger heads): pc-rag's KV buffers hold one head size for every layer."""
+    try:
+        return getattr(config, attribute, None)
+    except Exception as err:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError (a RuntimeError)
+        sizes = sorted({getattr(layer, attribute, None) for layer in getattr(config, "per_layer_config", None) or ()} - {None})
+        raise PromptCacheError(f"{name} has a {attribute} per layer ({', '.join(map(str, sizes)) or type(err).__name__}): "
+                               "pc-rag's KV buffers hold one head size for every layer; this model is not supported yet") from None
+
+
+def check_cached_shape(model: Any, decoder: Any, expected: tuple[int, int, int], cache_keyword: str = "past_key_values") -> None:
+    """Prove, with one sentinel forward pass through transformers' own cache, that every layer
+    caches keys and values of the shape pc-rag allocates (``expected``: layers, kv_heads,
+    head_dim); a model whose config says otherwise than its layers do (Falcon's multi-query
+    layout read as 4 heads was broadcast in prefill and failed at decode) is refused saying how.
+    ``cache_keyword``: what the model's forward calls its cache."""
+    import torch
+    from transformers import DynamicCache
+
+    layers, kv_heads, head_dim = expected
+    name = getattr(model.config, "model_type", None) or type(model).__name__
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    with torch.inference_mode():
+        decoder(input_ids=torch.zeros(1, 3, dtype=torch.long, device=model.device), use_cache=True, **{cache_keyword: cache})
+    cached = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers]
+    shapes = {tuple(k.shape[1::2]) for k, v in cached if k is not None and k.numel()} | \
+             {tuple(v.shape[1::2]) for k, v in cached if v is not None and v.numel()}
+    if len(cached) != layers or shapes != {(kv_heads, head_dim)}:
+        found = ", ".join(f"{h} heads of {d}" for h, d in sorted(shapes)) or "none"
+        raise PromptCacheError(f"{name} caches KV of {len(cached)} layers ({found}) where its config says {layers} layers of "
+                               f"{kv_heads} heads of {head_dim}: pc-rag would allocate the wrong buffers; this model is not supported")
 
 
 def _refuse_recurrent_layers(config: Any, name: str) -> None:

@@ -24,6 +24,7 @@ from .probe import PROBE_KWARG
 logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "pc_rag_sdpa"
+SENTINEL_KWARG = "pc_rag_sentinel"
 # attention keywords of model families whose attention is more than softmax(q k^T) v
 _SPECIAL = ("position_bias", "cache", "softcap")
 _registered = False
@@ -42,6 +43,9 @@ def _pc_rag_sdpa(
 ) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    sentinel = kwargs.pop(SENTINEL_KWARG, None)
+    if sentinel is not None:  # receives_keywords: this layer's call was reached with pc-rag's keywords
+        sentinel.append(module)
     packed = kwargs.pop(packed_mod.KWARG, None)
     if packed is not None:  # several batches' tokens in one pass: each attends to its own cache
         return packed.attend(module, query, key, value, scaling, _pc_rag_sdpa, **kwargs), None
@@ -55,7 +59,8 @@ def _pc_rag_sdpa(
     if shared is not None:
         if special:
             raise PromptCacheError("shared-module attention does not support position biases or soft-capping")
-        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        # a layer that passes sliding_window=None is global (EXAONE 4): never the module's or the config's window
+        window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
         return shared_attention.split_attention(module, query, key, value, attention_mask, scaling, shared, window=window,
                                                 extents=extents), None
     groups = getattr(module, "num_key_value_groups", 1)
@@ -111,6 +116,30 @@ def install(model: Any) -> bool:
         logger.info("keeping sdpa attention: %s", err)
         return False
     return getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME
+
+
+def receives_keywords(model: Any, decoder: Any, layers: int) -> str | None:
+    """Why ``pc_rag_sdpa`` cannot rely on the keywords pc-rag passes a forward pass (shared KV,
+    packed steps, probes), or None when it can: proved with one sentinel pass, in which every
+    layer's attention must be called once with them. Some decoder layers do not pass their
+    keyword arguments on to their attention (StableLM, Nemotron), so what split attention hands
+    them never arrives and a batch reads what it did not mean to; some call attention twice per
+    layer on values they transform (DiffLlama), so KV read in place is not what they attend to."""
+    seen: list[Any] = []
+    ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
+    try:
+        with torch.inference_mode():
+            decoder(input_ids=ids, use_cache=False, **{SENTINEL_KWARG: seen})
+    except TypeError as err:  # a forward that takes no keywords at all
+        return f"its forward takes no attention keywords ({err})"
+    calls: dict[int, int] = {}
+    for module in seen:
+        calls[id(module)] = calls.get(id(module), 0) + 1
+    if len(calls) < layers:
+        return f"{layers - len(calls)} of its {layers} layers do not pass keyword arguments on to their attention"
+    if any(count > 1 for count in calls.values()) or len(calls) > layers:
+        return "its layers call attention more than once each (on values they transform)"
+    return None
 
 
 # attention implementations that take an arbitrary 4D mask: boolean (True = attend) for SDPA,

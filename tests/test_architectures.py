@@ -1,0 +1,99 @@
+"""Architectures that went silently wrong in batches or failed at decode: each served exactly on
+every path pc-rag runs it by (rows of a batch sharing a moved module, a request joining a running
+one, decode steps), or refused when the engine is built, saying why.
+
+Tiny random checkpoints built as ``AutoModelForCausalLM`` builds them, their norm weights and
+biases drawn away from their defaults so that a skipped layer or a wrong rotation shows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from pc_rag import PromptCache, PromptCacheError, build_prompt
+
+from .conftest import staggered
+
+# (config, what the engine logs when it serves the model without split attention, or None)
+FAMILIES = ("stablelm", "nemotron", "falcon", "exaone4", "diffllama")
+
+
+def family_config(name: str, vocab: int):
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if name == "stablelm":  # its decoder layer does not pass **kwargs to its attention
+        return transformers.StableLmConfig(**common)
+    if name == "nemotron":  # nor does Nemotron's
+        return transformers.NemotronConfig(**{**common, "head_dim": 16})
+    if name == "falcon":  # the 7B layout: one KV head, named by `multi_query`, not `num_key_value_heads`
+        return transformers.FalconConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                                         new_decoder_architecture=False, alibi=False, bos_token_id=None, eos_token_id=None)
+    if name == "exaone4":  # global layers pass sliding_window=None, local ones a window of 8
+        return transformers.Exaone4Config(**{**common, "num_hidden_layers": 4, "sliding_window": 8,
+                                             "layer_types": ["sliding_attention", "full_attention"] * 2})
+    if name == "diffllama":  # two attention calls per layer, on transformed values
+        return transformers.DiffLlamaConfig(**common)
+    raise ValueError(name)
+
+
+def tiny(name: str, vocab: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(name, vocab), dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "norm" in parameter_name or parameter_name.endswith("bias"):
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return model
+
+
+def _max_diff(first, second) -> float:
+    return max((a - b).abs().max().item() for x, y in zip(first, second) for a, b in zip(x.logits, y.logits))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_path_equals_lone_requests(tokenizer, name, caplog):
+    """Before: StableLM's and Nemotron's batch rows differed from lone requests by up to 3.8 and
+    6.9 in logits, and a running request's tokens changed when another joined; Falcon failed at
+    its first decode step; EXAONE 4's global layers attended through a window in shared batches;
+    DiffLlama's batch rows were wrong and its fused step raised."""
+    with caplog.at_level(logging.WARNING, logger="pc_rag.model.spec"):
+        engine = PromptCache(tiny(name, len(tokenizer)), tokenizer, recompute=0, attention_temperature=1.0, attention_scale=1.0)
+    if name in ("stablelm", "nemotron", "diffllama"):  # proved by the sentinel pass: one log line says why
+        assert not engine.split and "served without shared-module attention" in caplog.text
+    names = engine.add_documents(["The ferry leaves at nine from the north pier.", "Tickets cost five euros at the kiosk.",
+                                  "The museum opens at ten."], progress=False)
+    prompts = [build_prompt(question, [names[1], names[0]]) for question in ("When?", "How much does it cost?", "Where?")]
+    settings = dict(max_new_tokens=6, output_logits=True)
+    lone = [engine.generate(prompt, **settings) for prompt in prompts]
+    assert _max_diff(lone, engine.generate_batch(prompts, **settings)) <= 1e-3
+    joined = staggered(engine, prompts, **settings)  # each joins the running ones after their first token
+    assert _max_diff(lone, joined) <= 1e-3 and [r.token_ids for r in joined] == [r.token_ids for r in lone]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_scored_recovery_runs_or_is_refused_when_the_engine_is_built(tokenizer, name):
+    """Before: ``recovery="query"`` on StableLM and Nemotron raised a bare AssertionError mid-request."""
+    model = tiny(name, len(tokenizer))
+    try:
+        engine = PromptCache(model, tokenizer, recovery="query", recovery_budget=0.2)
+    except PromptCacheError as err:
+        assert "recovery" in str(err)
+        return
+    names = engine.add_documents(["The ferry leaves at nine.", "Tickets cost five euros."], progress=False)
+    assert engine.generate(build_prompt("When?", names), max_new_tokens=3).token_ids
+
+
+def test_per_layer_head_sizes_are_refused_when_the_engine_is_built(tokenizer):
+    """Gemma 4's global layers have larger heads: transformers' AmbiguousGlobalPerLayerAttributeError escaped."""
+    config = transformers.Gemma4TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                                           pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.raises(PromptCacheError, match="head_dim per layer \\(16, 512\\)"):
+        PromptCache(model, tokenizer)
