@@ -97,3 +97,19 @@ def test_per_layer_head_sizes_are_refused_when_the_engine_is_built(tokenizer):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with pytest.raises(PromptCacheError, match="head_dim per layer \\(16, 512\\)"):
         PromptCache(model, tokenizer)
+
+
+def test_layers_that_cache_no_kv_of_their_own_are_refused_when_the_engine_is_built(tokenizer):
+    """Gemma 3n's last layers read an earlier layer's KV: their slots in pc-rag's buffers were never
+    written, so the position probe compared uninitialised memory and measured another position kind
+    in each process (documents accepted in one, refused in the next)."""
+    vocab = len(tokenizer)
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2, hidden_size_per_layer_input=8, laurel_rank=4,
+        activation_sparsity_pattern=[0.0] * 4, altup_num_inputs=2, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.raises(PromptCacheError, match="layers 2, 3 cache no KV of their own"):
+        PromptCache(model, tokenizer)

@@ -67,6 +67,11 @@ def check_cached_shape(model: Any, decoder: Any, expected: tuple[int, int, int],
     with torch.inference_mode():
         decoder(input_ids=torch.zeros(1, 3, dtype=torch.long, device=model.device), use_cache=True, **{cache_keyword: cache})
     cached = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers]
+    silent = [i for i, (keys, _) in enumerate(cached) if keys is None or not keys.numel()]
+    if silent:  # Gemma 3n: its last layers attend to an earlier layer's KV, recomputed in every pass
+        raise PromptCacheError(f"{name}'s layers {', '.join(map(str, silent))} cache no KV of their own (they read another "
+                               "layer's): pc-rag's buffers, position probe and shared-module attention expect every layer's; "
+                               "this model is not supported yet")
     shapes = {tuple(k.shape[1::2]) for k, v in cached if k is not None and k.numel()} | \
              {tuple(v.shape[1::2]) for k, v in cached if v is not None and v.numel()}
     if len(cached) != layers or shapes != {(kv_heads, head_dim)}:
