@@ -133,4 +133,7 @@ def test_sigterm_with_a_generation_running_exits_within_the_deadline(tmp_path, t
             server.process.wait(timeout=30)  # before: it waited for the whole generation (4000 tokens)
     finally:
         server.close()
-    assert server.process.returncode == 0
+    # uvicorn re-raises the signal once it has shut down gracefully: the requests were cancelled, the engine closed
+    assert server.process.returncode in (0, -signal.SIGTERM)
+    log = server.log.read_text()
+    assert "timeout graceful shutdown exceeded" in log and "engine closed" in log
