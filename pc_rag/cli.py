@@ -1,4 +1,4 @@
-"""``pc-rag``: command-line entry points (``generate``, ``demo``, ``ask``, ``encode``, ``serve``)."""
+"""``pc-rag``: command-line entry points (``generate``, ``demo``, ``ask``, ``encode``, ``check``, ``serve``)."""
 
 from __future__ import annotations
 
@@ -205,6 +205,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Exit 0 when the model is exact on every path pc-rag serves it by, 1 otherwise."""
+    report = _engine(args).check(fidelity=not args.no_fidelity)
+    print(report)
+    return 0 if report.exact else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pc-rag", description="Prompt Cache: reuse attention states of prompt modules.")
     common = argparse.ArgumentParser(add_help=False)  # every command loads a model
@@ -246,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("files", nargs="+", help="text files, JSONL files (a 'text' field per line) or folders")
     encode.add_argument("--workers", type=int, default=0, help="Ray workers (RAY_ADDRESS joins a cluster; 0: this process)")
     encode.set_defaults(func=cmd_encode)
+    check = sub.add_parser("check", parents=[common], help="a conformance self-test of a model: every path exact, moved-module fidelity")
+    check.add_argument("--no-fidelity", action="store_true", help="the exactness checks only")
+    check.set_defaults(func=cmd_check)
     _add_serve(sub, common)
     return parser
 

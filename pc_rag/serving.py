@@ -213,6 +213,16 @@ class Serving:
         caller waits for a compilation (:mod:`pc_rag.warm_up`). Eagerly: one short request."""
         return warm_up(self, new_tokens=new_tokens)
 
+    def check(self, *, fidelity: bool = True) -> Any:
+        """A conformance self-test of this engine's model (``pc-rag check``; :mod:`pc_rag.conformance`):
+        every path pc-rag serves it by against what must equal it, on the real weights, then (with
+        ``fidelity``) moved-module fidelity on a built-in RAG probe set at the default and stronger
+        recovery settings. Returns a :class:`~pc_rag.conformance.CheckReport`; ``print`` it for the
+        verdict and the settings it recommends."""
+        from .conformance import check
+
+        return check(self, fidelity=fidelity)
+
     def min_json_tokens(self, json_schema: Any) -> int | None:
         """Tokens of the shortest document of ``json_schema`` that constrained decoding closes a
         reply with (its closing walk from an empty reply: short, not always the shortest); None

@@ -1,0 +1,246 @@
+"""``PromptCache.check()`` and ``pc-rag check MODEL``: a conformance self-test on a user's own checkpoint.
+
+Two parts, both on the real weights:
+
+1. **Exactness.** Each path pc-rag serves the model by, against what must equal it: a module read
+   where it was encoded (cached against full prefill, logits and decode steps), every cached token
+   recomputed (against full prefill), rows of a batch sharing a moved module and requests joining
+   a running one (against the same requests alone), and each recovery strategy (runs, or is
+   refused when the engine is built). A path passes within ``tolerance`` in logits.
+2. **Fidelity of moved modules**, the approximation Prompt Cache makes: on a small built-in RAG
+   probe set (``data/conformance_probe.json``: 8 SQuAD questions, each over its paragraph placed
+   second of three), first-token agreement and KL(full || cached) at the engine's own settings
+   at pc-rag's default settings and at stronger recovery, and the cheapest setting that keeps
+   agreement >= 7/8 and KL <= 0.05.
+
+Every check runs on a helper engine over the same model object (the caller's engine is not
+touched: no document is added to it), closed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import torch
+
+from .errors import PromptCacheError
+from .prompt.documents import build_prompt
+
+logger = logging.getLogger(__name__)
+
+TOLERANCE = 1e-3
+EXACT = dict(recompute=0, recompute_tail=0, attention_temperature=1.0, attention_scale=1.0)
+AGREEMENT_BAR, KL_BAR = 7 / 8, 0.05
+
+
+@dataclass
+class PathResult:
+    """One exactness check: the largest |logit difference| it measured, or why it did not run."""
+
+    path: str
+    max_diff: float | None
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        if self.max_diff is None:  # refused when the engine is built: a clean refusal is conformant
+            return bool(self.note)
+        return self.max_diff <= TOLERANCE
+
+
+@dataclass
+class FidelityResult:
+    """Moved modules on the probe set under one setting, against full prefill of the same tokens."""
+
+    setting: str
+    agreement: float
+    kl: float
+
+    @property
+    def good(self) -> bool:
+        return self.agreement >= AGREEMENT_BAR and self.kl <= KL_BAR
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check` measured, and its verdict (``str(report)`` prints it)."""
+
+    model: str
+    paths: list[PathResult] = field(default_factory=list)
+    fidelity: list[FidelityResult] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return all(p.passed for p in self.paths)
+
+    @property
+    def recommended(self) -> str | None:
+        """The cheapest setting whose fidelity meets the bar (None: none does)."""
+        return next((f.setting for f in self.fidelity if f.good), None)
+
+    def __str__(self) -> str:
+        lines = [f"pc-rag check: {self.model}", "exactness (max |logit diff|, tolerance 1e-3):"]
+        for p in self.paths:
+            measured = f"{p.max_diff:.2e}" if p.max_diff is not None else "-"
+            lines.append(f"  {'ok  ' if p.passed else 'FAIL'} {p.path:<34} {measured:>9}  {p.note}".rstrip())
+        lines.append("moved-module fidelity (8 RAG questions, against full prefill):")
+        for f in self.fidelity:
+            lines.append(f"  {f.setting:<44} first token = full {f.agreement:6.1%}   KL {f.kl:.4f}")
+        verdict = "exact on every path it serves" if self.exact else "NOT exact on every path: do not serve it until fixed"
+        advice = (f"recommended: {self.recommended}" if self.recommended else
+                  "no setting tried keeps agreement >= 87.5% and KL <= 0.05: read moved documents as text (use_cache=False) where it matters")
+        return "\n".join([*lines, f"verdict: {verdict}; {advice}"])
+
+
+def check(engine: Any, *, fidelity: bool = True) -> CheckReport:
+    """Run the exactness checks (and, with ``fidelity``, the probe set) on ``engine``'s model."""
+    report = CheckReport(getattr(engine.model.config, "_name_or_path", "") or type(engine.model).__name__)
+    probe = _probe_set()
+    helper = _helper(engine, **EXACT)
+    try:
+        names = helper.add_documents(probe[0]["passages"], progress=False)
+        report.paths += [_safely("module in place, decode steps", _in_place, helper, names),
+                         _safely("every token recomputed", _recomputed, engine, probe[0]),
+                         _safely("batch rows sharing a moved module", _batch, helper, names),
+                         _safely("a request joining running ones", _joined, helper, names)]
+    finally:
+        _close(helper)
+    report.paths += [_safely(f'recovery="{strategy}"', _strategy, engine, strategy, probe[0]["passages"])
+                     for strategy in ("head_tail", "query", "deviation")]
+    if fidelity:
+        report.fidelity = _fidelity(engine, probe)
+    return report
+
+
+# -- exactness ------------------------------------------------------------------------------------
+def _safely(path: str, run: Callable[..., PathResult], *args: Any) -> PathResult:
+    """``run(*args)``, or a failed path saying what it raised (a path that raises is not exact)."""
+    try:
+        return run(*args)
+    except Exception as err:  # noqa: BLE001 - what a path raises is what the check reports
+        logger.warning("pc-rag check: %s raised %s: %s", path, type(err).__name__, err)
+        return PathResult(path, float("inf"), f"raised {type(err).__name__}: {str(err)[:120]}")
+
+
+def _in_place(engine: Any, names: list[str]) -> PathResult:
+    """The first document is read where it was encoded: cached equals full prefill, steps included."""
+    prompt = build_prompt("What is this passage about?", names[:1])
+    cached = engine.generate(prompt, max_new_tokens=6, output_logits=True, do_sample=False)
+    full = engine.generate(prompt, max_new_tokens=6, output_logits=True, do_sample=False, use_cache=False)
+    if cached.token_ids != full.token_ids:
+        return PathResult("module in place, decode steps", float("inf"), "tokens differ")
+    return PathResult("module in place, decode steps", _diff([cached.logits], [full.logits]))
+
+
+def _recomputed(engine: Any, item: dict[str, Any]) -> PathResult:
+    """Every cached token computed again: equals full prefill exactly."""
+    helper = _helper(engine, **{**EXACT, "recompute": 10**6, "recompute_tail": 10**6})
+    try:
+        names = helper.add_documents(item["passages"], progress=False)
+        prompt = build_prompt(item["question"], [names[1], names[0], names[2]])
+        return PathResult("every token recomputed", (helper.next_token_logits(prompt) - helper.next_token_logits(prompt, use_cache=False))
+                          .abs().max().item())
+    finally:
+        _close(helper)
+
+
+def _batch(engine: Any, names: list[str]) -> PathResult:
+    prompts = _prompts(names)
+    lone = [engine.generate(p, max_new_tokens=4, output_logits=True, do_sample=False) for p in prompts]
+    batch = engine.generate_batch(prompts, max_new_tokens=4, output_logits=True, do_sample=False)
+    return PathResult("batch rows sharing a moved module", _diff([r.logits for r in batch], [r.logits for r in lone]))
+
+
+def _joined(engine: Any, names: list[str]) -> PathResult:
+    """Each request opened once the one before it has its first token: a newcomer fused into the running step."""
+    prompts = _prompts(names)
+    lone = [engine.generate(p, max_new_tokens=4, output_logits=True, do_sample=False) for p in prompts]
+    streams = []
+    for prompt in prompts:
+        streams.append(engine.stream(prompt, max_new_tokens=4, output_logits=True, do_sample=False))
+        next(streams[-1], None)
+    for stream in streams:
+        for _ in stream:
+            pass
+    return PathResult("a request joining running ones", _diff([s.result.logits for s in streams], [r.logits for r in lone]))
+
+
+def _strategy(engine: Any, strategy: str, passages: list[str]) -> PathResult:
+    """Recovery by ``strategy``: its batch rows equal its lone requests, or the engine refuses it when built."""
+    path = f'recovery="{strategy}"'
+    try:
+        helper = _helper(engine, recovery=strategy, **({"recovery_budget": 0.2} if strategy != "head_tail" else {}))
+    except PromptCacheError as err:
+        return PathResult(path, None, f"refused when built ({err})")
+    try:
+        return PathResult(path, _batch(helper, helper.add_documents(passages, progress=False)).max_diff)
+    finally:
+        _close(helper)
+
+
+# -- fidelity -------------------------------------------------------------------------------------
+def _fidelity(engine: Any, probe: list[dict[str, Any]]) -> list[FidelityResult]:
+    """The probe set at the defaults, with more tokens recomputed, and with scored recovery (where
+    the model runs it); full prefill's logits are computed once for all three."""
+    helper = _helper(engine)
+    try:
+        prompts = [build_prompt(item["question"], helper.add_documents(item["passages"], progress=False)) for item in probe]
+        full = [helper.next_token_logits(prompt, use_cache=False) for prompt in prompts]
+        results = [_measure("defaults", helper, prompts, full)]
+        helper.recompute, helper.recompute_tail = 32, 8
+        results.append(_measure("recompute=32, recompute_tail=8", helper, prompts, full))
+    finally:
+        _close(helper)
+    label = 'recovery="query", recovery_budget=0.3'
+    try:
+        helper = _helper(engine, recovery="query", recovery_budget=0.3)
+    except PromptCacheError as err:
+        logger.info("fidelity under %s not measured: %s", label, err)
+        return results
+    try:
+        for item in probe:  # the same documents under the same names: the prompts above read them here
+            helper.add_documents(item["passages"], progress=False)
+        return [*results, _measure(label, helper, prompts, full)]
+    finally:
+        _close(helper)
+
+
+def _measure(label: str, engine: Any, prompts: list[str], full: list[torch.Tensor]) -> FidelityResult:
+    agree, kls = 0, []
+    for prompt, expected in zip(prompts, full):
+        cached = engine.next_token_logits(prompt)
+        agree += int(cached.argmax() == expected.argmax())
+        kls.append(torch.nn.functional.kl_div(cached.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="sum").item())
+    return FidelityResult(label, agree / len(prompts), sum(kls) / len(kls))
+
+
+# -- parts ----------------------------------------------------------------------------------------
+def _probe_set() -> list[dict[str, Any]]:
+    return json.loads(resources.files("pc_rag").joinpath("data/conformance_probe.json").read_text())["items"]
+
+
+def _prompts(names: list[str]) -> list[str]:
+    """Three prompts over the same documents, the second moved to the front (a moved module)."""
+    return [build_prompt(q, [names[1], names[0]]) for q in ("Who is named?", "What happened?", "When was it?")]
+
+
+def _helper(engine: Any, **settings: Any) -> Any:
+    """Another engine over the same model and tokenizer, with ``settings`` (in memory only)."""
+    return type(engine)(engine.model, engine.tokenizer, **settings)
+
+
+def _close(engine: Any) -> None:
+    engine.scheduler.close(timeout=10.0)
+    engine.background.close(timeout=10.0)
+
+
+def _diff(first: list[Any], second: list[Any]) -> float:
+    """The largest |difference| between two lists of per-step logits (lists of tensors)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(a, b) for x, y in zip(first, second) for a, b in zip(x, y)]
+    return max(((a - b).abs().max().item() for a, b in pairs), default=0.0)
+
