@@ -63,6 +63,7 @@ class _Job:
     deadline: float  # ... and when it may start even if no request finishes
     urgent: bool = False  # a request waits for it: first in the queue, and its passes do not wait for their share
     deleted: bool = False  # deleted while being encoded: deleted again once its encoding ends
+    shared: bool = False  # recorded in the remote tier's shared queue (where another replica may delete it)
     key: tuple[str, str, str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -88,8 +89,10 @@ class BackgroundEncoder:
     """
 
     def __init__(self, add: Callable[..., list[str]], *, delete: Callable[..., Any] | None = None,
-                 turns: ModelTurns | None = None, grace_s: float = DEFAULT_GRACE_S) -> None:
+                 turns: ModelTurns | None = None, remote: Any = None, grace_s: float = DEFAULT_GRACE_S) -> None:
         self._add, self._delete = add, delete
+        # the remote tier's shared queue (pc_rag.kv.replication): every replica lists and deletes what this one queued
+        self._shared = remote.log if remote is not None else None
         self.turns = turns if turns is not None else ModelTurns()
         self.grace_s = grace_s
         self._cond = threading.Condition()
@@ -124,16 +127,21 @@ class BackgroundEncoder:
         """Queue ``records`` for ``schema``; returns how many were queued
         (a record already queued, or refused before, is not queued again). ``replace_changed``
         and ``options`` (a neighbour context) as :meth:`pc_rag.PromptCache.add_documents` takes them."""
+        shared = {}  # recorded in the shared queue before the worker can look for them there
+        if self._shared is not None and not self._closed:
+            shared = {record.name: self._shared.queue_put(schema, record.name, record.text, QUEUED) for record in records}
         with self._cond:
             if self._closed:
                 raise PromptCacheError("this engine's background queue is closed")
             deadline = time.monotonic() + self.grace_s
-            queued = 0
+            queued, refused = 0, []
             for record in records:
                 job = _Job(schema, system, record.name, record.text, dict(record.metadata), replace_changed, dict(options or {}),
                            self._served, deadline)
                 if job.key in self._queued or job.key in self._refused:
+                    refused.extend([record.name] if job.key in self._refused else [])
                     continue
+                job.shared = shared.get(record.name, False)
                 self._queue.append(job)
                 self._queued.add(job.key)
                 self._failed.pop((schema, record.name), None)
@@ -144,6 +152,8 @@ class BackgroundEncoder:
             self._cond.notify_all()
         if queued:
             logger.debug("queued %d documents of %r for background encoding", queued, schema)
+        for name in refused if self._shared is not None else ():
+            self._shared.queue_remove(schema, name)  # refused before: not queued, not listed as queued
         return queued
 
     @property
@@ -158,10 +168,19 @@ class BackgroundEncoder:
             return sorted({name for queued_schema, name, _ in self._queued if queued_schema == schema})
 
     def statuses(self, schema: str) -> dict[str, DocumentStatus]:
-        """Collection ``schema``'s documents held here: queued, being encoded, or failed (with why);
-        a document encoded is in the registry instead."""
+        """Collection ``schema``'s documents held here or, with a remote tier, by any replica (it reads
+        Redis: not on an event loop): queued, being encoded, or failed (with why); a document
+        encoded is in the registry instead."""
+        shared = self._shared.queue_read(schema) if self._shared is not None else None
         with self._cond:
-            held = {name: failed for (s, name), failed in self._failed.items() if s == schema}
+            if shared is not None:  # this replica's documents deleted through another: out of its queue too
+                gone = [job for job in self._queue if job.schema == schema and job.shared and job.name not in shared]
+                for job in gone:
+                    self._queue.remove(job)
+                    self._queued.discard(job.key)
+            shared = shared or {}
+            held = {name: DocumentStatus(e["status"], e["error"], e["code"]) for name, e in shared.items()}
+            held.update((name, failed) for (s, name), failed in self._failed.items() if s == schema)
             held.update((job.name, DocumentStatus(QUEUED)) for job in self._queue if job.schema == schema)
             job = self._current
             if job is not None and job.schema == schema and not job.deleted:
@@ -169,13 +188,17 @@ class BackgroundEncoder:
             return held
 
     def text(self, schema: str, name: str) -> str | None:
-        """The newest text queued (or being encoded) for document ``name`` of ``schema``, if any."""
+        """The newest text queued (or being encoded) for document ``name`` of ``schema`` here or, with a
+        remote tier, by another replica (it reads Redis: not on an event loop); None if none is."""
         with self._cond:
             job = self._current
             for queued in reversed(self._queue):
                 if (queued.schema, queued.name) == (schema, name):
                     return queued.text
-            return job.text if job is not None and (job.schema, job.name) == (schema, name) and not job.deleted else None
+            if job is not None and (job.schema, job.name) == (schema, name) and not job.deleted:
+                return job.text
+        entry = (self._shared.queue_read(schema) or {}).get(name) if self._shared is not None else None
+        return entry["text"] if entry is not None and entry["status"] != FAILED else None
 
     def prioritise(self, schema: str, names: Iterable[str]) -> None:
         """A request waits for these documents: they move to the front of the queue, in the order given,
@@ -207,6 +230,8 @@ class BackgroundEncoder:
                 held.add(job.name)
             held |= {name for name in wanted if self._failed.pop((schema, name), None) is not None}
             self._cond.notify_all()
+        if self._shared is not None:  # another replica's queued document: it checks before it encodes
+            held |= {name for name in wanted if self._shared.queue_remove(schema, name)}
         self._notify()
         return sorted(held)
 
@@ -283,12 +308,18 @@ class BackgroundEncoder:
     def _work(self) -> None:
         while (job := self._next()) is not None:
             try:
+                if job.shared and self._shared.queue_holds(job.schema, job.name) is False:  # type: ignore[union-attr]
+                    continue  # deleted through another replica while it was queued
+                if self._shared is not None:
+                    self._shared.queue_put(job.schema, job.name, job.text, IN_PROGRESS)
                 with self.turns.background(urgent=job.urgent or self._urgent):
                     if job.deleted:  # while it waited for its turn
                         continue
                     self._add([DocumentRecord(job.name, job.text, job.metadata)], schema=job.schema, system=job.system,
                               progress=False, replace_changed=job.replace_changed, **job.options)
                 self.encoded += 1
+                if job.shared and not job.deleted and self._shared.queue_remove(job.schema, job.name) is False:  # type: ignore[union-attr]
+                    job.deleted = True  # deleted through another replica while it was encoded
                 if job.deleted and self._delete is not None:  # deleted while it was encoded
                     self._delete([job.name], schema=job.schema)
             except PromptCacheError as err:
@@ -305,11 +336,14 @@ class BackgroundEncoder:
                 self._notify()
 
     def _failed_with(self, job: _Job, error: str, *, refused: bool = False) -> None:
+        failed = DocumentStatus(FAILED, error, "invalid_file" if refused else "server_error")
         with self._cond:
             if refused:
                 self._refused.add(job.key)
             if not job.deleted:
-                self._failed[(job.schema, job.name)] = DocumentStatus(FAILED, error, "invalid_file" if refused else "server_error")
+                self._failed[(job.schema, job.name)] = failed
+        if not job.deleted and self._shared is not None:
+            self._shared.queue_put(job.schema, job.name, job.text, FAILED, error, failed.code)
 
     def _notify(self) -> None:
         with self._cond:

@@ -195,7 +195,7 @@ class PromptCache(Registration, Serving):
         # the registry shared with other replicas through the remote tier: this one's changes out, theirs in
         self.registry_sync = RegistrySync(self.registry, self.remote, remote_collections) if self.remote is not None else None
         self.registry.publisher = self.registry_sync
-        self.background = BackgroundEncoder(self._add_records, delete=self.registry.delete_documents, turns=turns)
+        self.background = BackgroundEncoder(self._add_records, delete=self.registry.delete_documents, turns=turns, remote=self.remote)
         self.buffers = BufferPool(model)
         self.assembler = Assembler(self.spec, self.encoder, self.buffers)
         self.scheduler = self._scheduler(limits)

@@ -174,12 +174,14 @@ class Registration:
         registry and the drop-in index (no request planned from now on imports or matches them),
         memory, ``kv_dir``, the remote tier's KV and registry (other replicas drop them at their
         next sync), and every :class:`~pc_rag.retrievers.FaissModuleRetriever` bound to this
-        engine; a document queued by ``add_documents(background=True)`` leaves the queue (one being
-        encoded is deleted as its encoding ends). Returns the names removed; names the collection
+        engine; a document queued by ``add_documents(background=True)`` leaves the queue, this
+        replica's or, with a remote tier, any replica's (one being encoded is deleted as its encoding ends). Returns the names removed; names the collection
         does not hold are ignored. A request planned before the call finishes on the KV it was planned with."""
         names = [names] if isinstance(names, str) else list(names)
         queued = self.background.remove(schema, names)
         removed = self.registry.delete_documents(names, schema=schema)
+        if self.remote is not None and set(names) - set(queued) - set(removed) and self.sync_documents():
+            removed += self.registry.delete_documents(names, schema=schema)  # encoded by another replica since this one's last sync
         return [name for name in dict.fromkeys(names) if name in queued or name in removed]
 
     def sync_documents(self) -> int:

@@ -233,3 +233,33 @@ def test_two_replica_processes_and_an_encoder_share_one_redis(saved_model, redis
     for replica in replicas:
         assert replica["stats"]["encoded"] == 0 and replica["stats"]["hits_remote"] == len(DOCS) + 1
         assert replica["answers"] == expected
+
+
+def test_a_document_queued_on_one_replica_is_listed_read_and_deleted_on_another(make_engine, redis_server):
+    """Before, a document was queued in the memory of the replica that took it: another replica
+    listed nothing for it, could not delete it (its DELETE answered 404 and the document came back
+    encoded), and a request there naming it got 404."""
+    holder = make_engine(remote_store=redis_server.url)
+    other = make_engine(remote_store=redis_server.url)
+    holder.background.grace_s = 3600.0  # stays queued until asked for
+    holder.add_documents(DOCS[:1], ids=["seed"], progress=False)
+    holder.add_documents(DOCS[1:3], ids=["kept", "gone"], schema="docs", background=True)
+    assert {n: s.status for n, s in other.background.statuses("docs").items()} == {"kept": "queued", "gone": "queued"}
+    assert other.background.text("docs", "gone") == DOCS[2]  # what a request there reads while it waits
+    assert other.delete_documents("gone") == ["gone"]  # the shared queue is the truth
+    assert "gone" not in holder.background.statuses("docs") and holder.background.queued("docs") == ["kept"]
+    assert holder.wait_for_documents(timeout=120)
+    assert other.sync_documents() >= 1 and set(other.schemas["docs"].documents) == {"seed", "kept"}
+    assert other.background.statuses("docs") == {}  # encoded: no longer in the shared queue
+    # deleted through another replica while it was being encoded: deleted as that ends, everywhere
+    add = holder.background._add  # noqa: SLF001 - the engine's own add, with the other replica's DELETE in the middle of it
+
+    def add_while_deleted_elsewhere(records, **kwargs):
+        assert other.delete_documents("late") == ["late"]
+        return add(records, **kwargs)
+
+    holder.background._add = add_while_deleted_elsewhere  # noqa: SLF001
+    holder.add_documents(DOCS[3:4], ids=["late"], background=True)
+    assert holder.wait_for_documents(timeout=120) and "late" not in holder.schemas["docs"].documents
+    other.sync_documents()
+    assert "late" not in other.schemas["docs"].documents

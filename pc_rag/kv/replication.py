@@ -10,6 +10,12 @@ collection (so that a Redis ACL ``%RW~pcrag:*:tenant-a:*`` can confine a tenant'
   read, in pages, so a deletion reaches every replica and a restarted one ends where the others
   did; ``<collection>:epoch`` tells a log begun again (Redis restarted empty) from the one a
   reader's position counts in.
+- ``<collection>:queue``: a hash of the documents some replica has queued for encoding and not
+  encoded yet (name -> its text, ``status`` ``queued``/``in_progress``/``failed``, ``error``,
+  ``at``): what every replica lists and reads as text while it waits, and what a DELETE on any
+  replica removes (the replica holding it checks before it encodes, and after: its ``HDEL`` finding
+  nothing means the document was deleted meanwhile). Entries older than ``QUEUE_STALE_S`` (a
+  replica that died with them) are ignored.
 - ``collections``: the set of collection names, for discovery (a replica confined to some
   collections is given their names instead: ``remote_collections=``).
 
@@ -22,6 +28,7 @@ Reads run in pages on the link's registry connection: a page that fails stops th
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +37,9 @@ from ..errors import PromptCacheError
 from ..prompt.documents import check_name
 from ..prompt.neighbours import CONTEXTS, MAX_NEIGHBOURS
 from .redis_link import RedisLink
+
+QUEUE_STATUSES = ("queued", "in_progress", "failed")
+QUEUE_STALE_S = 3600.0
 
 
 @dataclass
@@ -92,6 +102,50 @@ class RegistryLog:
     def publish_schema(self, name: str, pml: str) -> bool:
         """Record PML schema ``name``'s source (a replica parses it and finds its modules' KV here)."""
         return self._publish(name, {"collection": name, "kind": "pml", "source": pml}, [])
+
+    # -- the shared queue of documents not encoded yet ------------------------------------------------
+    def _queue_key(self, collection: str) -> str:
+        return f"{self.link.prefix}{collection}:queue"
+
+    def queue_put(self, collection: str, name: str, text: str, status: str, error: str | None = None, code: str | None = None) -> bool:
+        """Record that document ``name`` of ``collection`` is queued, being encoded or failed, with its text."""
+        key = self._queue_key(collection)
+        body = {"name": name, "text": text, "status": status, "error": error, "code": code, "at": time.time()}
+        return bool(self.link.call("queue write", lambda: self.link.client.hset(key, name, self.link.signed(f"{key}/{name}", body)), False))
+
+    def queue_remove(self, collection: str, name: str) -> bool | None:
+        """Remove ``name`` from the shared queue: whether it was there (None: Redis could not be asked)."""
+        key = self._queue_key(collection)
+        removed = self.link.call("queue write", lambda: self.link.client.hdel(key, name), None)
+        return None if removed is None else bool(removed)
+
+    def queue_holds(self, collection: str, name: str) -> bool | None:
+        key = self._queue_key(collection)
+        held = self.link.call("queue read", lambda: self.link.client.hexists(key, name), None)
+        return None if held is None else bool(held)
+
+    def queue_read(self, collection: str) -> dict[str, dict[str, Any]] | None:
+        """The shared queue of ``collection`` (None when Redis could not be read), each entry validated
+        on its own (a bad one is skipped with a warning; a stale one, left by a replica that died, is ignored)."""
+        key = self._queue_key(collection)
+        raw = self.link.call("queue read", lambda: self.link.registry.hgetall(key), None, refused_is_data=True)
+        if raw is None:
+            return None
+        out: dict[str, dict[str, Any]] = {}
+        for field_name, value in raw.items():
+            try:
+                name = check_name(field_name.decode(), "document id")
+                entry = self.link.opened(f"{key}/{name}", value)
+                if entry.get("name") != name or entry.get("status") not in QUEUE_STATUSES or not isinstance(entry.get("text"), str) \
+                        or not entry["text"] or not isinstance(entry.get("at"), (int, float)) \
+                        or not all(entry.get(k) is None or isinstance(entry[k], str) for k in ("error", "code")):
+                    raise PromptCacheError("a malformed queue entry")
+            except (PromptCacheError, UnicodeDecodeError) as err:
+                self.link.reject(f"queue entry of {collection!r}", str(err), once=True)
+                continue
+            if time.time() - entry["at"] < QUEUE_STALE_S:
+                out[name] = entry
+        return out
 
     def collection_names(self) -> list[str] | None:
         """Every collection published under this fingerprint (None when Redis could not be read)."""

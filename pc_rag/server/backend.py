@@ -79,7 +79,7 @@ class LocalBackend:
                                     background=True, replace_changed=True, progress=False)
 
     async def held(self, collection: str) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
-        return held(self.engine, collection)
+        return await self._blocking(held, self.engine, collection)  # with a remote tier it reads the shared queue
 
     async def await_documents(self, collection: str, names: list[str], timeout: float) -> dict[str, str]:
         """Wait up to ``timeout`` seconds for these queued documents alone (moved to the front of
@@ -92,7 +92,7 @@ class LocalBackend:
         def wake() -> None:
             loop.call_soon_threadsafe(changed.set)
 
-        def waiting() -> list[str]:
+        def waiting() -> list[str]:  # this replica's queue: another's documents are read as text at once
             queued = set(background.queued(collection))
             return [name for name in names if name in queued]
 
@@ -107,7 +107,7 @@ class LocalBackend:
                         await asyncio.wait_for(changed.wait(), remaining)
         finally:
             background.remove_listener(wake)
-        texts = {name: background.text(collection, name) for name in left}
+        texts = {name: await self._blocking(background.text, collection, name) for name in left}
         return {name: text for name, text in texts.items() if text is not None}
 
     async def wait_for_documents(self, timeout: float) -> bool:
