@@ -202,7 +202,7 @@ class BackgroundEncoder:
 
     def prioritise(self, schema: str, names: Iterable[str]) -> None:
         """A request waits for these documents: they move to the front of the queue, in the order given,
-        and their forward passes do not wait for the background's share of the model."""
+        and their turns do not wait for the background's share of the model."""
         order = {name: rank for rank, name in enumerate(dict.fromkeys(names))}
         with self._cond:
             front = sorted((job for job in self._queue if job.schema == schema and job.name in order), key=lambda job: order[job.name])
@@ -310,8 +310,8 @@ class BackgroundEncoder:
             try:
                 if job.shared and self._shared.queue_holds(job.schema, job.name) is False:  # type: ignore[union-attr]
                     continue  # deleted through another replica while it was queued
-                if self._shared is not None:
-                    self._shared.queue_put(job.schema, job.name, job.text, IN_PROGRESS)
+                if self._shared is not None:  # (recorded now if it could not be when queued: removed once encoded)
+                    job.shared = self._shared.queue_put(job.schema, job.name, job.text, IN_PROGRESS) or job.shared
                 with self.turns.background(urgent=job.urgent or self._urgent):
                     if job.deleted:  # while it waited for its turn
                         continue

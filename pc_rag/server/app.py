@@ -354,7 +354,7 @@ class Server:
                                    param="documents", code="document_failed")
                 raise not_found(f"document {name!r} in collection {collection!r}")
         texts = await self._wait_for(collection, queued, tenant) if queued else {}
-        if texts != {name: texts.get(name) for name in queued}:  # some were encoded meanwhile (or deleted: 404 below)
+        if any(name not in texts for name in queued):  # encoded meanwhile (or deleted: 404 below)
             encoded, _ = await self.backend.held(collection)
         parts, imported = [], 0
         for name in ids:
