@@ -8,6 +8,7 @@ transformers, (generate(n) - generate(1)) / (n - 1).
 
     python benchmarks/decode.py                  # embedded SmolLM2-135M, CPU
     python benchmarks/decode.py --no-compile     # skip torch.compile (its first call compiles: ~2 min here)
+    python benchmarks/decode.py --no-compile --int4 --out benchmarks/results/decode_int4.json   # weights="int4" too
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--int4", action="store_true", help="also weights=\"int4\" (a second copy of the model, its linear layers in 4 bits)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode.json")
     args = parser.parse_args()
 
@@ -52,6 +54,8 @@ def main() -> None:
     engines = {"pc-rag": PromptCache(model, tokenizer)}
     if not args.no_compile:
         engines["pc-rag compile=True"] = PromptCache(model, tokenizer, compile=True)
+    if args.int4:
+        engines["pc-rag weights=int4"] = PromptCache(load_model(None)[0], tokenizer, weights="int4")
     result: dict[str, Any] = {**run_info(engines["pc-rag"], "SmolLM2-135M-Instruct (embedded)"), "new_tokens": n,
                               "decode_ms_per_token": {}}
     for name, engine in engines.items():
@@ -65,6 +69,11 @@ def main() -> None:
         result["decode_ms_per_token"][name] = median_time(decode_ms, args.runs)
         result["prompt_tokens"] = len(engine.plan(prompt).input_ids)
         print(name, round(result["decode_ms_per_token"][name], 2), "ms/token", flush=True)
+    if args.int4:  # the 4-bit path against float32 on the same prompt: how far the weights moved the answer
+        full, low = (engines[k].next_token_logits(prompt).log_softmax(-1) for k in ("pc-rag", "pc-rag weights=int4"))
+        result["int4_first_token_kl_vs_float32"] = torch.nn.functional.kl_div(low, full, log_target=True, reduction="sum").item()
+        result["int4_first_token_equal"] = bool(full.argmax() == low.argmax())
+        print("int4 vs float32: first-token KL", round(result["int4_first_token_kl_vs_float32"], 4), flush=True)
     input_ids = torch.tensor([engines["pc-rag"].plan(prompt).input_ids])
 
     def generate(new: int) -> Any:

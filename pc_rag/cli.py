@@ -52,7 +52,7 @@ def _engine(args: argparse.Namespace, **options: Any) -> PromptCache:
 
     return PromptCache.from_pretrained(
         args.model, device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store,
-        kv_quantization=args.kv_quantization, **options,
+        kv_quantization=args.kv_quantization, weights=args.weights, **options,
     )
 
 
@@ -191,7 +191,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .server.replicas import run
 
         options = dict(device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store,
-                       kv_quantization=args.kv_quantization, memory_budget=memory_budget, compile=compile_mode, **limits)
+                       kv_quantization=args.kv_quantization, memory_budget=memory_budget, compile=compile_mode, weights=args.weights,
+                       **limits)
         run(args.model, name, options, replicas=args.replicas, host=args.host, port=args.port,
             keys_file=str(expand(args.api_keys)) if args.api_keys else None, key_bounds=key_bounds,
             router=args.router)
@@ -223,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share module KV and documents through Redis/Valkey (redis://HOST:PORT/DB)")
     common.add_argument("--kv-quantization", choices=("int8", "int4"), default=None,
                         help="store module KV in 8 or 4 bits in every tier (default: the model's precision)")
+    common.add_argument("--weights", choices=("float32", "int4"), default=None,
+                        help="int4: linear layers in 4 bits on a CPU (decode reads a quarter of the bytes; default: as loaded)")
     common.add_argument("-v", "--verbose", action="store_true", help="log progress")
 
     decoding = argparse.ArgumentParser(add_help=False)  # commands that generate

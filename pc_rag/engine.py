@@ -29,7 +29,7 @@ from .engine_parts import open_kv
 from .errors import PromptCacheError
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
-from .model import small_batch
+from .model import int4, small_batch
 from .model.forward import Forward, compile_mode
 from .model.loading import load_model
 from .model.rope import RopeRotator
@@ -92,8 +92,7 @@ class PromptCache(Registration, Serving):
         remote_store: ``redis://HOST:PORT/DB``, ``rediss://`` or ``valkey://``: module KV and document records.
         remote_timeout_ms: the bound on each of its commands (past it the tier is skipped).
         remote_sync: take in the shared documents at start (False for an encoding worker).
-        remote_key: signs and verifies every record (HMAC; default ``PC_RAG_REMOTE_KEY``; a list
-            rotates: the first signs, all verify).
+        remote_key: signs and verifies every record (HMAC; default ``PC_RAG_REMOTE_KEY``; a list rotates: the first signs, all verify).
         remote_ttl_s: expiry of KV entries.
         remote_collections: confine this replica to these collections (Redis ACLs per tenant).
         remote_sync_interval_s: how stale this replica's view of the shared registry may get before
@@ -107,15 +106,14 @@ class PromptCache(Registration, Serving):
         buffer_budget: bytes of KV buffers held at once (running and admitted rows', the pool's idle ones: let go first).
         fuse_prefill: a request admitted while others decode is prefilled in chunks that share
             a forward pass with their decode step (False: between steps).
-        compile: run decode steps through ``torch.compile``: True (mode "default") or a mode by
-            name; ``"reduce-overhead"`` replays each step as a CUDA graph on a GPU (on a CPU it
-            compiles as "default"). Batched rows copy the module KV they import alike (a step over
-            shared parts runs eagerly). Call :meth:`warm_up` first, or the first callers compile.
-        small_batch_linear: the model's linear layers compute inputs of 2-16 rows (decode steps
-            of several requests) as ``W @ x^T``, which streams the weights once on a CPU where
-            ``x @ W^T`` streams them two or three times (:mod:`pc_rag.model.small_batch`). None:
-            for a float32 model on a CPU with over 32 MB of linear weights. It is set on the
-            model's layers, so it holds for every user of that model object (False undoes it).
+        compile: run decode steps through ``torch.compile``: True (mode "default") or a mode by name; ``"reduce-overhead"``
+            replays each step as a CUDA graph on a GPU (on a CPU it compiles as "default"). Batched rows copy the module KV they
+            import alike (a step over shared parts runs eagerly). Call :meth:`warm_up` first, or the first callers compile.
+        small_batch_linear: linear layers compute inputs of 2-16 rows (decode steps of several requests) as
+            ``W @ x^T``, streaming the weights once on a CPU (:mod:`pc_rag.model.small_batch`). None: for a float32
+            CPU model with over 32 MB of linear weights. Set on the model's layers (for every user of that model object).
+        weights: ``"int4"``: the model's linear layers replaced by 4-bit ones on a CPU, a quarter of the bytes
+            a decode step reads (:mod:`pc_rag.model.int4`; the model object is changed); None/"float32": as loaded.
         encode_share: the share of the model's time documents queued with ``background=True`` are
             encoded in while requests run (all of it when none do; :mod:`pc_rag.model.turns`).
     """
@@ -155,12 +153,14 @@ class PromptCache(Registration, Serving):
         compile: bool | str = False,
         small_batch_linear: bool | None = None,
         encode_share: float = DEFAULT_ENCODE_SHARE,
+        weights: Literal["float32", "int4"] | None = None,
     ) -> None:
         self.encoding: Encoding = _checked(encoding or DEFAULT_ENCODING, memory_budget, kv_location, remote_sync_interval_s)
         compile_mode(compile)  # a mode torch.compile does not know is refused before anything is built
         turns = ModelTurns(encode_share)  # background encoding's share of the model while requests run (refused if not a share)
         self.model, self.tokenizer = model, tokenizer
-        self.small_batch_linear = small_batch.install(model, small_batch_linear)  # before anything runs the model
+        self.int4_layers = int4.install(model, weights)  # before anything runs the model (and before it is fingerprinted)
+        self.small_batch_linear = small_batch.install(model, small_batch_linear)
         self.spec: ModelSpec = inspect_model(model, tokenizer, separator=SEPARATOR)
         self.recovery = configure_recovery(self.spec, strategy=recovery, budget=recovery_budget, recompute=recompute,
                                            recompute_tail=recompute_tail, temperature=attention_temperature, scale=attention_scale)
