@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 
 from .decoder import decoder_of
+from .int4 import Int4Linear
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +163,14 @@ def probe_positions(model: Any, forward_keys: Any) -> tuple[PositionKind, RopeRo
     not the module a long prompt would compute (``"rope_length_dependent"``: modules stay put).
     """
     ids = [11, 42, 7, 99]
-    tol = 1e-4 if model.dtype == torch.float32 else 3e-2
+    # a float32 model whose linear layers take bf16 activations (weights="int4") rounds as a 16-bit one
+    full = model.dtype == torch.float32 and not any(isinstance(m, Int4Linear) for m in model.modules())
+    tol = 1e-4 if full else 3e-2
     # in 16 bits the rounding compounds with depth: measured on a Llama-3-8B-shaped bf16 model on
     # an H100, 0.6% of the keys' scale at layer 0 and 5.6% at layer 31 for a true RoPE move. The
     # first layer (no attention before it: only rounding) is held to `tol`, the whole stack to
     # `deep`; a frequency switch or learned positions differ by O(0.1-1) already at layer 0.
-    deep = tol if model.dtype == torch.float32 else 0.15
+    deep = tol if full else 0.15
     low, high = rope_windows(model.config.get_text_config(decoder=True))
     # inside every window, so that length-dependent variants still use their short frequencies
     delta = min(37, low - len(ids) - 1) if low > 2 * len(ids) else 37
