@@ -22,7 +22,7 @@ from . import planner
 from .background import BackgroundEncoder
 from .decode.constrained import Vocabulary
 from .decode.request import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
-from .errors import PromptCacheError
+from .errors import ContextWindowExceeded, PromptCacheError
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CostModel, compute_in_prompt, load_or_compute, short_prefixes
 from .kv.remote import RemoteTier
@@ -118,6 +118,9 @@ class Serving:
         ``generation`` takes transformers' names, with its meaning: ``do_sample``,
         ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``,
         ``output_logits``, ``generation_config`` (a ``transformers.GenerationConfig`` or a dict);
+        ``max_tokens``, OpenAI's bound on the reply with OpenAI's meaning: a prompt that leaves less
+        room in the context window is refused (``ContextWindowExceeded``) before anything is queued,
+        where ``max_new_tokens`` stops the reply at the window;
         and ``json_schema`` (a JSON schema dict, its text, or True for any JSON object): the
         output is constrained, token by token, to a document of that schema (:mod:`pc_rag.decode.constrained`),
         closed within ``max_new_tokens`` whenever that can hold one (:meth:`min_json_tokens`), and
@@ -301,6 +304,13 @@ class Serving:
     def _ticket(self, plans: list[Plan], params: SamplingParams, use_cache: bool, started: float, *, share: bool,
                 logits_only: bool = False) -> Ticket:
         """What the scheduler serves: ``plans`` with a request state each (sampling, stops, statistics)."""
+        window = self.spec.context_window
+        for index, plan in enumerate(plans if params.fits_window and window is not None else ()):
+            if plan.end + params.max_new_tokens > window:  # refused before it is queued, as OpenAI and vLLM refuse it
+                which = f"prompt {index} needs" if len(plans) > 1 else "the prompt needs"
+                raise ContextWindowExceeded(f"{which} {plan.end} positions and max_tokens {params.max_new_tokens} more: "
+                                            f"{plan.end + params.max_new_tokens}, past the model's context window ({window})",
+                                            param="max_tokens")
         requests = [
             RequestState(params=params, tokenizer=self.tokenizer, device=self.spec.device, stop_token_ids=frozenset(self.stop_token_ids),
                          context_window=self.spec.context_window, modules=list(p.modules),

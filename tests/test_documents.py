@@ -182,3 +182,21 @@ def test_pml_schema_text_modules_are_found_too(make_engine):
     engine = make_engine("llama")
     engine.add_schema('<schema name="kb"><module name="fact">The quick brown fox jumps over the lazy dog near the river.</module></schema>', progress=False)
     assert engine.plan("Read: The quick brown fox jumps over the lazy dog near the river. Why?").modules == ["fact"]
+
+
+def test_max_tokens_past_the_window_is_refused_and_max_new_tokens_is_cut(engine):
+    """OpenAI's max_tokens keeps OpenAI's meaning (refused before anything is queued when the prompt
+    leaves less room), transformers' max_new_tokens keeps transformers' (the answer stops at the window)."""
+    window = engine.context_window
+    prompt = build_prompt("Which?", [])
+    room = window - engine.plan(prompt).end
+    with pytest.raises(ContextWindowExceeded, match=f"max_tokens {room + 1} more") as refused:
+        engine.generate(prompt, max_tokens=room + 1)
+    assert refused.value.param == "max_tokens"
+    engine.stop_token_ids.clear()
+    assert len(engine.generate(prompt, max_tokens=3).token_ids) == 3
+    assert engine.generate(prompt, max_new_tokens=room + 5).finish_reason == "length"  # cut at the window, not refused
+    with pytest.raises(PromptCacheError, match="give max_tokens .* or max_new_tokens"):
+        engine.generate(prompt, max_tokens=3, max_new_tokens=3)
+    with pytest.raises(PromptCacheError, match="max_tokens must be a positive integer"):
+        engine.generate(prompt, max_tokens=0)

@@ -299,6 +299,12 @@ def test_oversized_body_and_long_prompt(pcrag_server):
     error = long.json()["error"]
     assert "context window (8192)" in error["message"] and any(int(w) > 8192 for w in error["message"].split() if w.isdigit())
     assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")  # OpenAI's code for it
+    # a prompt that fits with a max_tokens that does not: refused up front, as OpenAI and vLLM refuse it
+    # (before, it was queued and its answer cut at the window, finish_reason "length")
+    past = httpx.post(pcrag_server.url + "/v1/completions", json={"model": MODEL, "prompt": "word " * 4000, "max_tokens": 5000})
+    assert past.status_code == 400
+    error = past.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens") and "max_tokens 5000 more" in error["message"]
     assert httpx.get(pcrag_server.url + "/health").status_code == 200  # and the server lives on
 
 

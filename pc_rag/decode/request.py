@@ -155,6 +155,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits, as OpenAI's logit_bias
+    # given as OpenAI's max_tokens: a prompt that leaves less room in the context window is refused up
+    # front (as OpenAI and vLLM refuse it), where transformers' max_new_tokens is cut at the window
+    fits_window: bool = False
 
     @classmethod
     def build(
@@ -177,6 +180,7 @@ class SamplingParams:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logit_bias: Mapping[Any, float] | None = None,
+        fits_window: bool = False,
     ) -> "SamplingParams":
         """Validated parameters. ``do_sample`` as in transformers: False is greedy whatever the
         temperature, True samples (at temperature 1.0 when none is given); ``stop_strings`` is
@@ -213,7 +217,7 @@ class SamplingParams:
                                    param="logprobs")
         return cls(max_new_tokens, float(temperature), float(top_p), top_k, stops, seed,
                    float(repetition_penalty), no_repeat_ngram_size, min_new_tokens, bool(output_logits), _schema(json_schema), logprobs,
-                   float(presence_penalty), float(frequency_penalty), _logit_bias(logit_bias))
+                   float(presence_penalty), float(frequency_penalty), _logit_bias(logit_bias), bool(fits_window))
 
     @property
     def reads_history(self) -> bool:
@@ -248,7 +252,7 @@ class SamplingParams:
 
 GENERATION_ARGUMENTS = ("do_sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "stop_strings",
                         "output_logits", "generation_config", "json_schema", "logprobs", "presence_penalty", "frequency_penalty",
-                        "logit_bias")
+                        "logit_bias", "max_tokens")
 # what a GenerationConfig contributes besides its sampling settings (taken when it sets do_sample=True)
 _CONFIG_SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "max_new_tokens", "stop_strings")
 
@@ -290,6 +294,14 @@ def sampling_params(call: dict[str, Any], engine_config: Any = None) -> Sampling
     if "stop" in given:
         settings.pop("stop_strings", None)
     settings.update(given)
+    if "max_tokens" in settings:  # OpenAI's name, with OpenAI's meaning (SamplingParams.fits_window)
+        budget = settings.pop("max_tokens")
+        if "max_new_tokens" in given:
+            raise PromptCacheError("give max_tokens (OpenAI's: refused when it does not fit the context window) or "
+                                   "max_new_tokens (transformers': cut at the window), not both", param="max_tokens")
+        if not _is_int(budget) or budget < 1:
+            raise PromptCacheError(f"max_tokens must be a positive integer, got {budget!r}", param="max_tokens")
+        settings.update(max_new_tokens=budget, fits_window=True)
     settings.setdefault("max_new_tokens", 256)
     return SamplingParams.build(**settings)
 

@@ -480,7 +480,7 @@ def _count(tokenizer: Any, text: str) -> int:
 
 def _budgets(calls: Sequence[Call]) -> int:
     """The new tokens ``calls`` may generate in all (each its ``max_tokens``, or the default)."""
-    return sum(c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
+    return sum(c.params.get("max_tokens") or c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
 
 
 async def _until_disconnected(request: Request) -> None:

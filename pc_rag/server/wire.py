@@ -266,7 +266,8 @@ def _logprobs(body: _Sampling) -> int | None:
 
 
 def _sampling(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
-    params: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+    # max_tokens with OpenAI's meaning: refused up front when the prompt leaves less room in the window
+    params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                               "top_k": body.top_k, "stop": body.stop, "seed": body.seed}
     logprobs = _logprobs(body)
     if logprobs is not None:
