@@ -173,8 +173,7 @@ class PromptCache(Registration, Serving):
                         remote_timeout_ms=remote_timeout_ms, remote_ttl_s=remote_ttl_s, remote_collections=remote_collections)
         self.fingerprint, self.kv_dir, self.remote, self.store = tiers.fingerprint, tiers.kv_dir, tiers.remote, tiers.store
         self._kv_bytes_per_token = tiers.bytes_per_token
-        self.remote_sync_interval_s = remote_sync_interval_s
-        self._synced_at = time.monotonic()
+        self.remote_sync_interval_s, self._synced_at = remote_sync_interval_s, time.monotonic()
         self._build(drop_in=drop_in, compile=compile, remote_collections=remote_collections, turns=turns,
                     limits=Limits(max_running, max_step_tokens, max_queued, queue_timeout_s, buffer_budget, fuse_prefill))
         if self.remote is not None and remote_sync:
