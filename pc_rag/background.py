@@ -197,7 +197,7 @@ class BackgroundEncoder:
                     return queued.text
             if job is not None and (job.schema, job.name) == (schema, name) and not job.deleted:
                 return job.text
-        entry = (self._shared.queue_read(schema) or {}).get(name) if self._shared is not None else None
+        entry = self._shared.queue_entry(schema, name) if self._shared is not None else None
         return entry["text"] if entry is not None and entry["status"] != FAILED else None
 
     def prioritise(self, schema: str, names: Iterable[str]) -> None:

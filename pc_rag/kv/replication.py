@@ -131,21 +131,28 @@ class RegistryLog:
         raw = self.link.call("queue read", lambda: self.link.registry.hgetall(key), None, refused_is_data=True)
         if raw is None:
             return None
-        out: dict[str, dict[str, Any]] = {}
-        for field_name, value in raw.items():
-            try:
-                name = check_name(field_name.decode(), "document id")
-                entry = self.link.opened(f"{key}/{name}", value)
-                if entry.get("name") != name or entry.get("status") not in QUEUE_STATUSES or not isinstance(entry.get("text"), str) \
-                        or not entry["text"] or not isinstance(entry.get("at"), (int, float)) \
-                        or not all(entry.get(k) is None or isinstance(entry[k], str) for k in ("error", "code")):
-                    raise PromptCacheError("a malformed queue entry")
-            except (PromptCacheError, UnicodeDecodeError) as err:
-                self.link.reject(f"queue entry of {collection!r}", str(err), once=True)
-                continue
-            if time.time() - entry["at"] < QUEUE_STALE_S:
-                out[name] = entry
-        return out
+        entries = ((field_name.decode(errors="replace"), value) for field_name, value in raw.items())
+        return {name: entry for name, value in entries if (entry := self._queue_entry(collection, name, value)) is not None}
+
+    def queue_entry(self, collection: str, name: str) -> dict[str, Any] | None:
+        """One document's entry in the shared queue (one HGET), validated; None if absent, bad or stale."""
+        key = self._queue_key(collection)
+        value = self.link.call("queue read", lambda: self.link.client.hget(key, name), None, refused_is_data=True)
+        return None if value is None else self._queue_entry(collection, name, value)
+
+    def _queue_entry(self, collection: str, name: str, value: Any) -> dict[str, Any] | None:
+        key = self._queue_key(collection)
+        try:
+            check_name(name, "document id")
+            entry = self.link.opened(f"{key}/{name}", value)
+            if entry.get("name") != name or entry.get("status") not in QUEUE_STATUSES or not isinstance(entry.get("text"), str) \
+                    or not entry["text"] or not isinstance(entry.get("at"), (int, float)) \
+                    or not all(entry.get(k) is None or isinstance(entry[k], str) for k in ("error", "code")):
+                raise PromptCacheError("a malformed queue entry")
+        except (PromptCacheError, UnicodeDecodeError) as err:
+            self.link.reject(f"queue entry of {collection!r}", str(err), once=True)
+            return None
+        return entry if time.time() - entry["at"] < QUEUE_STALE_S else None
 
     def collection_names(self) -> list[str] | None:
         """Every collection published under this fingerprint (None when Redis could not be read)."""

@@ -177,14 +177,13 @@ def _stop_token_ids(model: Any, tokenizer: Any, markers: ChatMarkers) -> set[int
     return ids
 
 
-def _receives_keywords(model: Any, layers: int) -> bool:
+def _receives_keywords(model: Any, decoder: Any, layers: int) -> bool:
     """Whether split attention may run (:func:`pc_rag.model.attention.receives_keywords`); when it
     may not, the model is served by the paths that need no keyword (a batch copies what its rows
     import), and one log line says why."""
     from . import attention
-    from .forward import Forward
 
-    why = attention.receives_keywords(model, Forward(model).decoder, layers)
+    why = attention.receives_keywords(model, decoder, layers)
     if why is not None:
         logger.warning("%s: %s; its requests are served without shared-module attention, fused prefill or scored recovery",
                        type(model).__name__, why)
@@ -236,11 +235,12 @@ def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> Mod
 
     attention.install(model)
     layers, kv_heads, head_dim = kv_shape(model)  # refuses, by name, models whose state is not reusable KV
-    check_cached_shape(model, Forward(model).decoder, (layers, kv_heads, head_dim), cache_keyword(model))  # ... and misleading configs
+    forward = Forward(model)
+    check_cached_shape(model, forward.decoder, (layers, kv_heads, head_dim), cache_keyword(model))  # ... and misleading configs
     config = model.config.get_text_config(decoder=True)
     markers = chat_markers(tokenizer)
     try:
-        position_kind, rotator = probe_positions(model, Forward(model).keys_at)
+        position_kind, rotator = probe_positions(model, forward.keys_at)
     except PromptCacheError:
         raise
     except Exception as err:  # the first passes through pc-rag's KV buffers: a layout they do not fit
@@ -248,7 +248,7 @@ def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> Mod
                                "its architecture is not supported") from err
     implementation = getattr(model.config, "_attn_implementation", None)
     one_pass = position_kind == "rope" and attention.accepts_custom_mask(model)
-    split = one_pass and implementation == attention.ATTENTION_NAME and _receives_keywords(model, layers)
+    split = one_pass and implementation == attention.ATTENTION_NAME and _receives_keywords(model, forward.decoder, layers)
     window, window_layers = _sliding_window(config, layers)
     bos = _bos_ids(tokenizer)
     exact_window = rope_windows(config)[0] if position_kind == "rope_length_dependent" else None
