@@ -31,6 +31,7 @@ import torch
 from .errors import PromptCacheError
 from .model.int4 import Int4Linear
 from .prompt.documents import build_prompt
+from .prompt.pml import PML, escape
 
 logger = logging.getLogger(__name__)
 
@@ -109,18 +110,19 @@ def check(engine: Any, *, fidelity: bool = True) -> CheckReport:
     probe = _probe_set()
     helper = _helper(engine, **EXACT)
     try:
-        names = helper.add_documents(probe[0]["passages"], progress=False)
-        paths = [_safely("module in place, decode steps", _in_place, helper, names),
+        prompts = _store(helper, probe[0]["passages"])
+        paths = [_safely(OWN_FORWARD, _own_forward, helper, prompts),
+                 _safely("module in place, decode steps", _in_place, helper, prompts),
                  _safely("every token recomputed", _recomputed, engine, probe[0]),
-                 _safely("batch rows sharing a moved module", _batch, helper, names),
-                 _safely("a request joining running ones", _joined, helper, names)]
+                 _safely(_batch_path(engine), _batch, helper, prompts),
+                 _safely("a request joining running ones", _joined, helper, prompts)]
     finally:
         _close(helper)
     paths += [_safely(f'recovery="{strategy}"', _strategy, engine, strategy, probe[0]["passages"])
               for strategy in ("head_tail", "query", "deviation")]
     tolerance = BF16_TOLERANCE if any(isinstance(m, Int4Linear) for m in engine.model.modules()) else TOLERANCE
     report.paths = [replace(path, tolerance=tolerance) for path in paths]
-    if fidelity:
+    if fidelity and engine.movable:  # modules that cannot move are read where they were encoded: nothing to approximate
         report.fidelity = _fidelity(engine, probe)
     return report
 
@@ -135,9 +137,9 @@ def _safely(path: str, run: Callable[..., PathResult], *args: Any) -> PathResult
         return PathResult(path, float("inf"), f"raised {type(err).__name__}: {str(err)[:120]}")
 
 
-def _in_place(engine: Any, names: list[str]) -> PathResult:
+def _in_place(engine: Any, prompts: PromptMaker) -> PathResult:
     """The first document is read where it was encoded: cached equals full prefill, steps included."""
-    prompt = build_prompt("What is this passage about?", names[:1])
+    prompt = prompts("What is this passage about?", [0])
     cached = engine.generate(prompt, max_new_tokens=6, output_logits=True, do_sample=False)
     full = engine.generate(prompt, max_new_tokens=6, output_logits=True, do_sample=False, use_cache=False)
     if cached.token_ids != full.token_ids:
@@ -145,28 +147,49 @@ def _in_place(engine: Any, names: list[str]) -> PathResult:
     return PathResult("module in place, decode steps", _diff([cached.logits], [full.logits]))
 
 
+OWN_FORWARD = "full prefill = the model's own forward"
+
+
+def _own_forward(engine: Any, make: PromptMaker) -> PathResult:
+    """pc-rag's full prefill (its buffers, masks and positions) against the model's own forward on
+    the same tokens: what every other path is compared with must itself be right (BART's decoder
+    places its positions by the length of its own cache, not by the positions it is given)."""
+    prompt = make("Who is named?", [1, 0] if engine.movable else [0, 1, 2])
+    ids = engine.plan(prompt).input_ids
+    with torch.inference_mode():
+        own = engine.model(input_ids=torch.tensor([ids], device=engine.model.device), use_cache=False).logits[0, -1]
+    ours = engine.next_token_logits(prompt, use_cache=False)
+    return PathResult(OWN_FORWARD, (ours.float() - own.float()).abs().max().item())
+
+
 def _recomputed(engine: Any, item: dict[str, Any]) -> PathResult:
     """Every cached token computed again: equals full prefill exactly."""
-    helper = _helper(engine, **{**EXACT, "recompute": 10**6, "recompute_tail": 10**6})
     try:
-        names = helper.add_documents(item["passages"], progress=False)
-        prompt = build_prompt(item["question"], [names[1], names[0], names[2]])
+        helper = _helper(engine, **{**EXACT, "recompute": 10**6, "recompute_tail": 10**6})
+    except PromptCacheError as err:
+        return PathResult("every token recomputed", None, f"refused when built ({err})")
+    try:
+        prompt = _store(helper, item["passages"])(item["question"], [1, 0, 2])
         return PathResult("every token recomputed", (helper.next_token_logits(prompt) - helper.next_token_logits(prompt, use_cache=False))
                           .abs().max().item())
     finally:
         _close(helper)
 
 
-def _batch(engine: Any, names: list[str]) -> PathResult:
-    prompts = _prompts(names)
+def _batch_path(engine: Any) -> str:
+    return f"batch rows sharing a {'moved' if engine.movable else 'cached'} module"
+
+
+def _batch(engine: Any, make: PromptMaker) -> PathResult:
+    prompts = _prompts(make)
     lone = [engine.generate(p, max_new_tokens=4, output_logits=True, do_sample=False) for p in prompts]
     batch = engine.generate_batch(prompts, max_new_tokens=4, output_logits=True, do_sample=False)
-    return PathResult("batch rows sharing a moved module", _diff([r.logits for r in batch], [r.logits for r in lone]))
+    return PathResult(_batch_path(engine), _diff([r.logits for r in batch], [r.logits for r in lone]))
 
 
-def _joined(engine: Any, names: list[str]) -> PathResult:
+def _joined(engine: Any, make: PromptMaker) -> PathResult:
     """Each request opened once the one before it has its first token: a newcomer fused into the running step."""
-    prompts = _prompts(names)
+    prompts = _prompts(make)
     lone = [engine.generate(p, max_new_tokens=4, output_logits=True, do_sample=False) for p in prompts]
     streams = []
     for prompt in prompts:
@@ -186,7 +209,7 @@ def _strategy(engine: Any, strategy: str, passages: list[str]) -> PathResult:
     except PromptCacheError as err:
         return PathResult(path, None, f"refused when built ({err})")
     try:
-        return PathResult(path, _batch(helper, helper.add_documents(passages, progress=False)).max_diff)
+        return PathResult(path, _batch(helper, _store(helper, passages)).max_diff)
     finally:
         _close(helper)
 
@@ -232,9 +255,25 @@ def _probe_set() -> list[dict[str, Any]]:
     return json.loads(resources.files("pc_rag").joinpath("data/conformance_probe.json").read_text())["items"]
 
 
-def _prompts(names: list[str]) -> list[str]:
+PromptMaker = Callable[[str, list[int]], Any]
+
+
+def _store(engine: Any, passages: list[str]) -> PromptMaker:
+    """Store ``passages`` in ``engine``; return ``make(question, order)``, the prompt importing them
+    in that order. A model whose modules cannot move (learned positions, rotary pc-rag does not
+    recognise) gets them as modules of a schema, imported in the schema's order."""
+    if engine.movable:
+        names = engine.add_documents(passages, progress=False)
+        return lambda question, order: build_prompt(question, [names[i] for i in order])
+    modules = "".join(f'<module name="p{i}">{escape(text)} </module>' for i, text in enumerate(passages))
+    engine.add_schema(f'<schema name="conformance">{modules}</schema>', progress=False)
+    return lambda question, order: PML('<prompt schema="conformance">' + "".join(f"<p{i}/>" for i in sorted(order))
+                                       + f"<user>{escape(question)}</user></prompt>")
+
+
+def _prompts(make: PromptMaker) -> list[Any]:
     """Three prompts over the same documents, the second moved to the front (a moved module)."""
-    return [build_prompt(q, [names[1], names[0]]) for q in ("Who is named?", "What happened?", "When was it?")]
+    return [make(q, [1, 0]) for q in ("Who is named?", "What happened?", "When was it?")]
 
 
 def _helper(engine: Any, **settings: Any) -> Any:

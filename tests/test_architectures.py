@@ -20,7 +20,7 @@ from pc_rag import PromptCache, PromptCacheError, build_prompt
 from .conftest import staggered
 
 # (config, what the engine logs when it serves the model without split attention, or None)
-FAMILIES = ("stablelm", "nemotron", "falcon", "exaone4", "diffllama")
+FAMILIES = ("stablelm", "nemotron", "falcon", "exaone4", "diffllama", "doge", "jetmoe", "phimoe", "gptj", "codegen")
 
 
 def family_config(name: str, vocab: int):
@@ -38,6 +38,15 @@ def family_config(name: str, vocab: int):
                                              "layer_types": ["sliding_attention", "full_attention"] * 2})
     if name == "diffllama":  # two attention calls per layer, on transformed values
         return transformers.DiffLlamaConfig(**common)
+    if name == "doge":  # a mask per head, computed from the values
+        return transformers.DogeConfig(**common)
+    if name == "jetmoe":  # its keys repeated to every query head before attention
+        return transformers.JetMoeConfig(**{**common, "kv_channels": 16, "num_local_experts": 4, "num_experts_per_tok": 2})
+    if name == "phimoe":  # windowed masks, while its attention is told no window
+        return transformers.PhimoeConfig(**{**common, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2})
+    if name in ("gptj", "codegen"):  # RoPE on interleaved pairs of the first 8 dims, from a table of sin and cos
+        return (transformers.GPTJConfig if name == "gptj" else transformers.CodeGenConfig)(
+            vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=1024, bos_token_id=None, eos_token_id=None)
     raise ValueError(name)
 
 
@@ -61,11 +70,15 @@ def test_every_path_equals_lone_requests(tokenizer, name, caplog):
     """Before: StableLM's and Nemotron's batch rows differed from lone requests by up to 3.8 and
     6.9 in logits, and a running request's tokens changed when another joined; Falcon failed at
     its first decode step; EXAONE 4's global layers attended through a window in shared batches;
-    DiffLlama's batch rows were wrong and its fused step raised."""
+    DiffLlama's batch rows were wrong and its fused step raised; Doge's batch raised (a mask per
+    head) and so did JetMoE's (keys repeated to the query heads); PhiMoE's shared parts were read
+    without the window its masks have; GPT-J's and CodeGen's documents could not move."""
     with caplog.at_level(logging.WARNING, logger="pc_rag.model.spec"):
         engine = PromptCache(tiny(name, len(tokenizer)), tokenizer, recompute=0, attention_temperature=1.0, attention_scale=1.0)
-    if name in ("stablelm", "nemotron", "diffllama"):  # proved by the sentinel pass: one log line says why
+    if name in ("stablelm", "nemotron", "diffllama", "doge", "jetmoe"):  # proved by the sentinel pass: one log line says why
         assert not engine.split and "served without shared-module attention" in caplog.text
+    if name in ("gptj", "codegen"):  # before: pinned as rope_unrecognised (their rotary module holds no frequencies)
+        assert engine.position_kind == "rope" and engine.movable and engine.split
     names = engine.add_documents(["The ferry leaves at nine from the north pier.", "Tickets cost five euros at the kiosk.",
                                   "The museum opens at ten."], progress=False)
     prompts = [build_prompt(question, [names[1], names[0]]) for question in ("When?", "How much does it cost?", "Where?")]
@@ -112,4 +125,16 @@ def test_layers_that_cache_no_kv_of_their_own_are_refused_when_the_engine_is_bui
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with pytest.raises(PromptCacheError, match="layers 2, 3 cache no KV of their own"):
+        PromptCache(model, tokenizer)
+
+
+def test_a_decoder_that_places_positions_by_its_cache_length_is_refused(tokenizer):
+    """BART's decoder (``BartForCausalLM``) ignores the position ids it is given: the probe saw keys
+    that do not move and served it as position-free, while a moved module kept the positions it was
+    encoded at (the checks passed, since pc-rag's full prefill went through the same buffers)."""
+    config = transformers.BartConfig(vocab_size=len(tokenizer), d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.raises(PromptCacheError, match="does not place tokens at the position ids it is given"):
         PromptCache(model, tokenizer)

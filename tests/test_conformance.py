@@ -33,3 +33,14 @@ def test_pc_rag_check_prints_the_embedded_models_verdict(capsys):
     assert main(["check", "--no-fidelity"]) == 0
     out = capsys.readouterr().out
     assert "ok   module in place, decode steps" in out and "verdict: exact on every path it serves" in out
+
+
+def test_a_model_whose_modules_cannot_move_is_checked_at_schema_positions(make_tiny, tokenizer):
+    """Before: ``check()`` on GPT-2 (learned positions) raised the PromptCacheError that refuses
+    movable documents, instead of checking the paths the model is served by."""
+    report = PromptCache(make_tiny("gpt2"), tokenizer).check()
+    paths = {p.path: p for p in report.paths}
+    assert report.exact and not report.fidelity  # nothing is moved: no approximation to measure
+    assert paths["full prefill = the model's own forward"].max_diff <= 1e-3
+    assert paths["batch rows sharing a cached module"].max_diff <= 1e-3
+    assert "refused when built" in paths["every token recomputed"].note

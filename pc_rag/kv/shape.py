@@ -21,14 +21,16 @@ def kv_shape(model: Any) -> tuple[int, int, int]:
     keys and values of one size; any other model raises :class:`PromptCacheError` saying why."""
     config = model.config.get_text_config(decoder=True)
     name = getattr(config, "model_type", None) or type(model).__name__
-    heads = getattr(config, "num_attention_heads", None)
+    # the decoder of an encoder-decoder family (BartForCausalLM) names its own sizes
+    heads = getattr(config, "decoder_attention_heads", None) or getattr(config, "num_attention_heads", None)
     if not heads:  # a state-space model (Mamba, RWKV): no attention KV to cache
         raise PromptCacheError(f"{name} has no attention heads (num_attention_heads): Prompt Cache reuses "
                                "attention KV; this model is not supported")
     _refuse_recurrent_layers(config, name)
     head_dim = _global(config, "head_dim", name) or config.hidden_size // heads
     _refuse_latent_attention(config, name, head_dim)
-    return config.num_hidden_layers, _kv_heads(config, heads), head_dim
+    layers = getattr(config, "decoder_layers", None) or config.num_hidden_layers
+    return layers, _kv_heads(config, heads), head_dim
 
 
 def _kv_heads(config: Any, heads: int) -> int:
@@ -58,16 +60,14 @@ def check_cached_shape(model: Any, decoder: Any, expected: tuple[int, int, int],
     head_dim); a model whose config says otherwise than its layers do (Falcon's multi-query
     layout read as 4 heads was broadcast in prefill and failed at decode) is refused saying how.
     ``cache_keyword``: what the model's forward calls its cache."""
-    import torch
-    from transformers import DynamicCache
-
     layers, kv_heads, head_dim = expected
     name = getattr(model.config, "model_type", None) or type(model).__name__
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    with torch.inference_mode():
-        decoder(input_ids=torch.zeros(1, 3, dtype=torch.long, device=model.device), use_cache=True, **{cache_keyword: cache})
+    cache = _sentinel(model, decoder, name, cache_keyword, [0, 0, 0])
     cached = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers]
     silent = [i for i, (keys, _) in enumerate(cached) if keys is None or not keys.numel()]
+    if not cached or len(silent) == len(cached):  # OpenAI GPT, XLNet: no past_key_values at all
+        raise PromptCacheError(f"{name} keeps no attention KV in transformers' cache (its forward takes no past_key_values): "
+                               "Prompt Cache reuses attention KV; this model is not supported")
     if silent:  # Gemma 3n: its last layers attend to an earlier layer's KV, recomputed in every pass
         raise PromptCacheError(f"{name}'s layers {', '.join(map(str, silent))} cache no KV of their own (they read another "
                                "layer's): pc-rag's buffers, position probe and shared-module attention expect every layer's; "
@@ -78,6 +78,42 @@ def check_cached_shape(model: Any, decoder: Any, expected: tuple[int, int, int],
         found = ", ".join(f"{h} heads of {d}" for h, d in sorted(shapes)) or "none"
         raise PromptCacheError(f"{name} caches KV of {len(cached)} layers ({found}) where its config says {layers} layers of "
                                f"{kv_heads} heads of {head_dim}: pc-rag would allocate the wrong buffers; this model is not supported")
+    _check_positions_honoured(model, decoder, name, cache_keyword, cache)
+
+
+def _sentinel(model: Any, decoder: Any, name: str, cache_keyword: str, ids: list[int], cache: Any = None,
+              positions: list[int] | None = None) -> Any:
+    """``ids`` through the model's own forward and transformers' own cache (a new one unless given): the cache."""
+    import torch
+    from transformers import DynamicCache
+
+    if cache is None:
+        config = model.config.get_text_config(decoder=True)
+        # a decoder of an encoder-decoder family: its config's num_hidden_layers counts the encoder's
+        cache = DynamicCache() if getattr(config, "decoder_layers", None) else DynamicCache(config=config)
+    extra = {} if positions is None else {"position_ids": torch.tensor([positions], device=model.device)}
+    try:
+        with torch.inference_mode():
+            decoder(input_ids=torch.tensor([ids], device=model.device), use_cache=True, **{cache_keyword: cache}, **extra)
+    except Exception as err:  # noqa: BLE001 - the model's own forward, through transformers' own cache
+        raise PromptCacheError(f"{name} failed a {len(ids)}-token forward pass through transformers' own cache ({type(err).__name__}: "
+                               f"{str(err)[:200]}): its config does not describe the layers it has; this model is not supported") from err
+    return cache
+
+
+def _check_positions_honoured(model: Any, decoder: Any, name: str, cache_keyword: str, cache: Any) -> None:
+    """pc-rag places every token by the position ids it passes (a module moved, a gap left). Two tokens
+    given positions 0 and 1 behind the 3 cached ones must get the first layer's keys they get alone
+    at 0 and 1 (those keys see only their own token and position): BART's decoder places positions
+    by the length of its cache instead, and a module read anywhere would carry the place it was
+    encoded at while the probe saw keys that do not move."""
+    ids = [5, 9]
+    behind = _sentinel(model, decoder, name, cache_keyword, ids, cache, positions=[0, 1]).layers[0].keys[..., -2:, :].float()
+    alone = _sentinel(model, decoder, name, cache_keyword, ids, positions=[0, 1]).layers[0].keys[..., -2:, :].float()
+    tolerance = 1e-4 if model.dtype.itemsize >= 4 else 3e-2
+    if (behind - alone).abs().max().item() > tolerance * (alone.abs().max().item() + 1e-6):
+        raise PromptCacheError(f"{name} does not place tokens at the position ids it is given (its first layer's keys follow the "
+                               "length of its cache): pc-rag places modules and gaps by position ids; this model is not supported")
 
 
 def _refuse_recurrent_layers(config: Any, name: str) -> None:

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "pc_rag_sdpa"
 SENTINEL_KWARG = "pc_rag_sentinel"
+# the config's sliding window, on a layer whose attention is told neither by keyword nor by attribute
+CONFIG_WINDOW = "pc_rag_config_window"
 # attention keywords of model families whose attention is more than softmax(q k^T) v
 _SPECIAL = ("position_bias", "cache", "softcap")
 _registered = False
@@ -45,7 +47,7 @@ def _pc_rag_sdpa(
 
     sentinel = kwargs.pop(SENTINEL_KWARG, None)
     if sentinel is not None:  # receives_keywords: this layer's call was reached with pc-rag's keywords
-        sentinel.append(module)
+        sentinel.append((module, attention_mask, query.shape[1], key.shape[1], "sliding_window" in kwargs))
     packed = kwargs.pop(packed_mod.KWARG, None)
     if packed is not None:  # several batches' tokens in one pass: each attends to its own cache
         return packed.attend(module, query, key, value, scaling, _pc_rag_sdpa, **kwargs), None
@@ -60,7 +62,8 @@ def _pc_rag_sdpa(
         if special:
             raise PromptCacheError("shared-module attention does not support position biases or soft-capping")
         # a layer that passes sliding_window=None is global (EXAONE 4): never the module's or the config's window
-        window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+        window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None) \
+            if hasattr(module, "sliding_window") else getattr(module, CONFIG_WINDOW, None)
         return shared_attention.split_attention(module, query, key, value, attention_mask, scaling, shared, window=window,
                                                 extents=extents), None
     groups = getattr(module, "num_key_value_groups", 1)
@@ -118,13 +121,17 @@ def install(model: Any) -> bool:
     return getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME
 
 
-def receives_keywords(model: Any, decoder: Any, layers: int) -> str | None:
+def receives_keywords(model: Any, decoder: Any, shape: tuple[int, int, int], windows: list[int | None]) -> str | None:
     """Why ``pc_rag_sdpa`` cannot rely on the keywords pc-rag passes a forward pass (shared KV,
     packed steps, probes), or None when it can: proved with one sentinel pass, in which every
     layer's attention must be called once with them. Some decoder layers do not pass their
     keyword arguments on to their attention (StableLM, Nemotron), so what split attention hands
     them never arrives and a batch reads what it did not mean to; some call attention twice per
-    layer on values they transform (DiffLlama), so KV read in place is not what they attend to."""
+    layer on values they transform (DiffLlama), so KV read in place is not what they attend to;
+    some mask each head otherwise, from the values (Doge), where split attention reads one mask;
+    some hand attention other head counts than their config's (JetMoE, Laguna), which split
+    attention groups queries by."""
+    layers, heads, kv_heads = shape
     seen: list[Any] = []
     ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
     try:
@@ -133,8 +140,17 @@ def receives_keywords(model: Any, decoder: Any, layers: int) -> str | None:
     except TypeError as err:  # a forward that takes no keywords at all
         return f"its forward takes no attention keywords ({err})"
     calls: dict[int, int] = {}
-    for module in seen:
+    for module, *_ in seen:
         calls[id(module)] = calls.get(id(module), 0) + 1
+    if any(mask is not None and mask.dim() == 4 and mask.shape[1] > 1 for _, mask, *_ in seen):
+        return "its attention masks differ from head to head (Doge's masks are computed from the values)"
+    found = sorted({(q, k) for *_, q, k, _ in seen} - {(heads, kv_heads)})
+    if found:  # JetMoE repeats its keys before attention; Laguna's layers have more query heads than its config
+        return (f"its attention is called with {', '.join(f'{q} query and {k} key heads' for q, k in found)} where its config "
+                f"says {heads} and {kv_heads}")
+    for layer, (module, *_, told) in enumerate(seen[:layers]):
+        if not told and not hasattr(module, "sliding_window"):  # PhiMoE: its mask has the config's window; its attention is not told
+            setattr(module, CONFIG_WINDOW, windows[layer])
     if len(calls) < layers:
         return f"{layers - len(calls)} of its {layers} layers do not pass keyword arguments on to their attention"
     if any(count > 1 for count in calls.values()) or len(calls) > layers:

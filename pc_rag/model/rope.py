@@ -135,6 +135,12 @@ def frequency_candidates(rotary: Any) -> list[torch.Tensor]:
             value = getattr(rotary, name, None)
             if isinstance(value, torch.Tensor):
                 return [value]
+    table = getattr(rotary, "embed_positions", None)
+    if not found and isinstance(table, torch.Tensor) and table.dim() == 2 and table.shape[0] > 1 and table.shape[1] % 2 == 0:
+        # GPT-J, CodeGen: a table of sin and cos per position ([positions, rotary_dim], the sines
+        # first); position 1's angles are the frequencies themselves (each in (0, 1] radians)
+        sin, cos = table[1].float().chunk(2)
+        return [torch.atan2(sin, cos)]
     return found
 
 
@@ -199,7 +205,9 @@ def probe_positions(model: Any, forward_keys: Any) -> tuple[PositionKind, RopeRo
         if rotator is not None and rotates_to(delta, rotator):
             # past the largest window: dynamic NTK rescales with the length there, LongRoPE has
             # switched to its long factors (twice the window, where the change is large)
-            if high and not rotates_to(2 * high + 1, rotator):
+            # (a sin/cos table, GPT-J's, ends at the window: nothing past it to measure)
+            tabled = isinstance(getattr(rotary, "embed_positions", None), torch.Tensor)
+            if high and not tabled and not rotates_to(2 * high + 1, rotator):
                 logger.warning("RoPE frequencies change with the input length (dynamic/LongRoPE scaling): modules stay at schema positions")
                 return "rope_length_dependent", None
             return "rope", rotator

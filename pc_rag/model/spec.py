@@ -177,13 +177,13 @@ def _stop_token_ids(model: Any, tokenizer: Any, markers: ChatMarkers) -> set[int
     return ids
 
 
-def _receives_keywords(model: Any, decoder: Any, layers: int) -> bool:
+def _receives_keywords(model: Any, decoder: Any, shape: tuple[int, int, int], windows: list[int | None]) -> bool:
     """Whether split attention may run (:func:`pc_rag.model.attention.receives_keywords`); when it
     may not, the model is served by the paths that need no keyword (a batch copies what its rows
     import), and one log line says why."""
     from . import attention
 
-    why = attention.receives_keywords(model, decoder, layers)
+    why = attention.receives_keywords(model, decoder, shape, windows)
     if why is not None:
         logger.warning("%s: %s; its requests are served without shared-module attention, fused prefill or scored recovery",
                        type(model).__name__, why)
@@ -248,8 +248,10 @@ def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> Mod
                                "its architecture is not supported") from err
     implementation = getattr(model.config, "_attn_implementation", None)
     one_pass = position_kind == "rope" and attention.accepts_custom_mask(model)
-    split = one_pass and implementation == attention.ATTENTION_NAME and _receives_keywords(model, forward.decoder, layers)
     window, window_layers = _sliding_window(config, layers)
+    windows = [window if window and (not window_layers or window_layers[i]) else None for i in range(layers)]
+    split = one_pass and implementation == attention.ATTENTION_NAME and _receives_keywords(
+        model, forward.decoder, (layers, config.num_attention_heads, kv_heads), windows)
     bos = _bos_ids(tokenizer)
     exact_window = rope_windows(config)[0] if position_kind == "rope_length_dependent" else None
     window_limit, window_reason = _context_window(config)

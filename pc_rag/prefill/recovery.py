@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import PromptCacheError
+from ..model.attention import ATTENTION_NAME
 from ..prompt.plan import Plan, PlanSource, Segment
 
 if TYPE_CHECKING:
@@ -128,10 +129,11 @@ def check_recovery(strategy: Any, budget: Any, spec: Any) -> None:
     if strategy not in STRATEGIES:
         raise PromptCacheError(f"unknown recovery {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if strategy in SCORED and budget != 0 and not spec.split:
-        raise PromptCacheError(
-            f"recovery={strategy!r} needs a RoPE model on sdpa attention (it reads attention through pc-rag's "
-            f"attention function); this one has {spec.position_kind} positions and {spec.attn_implementation!r} attention"
-        )
+        has = (f"this one has {spec.position_kind} positions and {spec.attn_implementation!r} attention" if not spec.one_pass
+               or spec.attn_implementation != ATTENTION_NAME else
+               "this one's layers do not hand it pc-rag's keywords as they are (the reason was logged when the engine was built)")
+        raise PromptCacheError(f"recovery={strategy!r} needs a RoPE model on sdpa attention (it reads attention through pc-rag's "
+                               f"attention function); {has}")
     if budget is None:
         return
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
