@@ -45,8 +45,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=32,
              intermediate_size_mlp=128, sliding_window=8, attention_chunk_size=512, first_k_dense_replace=1,
              global_head_dim=32, hidden_size_per_layer_input=16, num_kv_shared_layers=0,
-             bos_token_id=None, eos_token_id=None, use_cache=True, tie_word_embeddings=False)
-MAX_PARAMETERS = 30_000_000
+             bos_token_id=None, eos_token_id=None, use_cache=True, tie_word_embeddings=False, is_decoder=True)
+MAX_PARAMETERS = 150_000_000
 
 
 def tiny_config(model_type: str, vocab: int) -> Any:
@@ -77,6 +77,8 @@ def _shrunk(config_class: Any, vocab: int) -> Any:
     for key, old in defaults.items():
         if isinstance(old, list) and old_layers and len(old) == old_layers and layers:  # one entry per layer
             kwargs[key] = [kwargs[key]] * layers if key in kwargs else _spread(old, layers)
+    if defaults.get("multi_query"):  # GPT-BigCode: one KV head, which its config states twice
+        kwargs.pop("num_key_value_heads", None)
     if isinstance(defaults.get("pad_token_id"), int) and defaults["pad_token_id"] >= vocab:
         kwargs["pad_token_id"] = 0
     if "rotary_dim" in defaults:

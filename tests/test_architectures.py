@@ -138,3 +138,16 @@ def test_a_decoder_that_places_positions_by_its_cache_length_is_refused(tokenize
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with pytest.raises(PromptCacheError, match="does not place tokens at the position ids it is given"):
         PromptCache(model, tokenizer)
+
+
+@pytest.mark.parametrize("is_decoder", [False, True])
+def test_an_encoder_loaded_as_a_causal_lm_is_refused(tokenizer, is_decoder):
+    """RoBERTa as ``RobertaForCausalLM``: without ``is_decoder`` it attends both ways (a cached
+    prefix is not what it computes); with it, its embeddings number positions from its padding id
+    + 1 where pc-rag numbers them from 0 (its full prefill differed from its own forward by 0.24)."""
+    config = transformers.RobertaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=1024, is_decoder=is_decoder)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.raises(PromptCacheError, match="does not number positions from 0" if is_decoder else "is not causal"):
+        PromptCache(model, tokenizer)

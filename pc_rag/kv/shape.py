@@ -79,6 +79,30 @@ def check_cached_shape(model: Any, decoder: Any, expected: tuple[int, int, int],
         raise PromptCacheError(f"{name} caches KV of {len(cached)} layers ({found}) where its config says {layers} layers of "
                                f"{kv_heads} heads of {head_dim}: pc-rag would allocate the wrong buffers; this model is not supported")
     _check_positions_honoured(model, decoder, name, cache_keyword, cache)
+    _check_causal(model, decoder, name)
+
+
+def _check_causal(model: Any, decoder: Any, name: str) -> None:
+    """A token's state must not depend on the tokens after it: an encoder loaded as a causal LM
+    without ``is_decoder=True`` (BERT, RoBERTa) attends both ways, and no cached prefix equals it."""
+    import torch
+
+    def states(ids: list[int], **extra: Any) -> Any:
+        with torch.inference_mode():
+            return decoder(input_ids=torch.tensor([ids], device=model.device), use_cache=False, **extra)[0][0].float()
+
+    tolerance = 1e-4 if model.dtype.itemsize >= 4 else 3e-2
+    first, second = states([5, 9, 11])[:2], states([5, 9, 42])[:2]
+    if (first - second).abs().max().item() > tolerance * (first.abs().max().item() + 1e-6):
+        raise PromptCacheError(f"{name} is not causal: its first tokens' states change with the tokens after them (an encoder "
+                               "loaded as a causal LM; set is_decoder=True in its config if it has one); Prompt Cache reuses "
+                               "the states of a prefix, which must not depend on what follows")
+    # pc-rag numbers positions from 0; RoBERTa's embeddings number them from its padding id + 1
+    default, counted = states([5, 9, 11]), states([5, 9, 11], position_ids=torch.arange(3, device=model.device)[None])
+    if (default - counted).abs().max().item() > tolerance * (default.abs().max().item() + 1e-6):
+        raise PromptCacheError(f"{name} does not number positions from 0 by itself (RoBERTa's embeddings count from its padding "
+                               "id + 1): pc-rag numbers them from 0 and would run it at positions it was not trained at; "
+                               "this model is not supported")
 
 
 def _sentinel(model: Any, decoder: Any, name: str, cache_keyword: str, ids: list[int], cache: Any = None,
