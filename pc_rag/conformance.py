@@ -14,15 +14,18 @@ Two parts, both on the real weights:
    agreement >= 7/8 and KL <= 0.05.
 
 Every check runs on a helper engine over the same model object (the caller's engine is not
-touched: no document is added to it), closed afterwards.
+touched: no document is added to it), closed afterwards; the helpers share one temporary
+``kv_dir``, so each probe passage is encoded once and loaded by the others.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from importlib import resources
 from typing import Any
 
@@ -94,7 +97,7 @@ class CheckReport:
         lines = [f"pc-rag check: {self.model}", f"exactness (max |logit diff|, tolerance {tolerance:g}):"]
         for p in self.paths:
             measured = f"{p.max_diff:.2e}" if p.max_diff is not None else "-"
-            lines.append(f"  {'ok  ' if p.passed else 'FAIL'} {p.path:<34} {measured:>9}  {p.note}".rstrip())
+            lines.append(f"  {'ok  ' if p.passed else 'FAIL'} {p.path:<40} {measured:>9}  {p.note}".rstrip())
         lines.append("moved-module fidelity (8 RAG questions, against full prefill):")
         for f in self.fidelity:
             lines.append(f"  {f.setting:<44} first token = full {f.agreement:6.1%}   KL {f.kl:.4f}")
@@ -108,26 +111,34 @@ def check(engine: Any, *, fidelity: bool = True) -> CheckReport:
     """Run the exactness checks (and, with ``fidelity``, the probe set) on ``engine``'s model."""
     report = CheckReport(getattr(engine.model.config, "_name_or_path", "") or type(engine.model).__name__)
     probe = _probe_set()
-    helper = _helper(engine, **EXACT)
-    try:
-        prompts = _store(helper, probe[0]["passages"])
-        paths = [_safely(OWN_FORWARD, _own_forward, helper, prompts),
-                 _safely("module in place, decode steps", _in_place, helper, prompts),
-                 _safely("every token recomputed", _recomputed, engine, probe[0]),
-                 _safely(_batch_path(engine), _batch, helper, prompts),
-                 _safely("a request joining running ones", _joined, helper, prompts)]
-    finally:
-        _close(helper)
-    paths += [_safely(f'recovery="{strategy}"', _strategy, engine, strategy, probe[0]["passages"])
-              for strategy in ("head_tail", "query", "deviation")]
-    tolerance = BF16_TOLERANCE if any(isinstance(m, Int4Linear) for m in engine.model.modules()) else TOLERANCE
-    report.paths = [replace(path, tolerance=tolerance) for path in paths]
-    if fidelity and engine.movable:  # modules that cannot move are read where they were encoded: nothing to approximate
-        report.fidelity = _fidelity(engine, probe)
+    # the helper engines share one temporary kv_dir: each passage is encoded once, then loaded
+    with tempfile.TemporaryDirectory(prefix="pc-rag-check-") as kv_dir:
+        helpers = partial(_helper, engine, kv_dir)
+        paths = _exactness(engine, helpers, probe[0])
+        tolerance = BF16_TOLERANCE if any(isinstance(m, Int4Linear) for m in engine.model.modules()) else TOLERANCE
+        report.paths = [replace(path, tolerance=tolerance) for path in paths]
+        if fidelity and engine.movable:  # modules that cannot move are read where they were encoded: nothing to approximate
+            report.fidelity = _fidelity(helpers, probe)
     return report
 
 
 # -- exactness ------------------------------------------------------------------------------------
+def _exactness(engine: Any, helpers: Helpers, item: dict[str, Any]) -> list[PathResult]:
+    helper = helpers(**EXACT)
+    try:
+        prompts = _store(helper, item["passages"])
+        lone: list[Any] = []  # the three prompts alone, generated once for the batch and the newcomers
+        paths = [_safely(OWN_FORWARD, _own_forward, helper, prompts),
+                 _safely("module in place, decode steps", _in_place, helper, prompts),
+                 _safely("every token recomputed", _recomputed, helpers, item),
+                 _safely(_batch_path(engine), _batch, helper, prompts, lone),
+                 _safely("a request joining running ones", _joined, helper, prompts, lone)]
+    finally:
+        _close(helper)
+    return paths + [_safely(f'recovery="{strategy}"', _strategy, helpers, strategy, item["passages"])
+                    for strategy in ("head_tail", "query", "deviation")]
+
+
 def _safely(path: str, run: Callable[..., PathResult], *args: Any) -> PathResult:
     """``run(*args)``, or a failed path saying what it raised (a path that raises is not exact)."""
     try:
@@ -162,10 +173,10 @@ def _own_forward(engine: Any, make: PromptMaker) -> PathResult:
     return PathResult(OWN_FORWARD, (ours.float() - own.float()).abs().max().item())
 
 
-def _recomputed(engine: Any, item: dict[str, Any]) -> PathResult:
+def _recomputed(helpers: Helpers, item: dict[str, Any]) -> PathResult:
     """Every cached token computed again: equals full prefill exactly."""
     try:
-        helper = _helper(engine, **{**EXACT, "recompute": 10**6, "recompute_tail": 10**6})
+        helper = helpers(**{**EXACT, "recompute": 10**6, "recompute_tail": 10**6})
     except PromptCacheError as err:
         return PathResult("every token recomputed", None, f"refused when built ({err})")
     try:
@@ -180,17 +191,24 @@ def _batch_path(engine: Any) -> str:
     return f"batch rows sharing a {'moved' if engine.movable else 'cached'} module"
 
 
-def _batch(engine: Any, make: PromptMaker) -> PathResult:
+def _lone(engine: Any, prompts: list[Any], lone: list[Any]) -> list[Any]:
+    """``lone``, filled with each prompt generated alone if it is empty."""
+    if not lone:
+        lone.extend(engine.generate(p, max_new_tokens=4, output_logits=True, do_sample=False) for p in prompts)
+    return lone
+
+
+def _batch(engine: Any, make: PromptMaker, lone: list[Any] | None = None) -> PathResult:
     prompts = _prompts(make)
-    lone = [engine.generate(p, max_new_tokens=4, output_logits=True, do_sample=False) for p in prompts]
+    lone = _lone(engine, prompts, [] if lone is None else lone)
     batch = engine.generate_batch(prompts, max_new_tokens=4, output_logits=True, do_sample=False)
     return PathResult(_batch_path(engine), _diff([r.logits for r in batch], [r.logits for r in lone]))
 
 
-def _joined(engine: Any, make: PromptMaker) -> PathResult:
+def _joined(engine: Any, make: PromptMaker, lone: list[Any]) -> PathResult:
     """Each request opened once the one before it has its first token: a newcomer fused into the running step."""
     prompts = _prompts(make)
-    lone = [engine.generate(p, max_new_tokens=4, output_logits=True, do_sample=False) for p in prompts]
+    lone = _lone(engine, prompts, lone)
     streams = []
     for prompt in prompts:
         streams.append(engine.stream(prompt, max_new_tokens=4, output_logits=True, do_sample=False))
@@ -201,11 +219,11 @@ def _joined(engine: Any, make: PromptMaker) -> PathResult:
     return PathResult("a request joining running ones", _diff([s.result.logits for s in streams], [r.logits for r in lone]))
 
 
-def _strategy(engine: Any, strategy: str, passages: list[str]) -> PathResult:
+def _strategy(helpers: Helpers, strategy: str, passages: list[str]) -> PathResult:
     """Recovery by ``strategy``: its batch rows equal its lone requests, or the engine refuses it when built."""
     path = f'recovery="{strategy}"'
     try:
-        helper = _helper(engine, recovery=strategy, **({"recovery_budget": 0.2} if strategy != "head_tail" else {}))
+        helper = helpers(recovery=strategy, **({"recovery_budget": 0.2} if strategy != "head_tail" else {}))
     except PromptCacheError as err:
         return PathResult(path, None, f"refused when built ({err})")
     try:
@@ -215,10 +233,10 @@ def _strategy(engine: Any, strategy: str, passages: list[str]) -> PathResult:
 
 
 # -- fidelity -------------------------------------------------------------------------------------
-def _fidelity(engine: Any, probe: list[dict[str, Any]]) -> list[FidelityResult]:
+def _fidelity(helpers: Helpers, probe: list[dict[str, Any]]) -> list[FidelityResult]:
     """The probe set at the defaults, with more tokens recomputed, and with scored recovery (where
     the model runs it); full prefill's logits are computed once for all three."""
-    helper = _helper(engine)
+    helper = helpers()
     try:
         prompts = [build_prompt(item["question"], helper.add_documents(item["passages"], progress=False)) for item in probe]
         full = [helper.next_token_logits(prompt, use_cache=False) for prompt in prompts]
@@ -229,7 +247,7 @@ def _fidelity(engine: Any, probe: list[dict[str, Any]]) -> list[FidelityResult]:
         _close(helper)
     label = 'recovery="query", recovery_budget=0.3'
     try:
-        helper = _helper(engine, recovery="query", recovery_budget=0.3)
+        helper = helpers(recovery="query", recovery_budget=0.3)
     except PromptCacheError as err:
         logger.info("fidelity under %s not measured: %s", label, err)
         return results
@@ -256,6 +274,7 @@ def _probe_set() -> list[dict[str, Any]]:
 
 
 PromptMaker = Callable[[str, list[int]], Any]
+Helpers = Callable[..., Any]  # settings -> another engine over the same model (see _helper)
 
 
 def _store(engine: Any, passages: list[str]) -> PromptMaker:
@@ -276,9 +295,9 @@ def _prompts(make: PromptMaker) -> list[Any]:
     return [make(q, [1, 0]) for q in ("Who is named?", "What happened?", "When was it?")]
 
 
-def _helper(engine: Any, **settings: Any) -> Any:
-    """Another engine over the same model and tokenizer, with ``settings`` (in memory only)."""
-    return type(engine)(engine.model, engine.tokenizer, **settings)
+def _helper(engine: Any, kv_dir: str, **settings: Any) -> Any:
+    """Another engine over the same model and tokenizer, with ``settings``, storing modules in ``kv_dir``."""
+    return type(engine)(engine.model, engine.tokenizer, kv_dir=kv_dir, **settings)
 
 
 def _close(engine: Any) -> None:
