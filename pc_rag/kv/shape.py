@@ -88,8 +88,12 @@ def _check_causal(model: Any, decoder: Any, name: str) -> None:
     import torch
 
     def states(ids: list[int], **extra: Any) -> Any:
-        with torch.inference_mode():
-            return decoder(input_ids=torch.tensor([ids], device=model.device), use_cache=False, **extra)[0][0].float()
+        try:
+            with torch.inference_mode():
+                return decoder(input_ids=torch.tensor([ids], device=model.device), use_cache=False, **extra)[0][0].float()
+        except Exception as err:  # noqa: BLE001 - the model's own forward, without a cache
+            raise PromptCacheError(f"{name} failed a {len(ids)}-token forward pass without a cache ({type(err).__name__}: "
+                                   f"{str(err)[:200]}); this model is not supported") from err
 
     tolerance = 1e-4 if model.dtype.itemsize >= 4 else 3e-2
     first, second = states([5, 9, 11])[:2], states([5, 9, 42])[:2]
