@@ -96,13 +96,14 @@ def _check_causal(model: Any, decoder: Any, name: str) -> None:
                                    f"{str(err)[:200]}); this model is not supported") from err
 
     tolerance = 1e-4 if model.dtype.itemsize >= 4 else 3e-2
-    first, second = states([5, 9, 11])[:2], states([5, 9, 42])[:2]
+    default = states([5, 9, 11])
+    first, second = default[:2], states([5, 9, 42])[:2]
     if (first - second).abs().max().item() > tolerance * (first.abs().max().item() + 1e-6):
         raise PromptCacheError(f"{name} is not causal: its first tokens' states change with the tokens after them (an encoder "
                                "loaded as a causal LM; set is_decoder=True in its config if it has one); Prompt Cache reuses "
                                "the states of a prefix, which must not depend on what follows")
     # pc-rag numbers positions from 0; RoBERTa's embeddings number them from its padding id + 1
-    default, counted = states([5, 9, 11]), states([5, 9, 11], position_ids=torch.arange(3, device=model.device)[None])
+    counted = states([5, 9, 11], position_ids=torch.arange(3, device=model.device)[None])
     if (default - counted).abs().max().item() > tolerance * (default.abs().max().item() + 1e-6):
         raise PromptCacheError(f"{name} does not number positions from 0 by itself (RoBERTa's embeddings count from its padding "
                                "id + 1): pc-rag numbers them from 0 and would run it at positions it was not trained at; "
