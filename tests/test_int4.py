@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pc_rag import PromptCache, PromptCacheError
-from pc_rag.model.int4 import GROUP, Int4Linear
+from pc_rag.model import int4
+from pc_rag.model.int4 import FLOAT_ROWS, GROUP, Int4Linear
 
 
 def test_q4_1_blocks_are_read_back_as_their_own_values():
@@ -37,6 +38,30 @@ def test_an_int4_engine_is_exact_on_every_path(make_tiny, tokenizer):
     engine = PromptCache(model, tokenizer, weights="int4")
     assert engine.int4_layers == 2 * 7 + 1 and isinstance(model.lm_head, Int4Linear)  # 7 projections a layer, and the head
     report = engine.check(fidelity=False)  # cached against full prefill, batches, joins: all on the same 4-bit weights
+    assert report.exact, str(report)
+
+
+def test_wide_inputs_multiply_the_kept_float_weights_and_narrow_ones_the_4_bit_ones():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4 * GROUP, 48)
+    both, packed = Int4Linear(linear, keep_float=True), Int4Linear(linear)
+    values = both.float_weight  # the 4-bit values in float32: what the kernel multiplies by
+    assert torch.equal(values.bfloat16(), both.dequantized().bfloat16()) and not torch.equal(values, linear.weight)
+    wide, narrow = torch.randn(2, FLOAT_ROWS // 2, 4 * GROUP), torch.randn(FLOAT_ROWS - 1, 4 * GROUP)
+    assert torch.equal(both(wide), torch.nn.functional.linear(wide, values, linear.bias))
+    assert torch.equal(both(narrow), packed(narrow))
+    # the two widths multiply the same weights: they differ by the kernel's bf16 activations only
+    float_narrow = torch.nn.functional.linear(narrow, values, linear.bias)
+    assert (both(narrow) - float_narrow).abs().max() <= 2**-7 * float_narrow.abs().max()
+
+
+def test_an_int4_engine_that_prefills_in_float32_is_exact_on_every_path(make_tiny, tokenizer):
+    """Decode steps and short recomputed passes in 4 bits, prompts in float32: cached and full prefill
+    still agree on every path, as each runs the same layers at the same widths."""
+    model = make_tiny("llama")
+    assert int4.install(model, "int4", keep_float=True) == 2 * 7 + 1
+    assert model.lm_head.float_weight is not None
+    report = PromptCache(model, tokenizer).check(fidelity=False)
     assert report.exact, str(report)
 
 

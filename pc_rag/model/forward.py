@@ -21,6 +21,7 @@ from .probe import PROBE_KWARG, Probe, ProbeDone
 from .row_extents import KWARG as EXTENTS_KWARG
 from .row_extents import RowExtents
 from .shared_attention import KWARG, SharedKV
+from .threads import DecodeThreads
 from .turns import ModelTurns
 
 
@@ -93,6 +94,7 @@ class Forward:
                              if self.compile_mode is not None else None)
         self.compiled_steps = 0  # decode steps run compiled
         self.compiled_shapes: set[tuple[int, int]] = set()  # the (rows, capacity) they ran at: a CUDA graph each
+        self.decode_threads = DecodeThreads(model.device)  # a CPU's decode steps: one thread or all, measured
         # what transformers is handed as the mask of a packed pass (a 4D mask passes through as it
         # is; each pass applies its own): made once, not per step
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
@@ -166,6 +168,13 @@ class Forward:
         """One decoding step for every row of a batched ``buffer``: ``ids [rows, 1]`` at ``positions
         [rows, 1]`` (their smallest and largest in ``bounds``): logits ``[rows, vocab]``. ``extents``:
         the rows attend within them (eager steps; see :mod:`pc_rag.model.row_extents`)."""
+        with self.decode_threads.step(ids.shape[0]):
+            return self._decode_batch(buffer, ids, positions, bounds, mask, shared, extents)
+
+    def _decode_batch(
+        self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, bounds: tuple[int, int], mask: Any,
+        shared: SharedKV | None, extents: RowExtents | None,
+    ) -> torch.Tensor:
         if self._decode_step is not None and shared is None and buffer.fixed and buffer.spans_storage:
             self._count(1)
             self.compiled_steps += 1

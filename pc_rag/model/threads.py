@@ -1,0 +1,107 @@
+"""How many intra-op threads a decode step runs with on a CPU: measured on the steps themselves.
+
+A decode step of a small model is some two thousand small ATen ops, many of them parallelised by
+OpenMP: each wakes the calling thread's team. pc-rag runs every pass on its scheduler thread, and
+once more OpenMP threads exist in the process than CPUs (the caller's own team, the scheduler's,
+the background encoder's), libgomp stops spinning its waiting threads and each parallel region
+wakes them through the kernel: on the 2-core development CPU a 4-bit decode step took 86 ms with
+two threads and 58 ms with one (docs/performance.md, "Weights in 4 bits"). A wide pass (prefill,
+encoding) spends its time in few large products and keeps every thread; on a machine with many
+cores one thread would starve decode instead. So neither count is assumed: the first steps of each
+batch width alternate between one thread and the caller's count, and the faster median is kept.
+
+The count is set on the thread that runs the step (OpenMP's and MKL's settings are per thread)
+and put back after it, whatever the step raised. ``torch.set_num_threads`` also sets the count a
+thread started during the step begins with; the scheduler starts none.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRIALS = 5  # steps timed with each count before one is kept
+SKIPPED = 1  # first steps of a width not timed (first-call allocations, a compile)
+
+
+def width_class(rows: int) -> int:
+    """The class a step of ``rows`` rows is measured in: 1, 2-3, 4-7, 8-15, 16 and more."""
+    return min(rows, 16).bit_length()
+
+
+class DecodeThreads:
+    """The thread count decode steps run with, per class of batch width (:func:`width_class`),
+    chosen from one thread and the caller's count by timing steps (see the module docstring).
+
+    ``chosen[width_class]`` holds what was kept; ``fixed`` (a count) skips the measurement.
+    """
+
+    def __init__(self, device: torch.device | str, fixed: int | None = None) -> None:
+        self.enabled = torch.device(device).type == "cpu"
+        self.fixed = fixed
+        self.chosen: dict[int, int] = {}
+        self._seen: dict[int, int] = {}
+        self._times: dict[int, dict[int, list[float]]] = {}
+        self._lock = threading.Lock()
+
+    def candidates(self, current: int) -> tuple[int, ...]:
+        """The counts measured against each other when the calling thread runs ``current`` threads."""
+        return (1,) if current <= 1 else (1, current)
+
+    def next_count(self, rows: int, current: int) -> tuple[int, bool]:
+        """The count the next step of ``rows`` rows runs with, and whether its time is to be recorded."""
+        if self.fixed is not None:
+            return self.fixed, False
+        width = width_class(rows)
+        with self._lock:
+            if width in self.chosen:
+                return self.chosen[width], False
+            seen = self._seen[width] = self._seen.get(width, 0) + 1
+        options = self.candidates(current)
+        if len(options) == 1:
+            return options[0], False
+        return options[seen % len(options)], seen > SKIPPED
+
+    def record(self, rows: int, threads: int, seconds: float, current: int) -> None:
+        """A timed step of ``rows`` rows took ``seconds`` with ``threads`` threads; once every
+        candidate has :data:`TRIALS` times, the one with the lowest median is kept."""
+        width = width_class(rows)
+        with self._lock:
+            if width in self.chosen:
+                return
+            times = self._times.setdefault(width, {})
+            times.setdefault(threads, []).append(seconds)
+            options = self.candidates(current)
+            if any(len(times.get(n, ())) < TRIALS for n in options):
+                return
+            medians = {n: statistics.median(times[n]) for n in options}
+            self.chosen[width] = min(options, key=medians.__getitem__)
+        logger.info("decode steps of %d+ rows: %d thread(s) (median %s)", 1 << (width - 1), self.chosen[width],
+                    ", ".join(f"{n} thread(s) {1000 * s:.1f} ms" for n, s in medians.items()))
+
+    @contextmanager
+    def step(self, rows: int) -> Iterator[None]:
+        """Run one decode step of ``rows`` rows inside: with its thread count, timed while measuring."""
+        if not self.enabled:
+            yield
+            return
+        current = torch.get_num_threads()
+        threads, timed = self.next_count(rows, current)
+        if threads != current:
+            torch.set_num_threads(threads)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if threads != current:
+                torch.set_num_threads(current)
+        if timed:
+            self.record(rows, threads, time.perf_counter() - started, current)
