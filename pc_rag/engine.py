@@ -112,8 +112,8 @@ class PromptCache(Registration, Serving):
         small_batch_linear: linear layers compute inputs of 2-16 rows (decode steps of several requests) as
             ``W @ x^T``, streaming the weights once on a CPU (:mod:`pc_rag.model.small_batch`). None: for a float32
             CPU model with over 32 MB of linear weights. Set on the model's layers (for every user of that model object).
-        weights: ``"int4"``: the model's linear layers replaced by 4-bit ones on a CPU, a quarter of the bytes
-            a decode step reads (:mod:`pc_rag.model.int4`; the model object is changed); None/"float32": as loaded.
+        weights: ``"int4"``: a CPU model's linear layers in 4 bits (its LM head in 8), decode steps reading ~1/6 of
+            float32's weight bytes (:mod:`pc_rag.model.int4`; the model object is changed); None/"float32": as loaded.
         encode_share: the share of the model's time documents queued with ``background=True`` are
             encoded in while requests run (all of it when none do; :mod:`pc_rag.model.turns`).
     """

@@ -215,10 +215,10 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def install(model: Any, weights: str | None, *, keep_float: bool | None = None) -> int:
     """Replace ``model``'s linear layers by :class:`Int4Linear` for ``weights="int4"`` (its output
-    projection by :class:`Int8Linear`); returns how
-    many were replaced (0 for ``"float32"``/None). A CPU model only (the kernel is torch's CPU
-    one), and only layers whose inputs come in whole groups of 32. ``keep_float``: wide inputs
-    multiply the float weights (None: where :func:`float_is_faster` measures it so)."""
+    projection by :class:`Int8Linear`); returns how many were replaced (0 for ``"float32"``/None).
+    A CPU model only (the kernels are torch's CPU ones), and only layers whose inputs come in whole
+    groups of 32. ``keep_float``: wide inputs multiply the float weights (None: where
+    :func:`float_is_faster` measures it so)."""
     if weights not in (None, *WEIGHTS):
         raise PromptCacheError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}", param="weights")
     if weights != "int4":
@@ -230,11 +230,9 @@ def install(model: Any, weights: str | None, *, keep_float: bool | None = None) 
     if keep_float is None:
         keep_float = bool(targets) and float_is_faster(max((child for _, _, child in targets), key=lambda c: c.weight.numel()))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    layers = [Int4Linear(child, keep_float=keep_float) for _, _, child in targets if child is not head]
     for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child) if child is head else layers.pop(0))
-    layers = [module for module in model.modules() if isinstance(module, Int4Linear)]
-    joined = join_siblings(model, layers)
+        setattr(parent, name, Int8Linear(child) if child is head else Int4Linear(child, keep_float=keep_float))
+    joined = join_siblings(model, [module for module in model.modules() if isinstance(module, Int4Linear)])
     logger.info("%d linear layers in 4 bits (groups of %d), %d groups of them joined%s", len(targets), GROUP, joined,
                 f"; inputs of {FLOAT_ROWS}+ rows multiply their float weights (faster here)" if keep_float else "")
     return len(targets)

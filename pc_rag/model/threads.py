@@ -2,13 +2,14 @@
 
 A decode step of a small model is some two thousand small ATen ops, many of them parallelised by
 OpenMP: each wakes the calling thread's team. pc-rag runs every pass on its scheduler thread, and
-once more OpenMP threads exist in the process than CPUs (the caller's own team, the scheduler's,
-the background encoder's), libgomp stops spinning its waiting threads and each parallel region
-wakes them through the kernel: on the 2-core development CPU a 4-bit decode step took 86 ms with
-two threads and 58 ms with one (docs/performance.md, "Weights in 4 bits"). A wide pass (prefill,
-encoding) spends its time in few large products and keeps every thread; on a machine with many
-cores one thread would starve decode instead. So neither count is assumed: the first steps of each
-batch width alternate between one thread and the caller's count, and the faster median is kept.
+there, once another thread of the process has its own team (the caller's), the same ops ran far
+slower with two threads (as when libgomp, managing more threads than CPUs, stops spinning its idle
+threads and wakes them through the kernel for every region): on the 2-core development CPU a 4-bit
+decode step took 78 ms with two threads and 53 ms with one (docs/performance.md, "Weights in 4
+bits"). A wide pass (prefill, encoding) spends its time in few large products and keeps every
+thread; on a machine with many cores one thread would starve decode instead. So neither count is
+assumed: the first steps of each batch width alternate between one thread and the caller's
+count, and the faster median is kept.
 
 The count is set on the thread that runs the step (OpenMP's and MKL's settings are per thread)
 and put back after it, whatever the step raised. ``torch.set_num_threads`` also sets the count a
