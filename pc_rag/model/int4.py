@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -73,11 +73,11 @@ class Int8Linear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class FloatWeights(NamedTuple):
-    """What :func:`pc_rag.model.small_batch.linear` reads of a layer."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
+def int4_product(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x``'s rows (bf16 for the kernel) times 4-bit weights, ``[rows, out]`` in ``x``'s dtype, plus ``bias``."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_and_zeros).to(x.dtype)
+    return out if bias is None else out + bias
 
 
 class Int4Linear(torch.nn.Module):
@@ -100,18 +100,10 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float_weight is not None and x.numel() >= FLOAT_ROWS * self.in_features:
-            return small_batch.linear(self._float, x)
+            return small_batch.product(x, self.float_weight, self.bias)
         if self.siblings is not None:
             return self.siblings.output(self.sibling, x)
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    @property
-    def _float(self) -> FloatWeights:
-        return FloatWeights(self.float_weight, self.bias)
+        return int4_product(x, self.packed, self.scales_and_zeros, self.bias).reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for tests and fidelity reports)."""
@@ -129,7 +121,6 @@ class Siblings:
     def __init__(self, layers: Sequence[Int4Linear]) -> None:
         self.layers = list(layers)
         self.sizes = [layer.out_features for layer in self.layers]
-        self.in_features = self.layers[0].in_features
         self.packed = torch.cat([layer.packed for layer in self.layers])
         self.scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in self.layers], dim=1)
         biases = [layer.bias for layer in self.layers]
@@ -147,10 +138,7 @@ class Siblings:
         per sibling's call."""
         waiting = self._waiting
         if getattr(waiting, "input", None) is not x or index not in waiting.pending:
-            rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros).to(x.dtype)
-            if self.bias is not None:
-                out = out + self.bias
+            out = int4_product(x, self.packed, self.scales_and_zeros, self.bias)
             waiting.input, waiting.outputs, waiting.pending = x, out.split(self.sizes, dim=-1), set(range(len(self.layers)))
         waiting.pending.discard(index)
         out = waiting.outputs[index]

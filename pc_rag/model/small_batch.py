@@ -30,15 +30,20 @@ MIN_WEIGHT_BYTES = 32 << 20  # smaller models' weights stay in cache, where F.li
 
 def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``: ``W @ x^T`` for :data:`ROWS` rows on a CPU, ``F.linear`` otherwise."""
+    return product(x, module.weight, module.bias)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, as ``W @ x^T`` for :data:`ROWS` rows on a CPU."""
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
     # comparisons, not `in ROWS`: under torch.compile with a symbolic batch size they become guards
     if not ROWS.start <= rows < ROWS.stop or x.device.type != "cpu":
-        return F.linear(x, module.weight, module.bias)
+        return F.linear(x, weight, bias)
     # [rows, out] in row order again: model code may .view() what a projection returns (a few KB)
-    out = torch.mm(module.weight, x.reshape(rows, features).t()).t().contiguous()
-    if module.bias is not None:
-        out = out + module.bias
+    out = torch.mm(weight, x.reshape(rows, features).t()).t().contiguous()
+    if bias is not None:
+        out = out + bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
