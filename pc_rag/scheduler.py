@@ -33,23 +33,22 @@ that step and nothing else. The loop lives on.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import logging
-import queue
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
+from .callers import Ticket
 from .decode.loop import RunningBatch, VacantRow
-from .decode.request import Generation, RequestState
+from .decode.request import RequestState
 from .errors import PromptCacheError, QueueFull, ServingFailed
 from .kv.buffers import BufferPool, batch_capacity
 from .model.spec import ModelSpec
@@ -127,152 +126,6 @@ class Limits:
             raise PromptCacheError(f"buffer_budget must be a number of bytes >= 1 or None, got {self.buffer_budget!r}")
         if not isinstance(self.fuse_prefill, bool):
             raise PromptCacheError(f"fuse_prefill must be True or False, got {self.fuse_prefill!r}")
-
-
-class Ticket:
-    """One submission: its plans (a row each), their request states, and the events its caller reads.
-
-    Events are ``("text", str)`` (a single request's text as it is decoded), then ``("done",
-    result)`` or ``("error", exception)``.
-    """
-
-    def __init__(self, plans: Sequence[Plan], requests: Sequence[RequestState], *, use_cache: bool, share: bool,
-                 submitted: float, logits_only: bool = False) -> None:
-        self.plans, self.requests = list(plans), list(requests)
-        self.use_cache, self.share, self.logits_only = use_cache, share, logits_only
-        self.submitted = submitted
-        self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self.cancelled = False  # set by the caller's side
-        self.closed = False  # set by the loop once the last event is out
-        self.results: list[Generation | None] = [None] * len(self.plans)
-        self.unfinished = len(self.plans)
-        self.listeners: list[Callable[[], None]] = []  # called after every event (an asyncio waiter's wake-up)
-        self.alone = logits_only  # admitted by itself (a prefill that failed in company is tried again alone)
-
-    @property
-    def rows(self) -> int:
-        return len(self.plans)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens its prefill computes."""
-        return sum(p.computed_tokens if self.use_cache else len(p.input_ids) for p in self.plans)
-
-    @property
-    def entries(self) -> int:
-        """Cache entries its longest row may need: the prompt and the answer's budget."""
-        return max(len(p.input_ids) + r.budget for p, r in zip(self.plans, self.requests))
-
-    @property
-    def single(self) -> bool:
-        return len(self.plans) == 1
-
-    def emit(self, kind: str, payload: Any) -> None:
-        self.events.put((kind, payload))
-        for listener in self.listeners:
-            try:
-                listener()
-            except Exception as err:  # noqa: BLE001 - the caller's side, not the loop's, is broken
-                # its waiter is gone (an asyncio loop that closed with the stream unread): nobody
-                # reads this request any more, so its row stops at the next step, as if cancelled
-                logger.warning("a caller's wake-up failed (%s); cancelling its request", err)
-                self.cancelled = True
-
-    def finish(self, kind: str, payload: Any) -> None:
-        if not self.closed:
-            self.closed = True
-            self.emit(kind, payload)
-
-
-class AsyncStream:
-    """Async iterator over one submission's text; ``result`` (its Generation) once exhausted.
-
-    ``start`` plans and builds the ticket; it runs, with the submission, on a worker thread at
-    the first ``__anext__`` (planning may read a remote registry, and a full queue may make a
-    submission wait), so the event loop never blocks. Cancelling the task that awaits the stream,
-    or ``aclose()``, cancels the request: its row stops at the scheduler's next step.
-    """
-
-    def __init__(self, scheduler: "Scheduler", start: Callable[[], Ticket]) -> None:
-        self._scheduler, self._start = scheduler, start
-        self._ticket: Ticket | None = None  # once submitted
-        self._planned: Ticket | None = None  # once built, on the worker thread (before it is queued)
-        self._wake: asyncio.Event | None = None
-        self._over = False
-        self.result: Any = None
-
-    def __aiter__(self) -> "AsyncStream":
-        return self
-
-    def _submit(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> Ticket:
-        ticket = self._start()
-        ticket.listeners.append(lambda: loop.call_soon_threadsafe(wake.set))
-        # the awaiting task may be cancelled while this thread runs (asyncio does not stop it):
-        # aclose() cancels the planned ticket, or this sees that it came first; the ticket is not queued
-        self._planned = ticket
-        if self._over:
-            ticket.cancelled = True
-        return self._scheduler.submit(ticket)
-
-    async def __anext__(self) -> str:
-        if self._over:
-            raise StopAsyncIteration
-        try:
-            if self._ticket is None:
-                self._wake = asyncio.Event()
-                self._ticket = await asyncio.to_thread(self._submit, asyncio.get_running_loop(), self._wake)
-            assert self._wake is not None
-            while True:
-                try:
-                    kind, payload = self._ticket.events.get_nowait()
-                except queue.Empty:
-                    self._wake.clear()
-                    if self._ticket.events.empty():  # nothing slipped in between: sleep until the loop emits
-                        await self._wake.wait()
-                    continue
-                if kind == "text":
-                    return payload
-                self._over = True
-                if kind == "done":
-                    self.result = payload
-                    raise StopAsyncIteration
-                raise payload
-        except asyncio.CancelledError:
-            await self.aclose()
-            raise
-
-    def __del__(self) -> None:
-        # dropped unfinished without aclose (a `break` out of `async for` over it): nobody will
-        # read it, so its row stops at the next step. No lock here (a collection may run this on
-        # any thread, the loop's included, inside its own locked section): the flag alone suffices
-        ticket = self._ticket or self._planned
-        if not self._over and ticket is not None:
-            ticket.cancelled = True
-
-    async def aclose(self) -> None:
-        """Stop now: the request's row is let go at the scheduler's next step."""
-        if not self._over:
-            self._over = True
-            ticket = self._ticket or self._planned
-            if ticket is not None:
-                self._scheduler.cancel(ticket)
-
-
-T = TypeVar("T")
-
-
-async def gather_or_cancel(*awaitables: Awaitable[T]) -> list[T]:
-    """Every result, in order, like ``asyncio.gather``; but when one fails, the others are
-    cancelled (their rows let go at the next step) and awaited before the error propagates.
-    ``asyncio.gather`` leaves them running: a batch with one refused prompt would decode the
-    others' whole budgets for nobody."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()  # a finished task ignores it
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass
@@ -389,25 +242,6 @@ class Scheduler:
         with self._cond:
             ticket.cancelled = True
             self._cond.notify_all()
-
-    def wait(self, ticket: Ticket) -> Generator[str, None, Any]:
-        """The caller's side: yields a single request's text as it comes, returns the result
-        (a list for several rows); leaving early (closing the generator) cancels the ticket."""
-        over = False
-        try:
-            while True:
-                kind, payload = ticket.events.get()
-                if kind == "text":
-                    yield payload
-                elif kind == "done":
-                    over = True
-                    return payload
-                else:
-                    over = True
-                    raise payload
-        finally:
-            if not over:
-                self.cancel(ticket)
 
     def stats(self) -> dict[str, Any]:
         """Queue depth (and submissions waiting for room in it), running rows and counters (a snapshot)."""

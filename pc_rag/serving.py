@@ -20,8 +20,9 @@ import torch
 
 from . import planner
 from .background import BackgroundEncoder
+from .callers import AsyncStream, StreamingGeneration, Ticket, wait
 from .decode.constrained import Vocabulary
-from .decode.request import Generation, RequestState, SamplingParams, StreamingGeneration, sampling_params
+from .decode.request import Generation, RequestState, SamplingParams, sampling_params
 from .errors import ContextWindowExceeded, PromptCacheError
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CostModel, compute_in_prompt, load_or_compute, short_prefixes
@@ -38,7 +39,7 @@ from .prefill.rows import Prefilled
 from .prompt.chat import render_chat
 from .prompt.plan import Plan
 from .registry import Registry
-from .scheduler import AsyncStream, Scheduler, Ticket
+from .scheduler import Scheduler
 from .warm_up import WarmUp, warm_up
 
 logger = logging.getLogger(__name__)
@@ -296,7 +297,7 @@ class Serving:
         cancels the request: its rows stop at the scheduler's next step."""
         ticket = self._ticket(plans, params, use_cache, started, share=share, logits_only=logits_only)
         self.scheduler.submit(ticket)
-        result = yield from self.scheduler.wait(ticket)
+        result = yield from wait(ticket, self.scheduler.cancel)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("store after request: %s", {"encoded": self.forward.encoded, **self.store.stats(scan_disk=False)})
         return result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -466,35 +466,6 @@ class StopFilter:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
-
-
-class StreamingGeneration(Iterator[str]):
-    """Iterator over text deltas; ``.result`` (a :class:`Generation`) is set once exhausted.
-
-    ``deltas`` is a generator that yields text and *returns* the final Generation.
-    """
-
-    def __init__(self, deltas: Generator[str, None, Generation]) -> None:
-        self._deltas = deltas
-        self.result: Generation | None = None
-
-    def __iter__(self) -> "StreamingGeneration":
-        return self
-
-    def __next__(self) -> str:
-        try:
-            return next(self._deltas)
-        except StopIteration as done:
-            self.result = done.value
-            raise
-
-    def close(self) -> None:
-        """Stop decoding now; the request's buffer goes back to the pool (as when the stream is collected)."""
-        self._deltas.close()
-
-    @property
-    def stats(self) -> CacheStats | None:
-        return self.result.stats if self.result else None
 
 
 class RequestState:

@@ -28,12 +28,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..background import IN_PROGRESS, QUEUED
+from ..callers import gather_or_cancel
 from ..decode.logprobs import chat_logprobs, completion_logprobs
 from ..decode.request import Generation, SamplingParams
 from ..errors import PromptCacheError, QueueFull, ServingFailed, UnknownModule
 from ..integrations._shared import model_name as engine_model_name
 from ..prompt.documents import DEFAULT_SCHEMA, SEPARATOR, check_name, module_reference
-from ..scheduler import gather_or_cancel
 from .backend import LocalBackend, call_payload
 from .metrics import CONTENT_TYPE, Metrics
 from .quota import Quota, Slots

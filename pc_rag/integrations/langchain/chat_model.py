@@ -26,9 +26,9 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, Field, SecretStr
 
+from ...callers import StreamingGeneration
 from ...decode.logprobs import chat_logprobs
 from ...decode.request import Generation as EngineGeneration
-from ...decode.request import StreamingGeneration
 from ...engine import PromptCache
 from ...errors import PromptCacheError
 from ...prompt.schemas import closed, response_format_schema

@@ -12,9 +12,8 @@ from langchain_core.callbacks import (
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
+from ...callers import StreamingGeneration, gather_or_cancel
 from ...decode.request import Generation as EngineGeneration
-from ...decode.request import StreamingGeneration
-from ...scheduler import gather_or_cancel
 from .._shared import (
     as_prompt,
     generation_info,

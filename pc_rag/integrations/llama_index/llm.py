@@ -30,8 +30,8 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
 from pydantic import Field
 
+from ...callers import StreamingGeneration
 from ...decode.logprobs import TokenLogprob, token_texts
-from ...decode.request import StreamingGeneration
 from ...engine import PromptCache
 from ...errors import PromptCacheError
 from ...prompt.pml import is_pml_prompt
