@@ -597,6 +597,7 @@ def fused(args: argparse.Namespace) -> dict[str, Any]:
     """One step that admits a newcomer: its prefill then the running rows' decode step as two
     passes, against both in one packed pass (what the scheduler runs), for running batches of
     ``--callers`` rows; median of ``--repeats``, the two orders alternating."""
+    from pc_rag.decode import layout
     from pc_rag.decode.loop import RunningBatch
     from pc_rag.decode.request import SamplingParams
     from pc_rag.prefill.passes import chunks_of, new_tokens, prefill
@@ -616,7 +617,7 @@ def fused(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"info": run_info(engine, "SmolLM2-135M-Instruct (embedded)"), "settings": settings(args),
                               "newcomer_computed_tokens": newcomer[0].computed_tokens, "rows": []}
     for rows in args.callers:
-        batch = RunningBatch.combine([(running(p), [0]) for p in prompts[:rows]])
+        batch = layout.combine([(running(p), [0]) for p in prompts[:rows]])
         times: dict[str, list[float]] = {"decode step": [], "two passes": [], "one packed pass": []}
         for repeat in range(args.repeats + 1):  # the first round warms up
             for mode in (("two passes", "one packed pass") if repeat % 2 else ("one packed pass", "two passes")):
@@ -650,6 +651,7 @@ def extents(args: argparse.Namespace) -> dict[str, Any]:
     layouts: ``even``, every prompt of ``--passages`` passages and every row decoding (what the
     extents cannot shorten: their cost alone), and ``spread``, prompts of a quarter to all of the
     passages and a quarter of the rows finished, waiting for a newcomer to take their slot."""
+    from pc_rag.decode import layout as batch_layout
     from pc_rag.decode import loop
     from pc_rag.decode.request import SamplingParams
 
@@ -670,7 +672,7 @@ def extents(args: argparse.Namespace) -> dict[str, Any]:
         spread = layout == "spread"
         finished = rows // 4 if spread else 0
         kept = [names[: max(1, len(names) * (1 + i % 4) // 4)] if spread else names for i, (_, names) in enumerate(documents[:rows])]
-        batch = loop.RunningBatch.combine([(running(build_prompt(q, names), 1 if i < finished else 2 * args.steps + 8), [0])
+        batch = batch_layout.combine([(running(build_prompt(q, names), 1 if i < finished else 2 * args.steps + 8), [0])
                                            for i, ((q, _), names) in enumerate(zip(documents, kept))])
         batch.take()
         batch.feed()  # the finished rows' last token

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from . import planner
+from .admission import DEFAULT_MAX_QUEUED, DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, Limits
 from .background import BackgroundEncoder
 from .decode.constrained import Vocabulary
 from .engine_parts import open_kv
@@ -43,7 +44,7 @@ from .prompt.layout import ENCODINGS, Encoding
 from .registration import Registration
 from .registry import Registry, Schema
 from .registry_sync import RegistrySync
-from .scheduler import DEFAULT_MAX_QUEUED, DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, Limits, Scheduler
+from .scheduler import Scheduler
 from .serving import Serving
 
 logger = logging.getLogger(__name__)

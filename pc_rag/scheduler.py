@@ -9,15 +9,15 @@ They wait on its events: text as it is decoded, then the result. The loop, every
 2. admits waiting tickets, first come first served, while the running rows (``max_running``),
    the step's prefill budget (``max_step_tokens``) and the KV buffers' memory budget allow, and
    prefills them: together in one pass, sharing the module KV they import alike and reading
-   shared what the running rows already hold (:meth:`RunningBatch.held`), or, for a
+   shared what the running rows already hold (:func:`layout.held`), or, for a
    request admitted alone while others decode, in chunks of the budget, one per iteration, each
    riding on the running rows' decode step (step 5), so a long prompt never stalls the running
    rows for more than one budget;
 3. merges the newly prefilled rows into the running batch: in place, into finished rows' slots
-   or rows its buffer reserves, where they fit (:meth:`RunningBatch.admit`: only the new rows' KV is written), else rebuilt
-   as one buffer with every row's live entries packed to the front (:meth:`RunningBatch.combine`),
+   or rows its buffer reserves, where they fit (:func:`layout.admit`: only the new rows' KV is written), else rebuilt
+   as one buffer with every row's live entries packed to the front (:func:`layout.combine`),
    dropping finished rows on the way; running rows that had copied a module the newcomers share
-   read the newcomers' part instead (:meth:`RunningBatch.promote`), so the batch holds it once;
+   read the newcomers' part instead (:func:`layout.promote`), so the batch holds it once;
    one forward pass per step for every row;
 4. takes every row's next token and hands each caller its text; a finished row's caller gets
    its result at once, and its slot is free for the next admission;
@@ -46,11 +46,15 @@ from typing import Any
 
 import torch
 
+from .admission import AdmissionPolicy, FirstComeFirstServed, Limits, Room, in_chunks, rebuild_without_finished
 from .callers import Ticket
-from .decode.loop import RunningBatch, VacantRow
+from .decode import layout
+from .decode.layout import VacantRow, reserved_rows, vacant_rows
+from .decode.loop import RunningBatch
 from .decode.request import RequestState
 from .errors import PromptCacheError, QueueFull, ServingFailed
-from .kv.buffers import BufferPool, batch_capacity
+from .kv.budget import BufferBudget
+from .kv.buffers import BufferPool
 from .model.spec import ModelSpec
 from .prefill.passes import chunks_of, new_tokens, prefill
 from .prefill.rows import Inputs, Prefilled
@@ -58,74 +62,7 @@ from .prompt.plan import Plan
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_RUNNING = 16
-DEFAULT_MAX_STEP_TOKENS = 512
-DEFAULT_MAX_QUEUED = 256
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long with nothing to do
-# a batch whose finished rows are half of it is rebuilt without them only when its rows may run
-# this many steps more: the rebuild copies the live rows' KV into a new buffer (measured on the
-# 2-core CPU: 0.11 s for 4 rows of ~1K entries), a step saves about a finished row's reads each
-# (~50 ms there), so it pays back from the third step on and never for a row's last step or two
-COMPACTION_MIN_STEPS = 4
-
-
-def reserved_rows(device: torch.device, compiled: bool, max_running: int, rows: int) -> int:
-    """Rows a rebuilt batch of ``rows`` allocates beyond them, for newcomers to join in place
-    (:meth:`RunningBatch.admit`, no rebuild). On a CPU only: there a row nobody has written
-    holds no memory, while a GPU's allocator commits every row at once, which the buffer budget
-    (it counts rows in use) would not see; and not under ``compile``, whose step runs only over
-    buffers its views span (:attr:`KVBuffer.spans_storage`)."""
-    if compiled or device.type != "cpu":
-        return 0
-    return max(max_running - rows, 0)
-
-
-def vacant_rows(compiled: bool, max_running: int, rows: int) -> int:
-    """Rows a batch of ``rows`` holds beyond them under ``compile``: it is padded to a power of two
-    rows (at most ``max_running``, at least ``rows``), so that the compiled step, recorded as a
-    CUDA graph per shape under "reduce-overhead", sees a few batch sizes (vLLM and SGLang capture
-    theirs the same way), and newcomers join in place in the vacant rows. None eagerly, where a
-    vacant row would be compute for nothing."""
-    if not compiled:
-        return 0
-    return max(min(1 << (rows - 1).bit_length(), max_running) - rows, 0)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the scheduler holds at once, and how it admits.
-
-    ``max_running``: rows decoding together (a ``generate_batch`` larger than this runs alone).
-    ``max_step_tokens``: tokens prefilled per iteration while other rows decode.
-    ``max_queued``: requests waiting for admission; past it a submission raises :class:`QueueFull`
-    at once, or after waiting ``queue_timeout_s`` for room when that is set.
-    ``buffer_budget``: bytes of KV buffers (running rows, rows being admitted, a merge's new
-    buffer) held at once; admission waits while a request would exceed it, and a request that
-    alone exceeds it is refused at submission. None: no bound.
-    ``fuse_prefill``: a request admitted while others decode is prefilled in chunks of
-    ``max_step_tokens`` that share a forward pass with the running rows' decode step (the step
-    rides on the chunk's weight reads); False: its prefill runs between steps.
-    """
-
-    max_running: int = DEFAULT_MAX_RUNNING
-    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
-    max_queued: int = DEFAULT_MAX_QUEUED
-    queue_timeout_s: float | None = None
-    buffer_budget: int | None = None
-    fuse_prefill: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_running", "max_step_tokens", "max_queued"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PromptCacheError(f"{name} must be an int >= 1, got {value!r}")
-        if self.queue_timeout_s is not None and not (isinstance(self.queue_timeout_s, (int, float)) and self.queue_timeout_s >= 0):
-            raise PromptCacheError(f"queue_timeout_s must be a number of seconds >= 0 or None, got {self.queue_timeout_s!r}")
-        if self.buffer_budget is not None and (isinstance(self.buffer_budget, bool) or not isinstance(self.buffer_budget, int)
-                                               or self.buffer_budget < 1):
-            raise PromptCacheError(f"buffer_budget must be a number of bytes >= 1 or None, got {self.buffer_budget!r}")
-        if not isinstance(self.fuse_prefill, bool):
-            raise PromptCacheError(f"fuse_prefill must be True or False, got {self.fuse_prefill!r}")
 
 
 @dataclass
@@ -155,7 +92,6 @@ class SchedulerStats:
     merges: int = 0  # running batches rebuilt to take rows in or let rows go
     in_place: int = 0  # admissions written into the running batch's finished or reserved rows (no rebuild)
     promoted: int = 0  # running rows that stopped reading their copy of a module to share newcomers' part
-    buffer_bytes_peak: int = 0
     step_rows: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # rows of the last decode steps
 
 
@@ -181,18 +117,18 @@ class Scheduler:
     def __init__(self, *, spec: ModelSpec, buffers: BufferPool, kv_bytes_per_token: int, limits: Limits,
                  prefill: Callable[[list[Plan], int, bool, bool, Any], Prefilled],
                  assemble: Callable[[list[Plan], int, bool, bool, Any], tuple[Any, float] | None],
-                 serving: Callable[[], Any], observe_prefill: Callable[[int, float], None], forward: Any) -> None:
+                 serving: Callable[[], Any], observe_prefill: Callable[[int, float], None], forward: Any,
+                 policy: AdmissionPolicy | None = None) -> None:
         self.spec, self.buffers, self.limits = spec, buffers, limits
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.budget = BufferBudget(buffers, kv_bytes_per_token, limits.buffer_budget, self._vacant)
         self._prefill, self._assemble, self._serving, self._observe = prefill, assemble, serving, observe_prefill
         self.forward = forward
         self._cond = threading.Condition()
-        self._waiting: deque[Ticket] = deque()
+        self.policy: AdmissionPolicy = FirstComeFirstServed() if policy is None else policy  # the waiting tickets
         self._awaiting_room = 0  # submissions waiting for room in a full queue (queue_timeout_s)
         self._batch: RunningBatch | None = None
         # row of the running batch -> (ticket, index in the ticket); None: a vacant row (compiled batches, vacant_rows)
         self._owners: list[tuple[Ticket, int] | None] = []
-        self._pooled: set[int] = set()  # ids of buffers that came from the pool (single-row prefills)
         self._chunked: _Chunked | None = None
         self._admitting: list[Ticket] = []  # taken from the queue, not yet running (failed with the step if it fails)
         self._thread: threading.Thread | None = None
@@ -205,9 +141,7 @@ class Scheduler:
         """Queue ``ticket`` for admission; raises :class:`QueueFull` when ``max_queued`` tickets
         wait (after ``queue_timeout_s`` for room, when set), and refuses a ticket that alone
         would exceed the buffer budget."""
-        needed = self._bytes(ticket.rows, ticket.entries)
-        if self._vacant(ticket.rows):  # under compile, admitted alone it is copied into a padded batch (_padded)
-            needed += self._batch_bytes(ticket.rows, ticket.entries)
+        needed = self.budget.needs(ticket.rows, ticket.entries)
         budget = self.limits.buffer_budget
         if budget is not None and needed > budget:
             with self._cond:
@@ -218,7 +152,7 @@ class Scheduler:
             if self._closed:
                 raise ServingFailed("this engine's scheduler is closed", unavailable=True)
             deadline = None if self.limits.queue_timeout_s is None else time.monotonic() + self.limits.queue_timeout_s
-            while len(self._waiting) >= self.limits.max_queued and not ticket.cancelled:
+            while len(self.policy) >= self.limits.max_queued and not ticket.cancelled:
                 left = 0.0 if deadline is None else deadline - time.monotonic()
                 if left <= 0:
                     self._stats.refused += 1
@@ -232,7 +166,7 @@ class Scheduler:
             if ticket.cancelled:  # its caller left while it was planned or waited for room: it never takes a place
                 self._stats.cancelled += 1
                 raise PromptCacheError("the request was cancelled before it was queued")
-            self._waiting.append(ticket)
+            self.policy.add(ticket)
             self._start()
             self._cond.notify_all()
         return ticket
@@ -247,10 +181,10 @@ class Scheduler:
         """Queue depth (and submissions waiting for room in it), running rows and counters (a snapshot)."""
         with self._cond:
             s = self._stats
-            return {"queued": len(self._waiting), "awaiting_room": self._awaiting_room, "running": self.running, "steps": s.steps, "admitted": s.admitted,
+            return {"queued": len(self.policy), "awaiting_room": self._awaiting_room, "running": self.running, "steps": s.steps, "admitted": s.admitted,
                     "finished": s.finished, "cancelled": s.cancelled, "failed": s.failed, "refused": s.refused,
-                    "chunks": s.chunks, "fused": s.fused, "merges": s.merges, "in_place": s.in_place, "promoted": s.promoted, "buffer_bytes_peak": s.buffer_bytes_peak,
-                    "buffer_bytes": self._held_bytes(idle=False), "buffer_bytes_idle": self.buffers.idle_bytes}
+                    "chunks": s.chunks, "fused": s.fused, "merges": s.merges, "in_place": s.in_place, "promoted": s.promoted, "buffer_bytes_peak": self.budget.peak,
+                    "buffer_bytes": self.budget.held_bytes(idle=False), "buffer_bytes_idle": self.buffers.idle_bytes}
 
     @property
     def running(self) -> int:
@@ -276,7 +210,7 @@ class Scheduler:
             self._thread.start()
 
     def _busy(self) -> bool:
-        return bool(self._waiting) or self._batch is not None or self._chunked is not None
+        return bool(len(self.policy)) or self._batch is not None or self._chunked is not None
 
     def _loop(self) -> None:
         with ExitStack() as serving:
@@ -312,8 +246,8 @@ class Scheduler:
         dead = 0 if batch is None else sum(1 for request in batch.requests if request.done and not isinstance(request, VacantRow))
         if fresh is not None:
             self._merge(*fresh)
-        elif (batch is not None and dead and 2 * dead >= batch.batch and self._chunked is None
-              and _steps_left(batch) >= COMPACTION_MIN_STEPS and self._compaction_fits(batch)):
+        elif (batch is not None and rebuild_without_finished(dead, batch.batch, _steps_left(batch), chunking=self._chunked is not None)
+              and self._compaction_fits(batch)):
             self._merge(None, [])  # half the rows feed placeholders: rebuild without them (unless a newcomer will take a slot)
         self._admitting = []
         batch = self._batch
@@ -323,7 +257,7 @@ class Scheduler:
         if batch.finished:
             # the buffer goes back before the callers hear they are done; the owners stay until
             # they have heard (a hand-out that raises fails them: _fail_running)
-            self._release(batch.rows.buffer)
+            self.budget.release(batch.rows.buffer)
             self._batch = None
         self._hand_out(batch, deltas, owners)
         if batch.finished:
@@ -356,11 +290,10 @@ class Scheduler:
         first = cohort[0]
         answer_tokens = max(request.budget for request in requests)
         # what the running rows already hold (shared parts, copied modules): the newcomers read it shared
-        held = self._batch.held() if self._batch is not None and first.share and first.use_cache and not first.logits_only else {}
+        held = layout.held(self._batch) if self._batch is not None and first.share and first.use_cache and not first.logits_only else {}
         # one request while others decode: prefilled in chunks of the step budget, each sharing a
         # forward pass with the running rows' decode step where it can (else between steps)
-        long = first.tokens > self.limits.max_step_tokens
-        if (long or self._fusable()) and len(cohort) == 1 and first.rows == 1 and self._batch is not None and not first.logits_only:
+        if in_chunks(cohort, self.limits, running=self._batch is not None, fusable=self._fusable()):
             try:
                 plain = self._assemble(plans, answer_tokens, first.use_cache, first.share, held)
             except Exception as err:  # noqa: BLE001
@@ -368,10 +301,9 @@ class Scheduler:
                 return None
             if plain is not None:  # the plain path (no scored recovery): chunks of the budget
                 assembled, assembled_at = plain
-                self._pooled.add(id(assembled.rows.buffer))  # one row: the pool's
+                self.budget.hold(assembled.rows.buffer, pooled=True)  # one row: the pool's
                 chunks = deque(chunks_of(assembled.rows, assembled.inputs, self.limits.max_step_tokens))
                 self._chunked = _Chunked(first, assembled, assembled_at, chunks)
-                self._track()
                 return self._next_chunk()
         try:
             prefilled = self._prefill(plans, answer_tokens, first.use_cache, first.share and (len(plans) > 1 or bool(held)), held)
@@ -421,7 +353,7 @@ class Scheduler:
 
     def _drop_chunked(self) -> None:
         assert self._chunked is not None
-        self._release(self._chunked.assembled.rows.buffer)
+        self.budget.release(self._chunked.assembled.rows.buffer)
         self._chunked = None
 
     def _fail_chunked(self, err: Exception) -> None:
@@ -450,8 +382,7 @@ class Scheduler:
     def _prefilled(self, prefilled: Prefilled, requests: list[RequestState], owners: list[tuple[Ticket, int]]
                    ) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:
         rows, order = prefilled.rows, prefilled.order
-        if rows.batch == 1:
-            self._pooled.add(id(rows.buffer))
+        self.budget.hold(rows.buffer, pooled=rows.batch == 1)  # one row: the pool's
         # the prefill rate the load-or-compute choice weighs fetches against (pc_rag.kv.load_or_compute)
         self._observe(sum(requests[i].stats.computed_tokens for i in order), time.perf_counter() - prefilled.assembled_at)
         requests = [requests[i] for i in order]
@@ -462,119 +393,47 @@ class Scheduler:
             request.stats.computed_tokens += recomputed
         if owners[0][0].logits_only:
             (ticket, _), = owners
-            self._release(rows.buffer)
+            self.budget.release(rows.buffer)
             ticket.finish("done", prefilled.logits[0])
             self._count_finished(1)
             return None
-        self._track(rows.buffer.storage.nbytes)
         return RunningBatch(self.forward, rows, requests, prefilled.logits, self.spec), owners
 
     def _choose(self) -> list[Ticket]:
-        """The next tickets to admit, first come first served (a ticket that does not fit stops
-        the choice: a long prompt is never passed over by a stream of short ones)."""
-        limits = self.limits
+        """The next tickets to admit, as the admission policy chooses them."""
         with self._cond:
-            while self._waiting and self._waiting[0].cancelled:
-                self._cancelled(self._waiting.popleft())
-            running = self.running
-            cohort: list[Ticket] = []
-            rows = tokens = 0
-            for ticket in self._waiting:
-                if ticket.cancelled:
-                    break
-                if cohort and (ticket.use_cache, ticket.share) != (cohort[0].use_cache, cohort[0].share):
-                    break
-                if cohort and (ticket.alone or cohort[0].alone):
-                    break
-                alone = not cohort and running == 0
-                if not self.spec.one_pass and (running or cohort or ticket.rows > 1):
-                    break  # attention that reads cache order: one request at a time
-                if not alone and running + rows + ticket.rows > limits.max_running:
-                    break
-                if cohort and tokens + ticket.tokens > limits.max_step_tokens:
-                    break
-                # a lone ticket fits (checked at submission); for it too idle pool buffers in its way go
-                if not self._fits(cohort + [ticket]) and not alone:
-                    break
-                cohort.append(ticket)
-                rows += ticket.rows
-                tokens += ticket.tokens
-            for _ in cohort:
-                self._waiting.popleft()
+            for ticket in self.policy.drop_cancelled():
+                self._cancelled(ticket)
+            room = Room(running=self.running, max_running=self.limits.max_running, max_step_tokens=self.limits.max_step_tokens,
+                        one_pass=self.spec.one_pass, fits=self._fits)
+            cohort = self.policy.choose(room)
             if cohort:
                 self._cond.notify_all()  # room in the queue
             return cohort
 
     # -- memory ------------------------------------------------------------------------------
-    def _bytes(self, rows: int, entries: int) -> int:
-        """A buffer's bytes: a batch's is rounded to the batch granularity, one row's comes from
-        the pool, rounded to its granularity."""
-        if rows == 1:
-            granularity = self.buffers.granularity
-            return -(-entries // granularity) * granularity * self.kv_bytes_per_token
-        return rows * batch_capacity(entries) * self.kv_bytes_per_token
-
-    def _held_bytes(self, *, idle: bool = True) -> int:
-        """The KV buffers held: the running batch's, a chunked newcomer's and (``idle``) the
-        pool's idle ones, kept for reuse."""
-        held = 0 if self._batch is None else self._batch.rows.buffer.storage.nbytes
-        if self._chunked is not None:
-            held += self._chunked.assembled.rows.buffer.storage.nbytes
-        return held + (self.buffers.idle_bytes if idle else 0)
-
-    def _room_for(self, needed: int) -> bool:
-        """Whether ``needed`` more bytes fit in the budget beside what is held; the pool's idle
-        buffers (a cache: a new buffer costs page faults, not a request) are let go where only
-        they stand in the way."""
-        budget = self.limits.buffer_budget
-        if budget is None or self._held_bytes() + needed <= budget:
-            return True
-        if self._held_bytes(idle=False) + needed > budget:
-            return False
-        self.buffers.drop_idle()
-        return True
-
     def _fits(self, cohort: list[Ticket]) -> bool:
-        """Whether admitting ``cohort`` keeps the buffers within the budget: the running batch's,
-        the cohort's own and (both held while it is built) the merged batch's."""
-        budget = self.limits.buffer_budget
-        if budget is None:
+        """Whether admitting ``cohort`` keeps the buffers within the budget: its own and (both
+        held while it is built) the batch it is merged into."""
+        if self.budget.limit is None:
             return True
         plans = [(p, r) for t in cohort for p, r in zip(t.plans, t.requests)]
         entries = max(t.entries for t in cohort)
-        own = self._bytes(len(plans), entries)
         batch = self._batch
-        if batch is None:  # under compile, with its copy padded with vacant rows (_padded)
-            padded = self._batch_bytes(len(plans), entries) if self._vacant(len(plans)) else 0
-            return self._room_for(own + padded)
+        if batch is None:
+            return self.budget.admits(len(plans), entries, None)
         live = [r for r in batch.requests if not r.done]
         length = max(batch.length, max(len(p.input_ids) for p, _ in plans))
         steps = max([r.budget - r.steps for r in live] + [r.budget for _, r in plans])
-        merged = self._batch_bytes(len(live) + len(plans), length + steps)
-        return self._room_for(own + merged)
+        return self.budget.admits(len(plans), entries, (len(live) + len(plans), length + steps))
 
     def _compaction_fits(self, batch: RunningBatch) -> bool:
         """Whether the running batch rebuilt without its finished rows fits beside it in the budget."""
-        if self.limits.buffer_budget is None:
-            return True
         live = sum(1 for r in batch.requests if not r.done)
-        return self._room_for(self._batch_bytes(live, batch.length + _steps_left(batch)))
+        return self.budget.rebuild_fits(live, batch.length + _steps_left(batch))
 
     def _vacant(self, rows: int) -> int:
         return vacant_rows(self.forward.compiled, self.limits.max_running, rows)
-
-    def _batch_bytes(self, rows: int, entries: int) -> int:
-        """A running batch's buffer bytes: ``rows`` and, under compile, its vacant rows."""
-        return self._bytes(rows + self._vacant(rows), entries)
-
-    def _track(self, extra: int = 0) -> None:
-        with self._cond:
-            self._stats.buffer_bytes_peak = max(self._stats.buffer_bytes_peak, self._held_bytes() + extra)
-
-    def _release(self, buffer: Any) -> None:
-        if id(buffer) in self._pooled:
-            self._pooled.discard(id(buffer))
-            self.buffers.release(buffer)
 
     # -- the running batch -------------------------------------------------------------------
     def _merge(self, fresh: RunningBatch | None, owners: list[tuple[Ticket, int]]) -> None:
@@ -587,18 +446,18 @@ class Scheduler:
             return
         if fresh is not None:
             if fresh.rows.shared is not None:  # running rows that copied what the newcomers share read it with them
-                promoted = batch.promote(fresh.rows.shared)
+                promoted = layout.promote(batch, fresh.rows.shared)
                 with self._cond:
                     self._stats.promoted += promoted
-            slots = batch.admit(fresh)  # finished rows' slots or reserved rows: the running rows are not copied
+            slots = layout.admit(batch, fresh)  # finished rows' slots or reserved rows: the running rows are not copied
             if slots is not None:
-                self._release(fresh.rows.buffer)
+                self.budget.release(fresh.rows.buffer)
                 for slot, owner in zip(slots, owners):
                     if slot < len(self._owners):
                         self._owners[slot] = owner  # a finished row's slot
                     else:
                         self._owners.append(owner)  # a row taken from the reserve (they come last, in order)
-                self._track()
+                self.budget.track()  # the running batch's buffer may have widened into its reserve
                 with self._cond:
                     self._stats.in_place += 1
                 return
@@ -614,31 +473,29 @@ class Scheduler:
         else:
             rows = sum(len(kept) for _, kept in sources)
             reserve = reserved_rows(self.spec.device, self.forward.compiled, self.limits.max_running, rows)
-            merged = RunningBatch.combine(sources, reserve=reserve, vacant=self._vacant(rows))
-            self._track(merged.rows.buffer.storage.nbytes + (fresh.rows.buffer.storage.nbytes if fresh else 0))
+            merged = layout.combine(sources, reserve=reserve, vacant=self._vacant(rows))
+            self.budget.hold(merged.rows.buffer)
             with self._cond:
                 self._stats.merges += 1
             if fresh is not None:
-                self._release(fresh.rows.buffer)
-        self._release(batch.rows.buffer)
+                self.budget.release(fresh.rows.buffer)
+        self.budget.release(batch.rows.buffer)
         self._owners = [self._owners[row] for row in keep] + owners
         self._owners += [None] * (merged.batch - len(self._owners))
         self._batch = merged
 
     def _padded(self, fresh: RunningBatch) -> RunningBatch:
-        """``fresh`` as the running batch: as it is, or under ``compile`` copied into a batch with
-        vacant rows (:func:`vacant_rows`), its buffer released."""
-        vacant = self._vacant(fresh.batch)
-        if not vacant:
-            return fresh
-        padded = RunningBatch.combine([(fresh, range(fresh.batch))], vacant=vacant)
-        self._track(padded.rows.buffer.storage.nbytes + fresh.rows.buffer.storage.nbytes)
-        self._release(fresh.rows.buffer)
+        """``fresh`` as the running batch (:func:`layout.padded`): under ``compile`` a copy with
+        vacant rows, held in its place."""
+        padded = layout.padded(fresh, self._vacant(fresh.batch))
+        if padded is not fresh:
+            self.budget.hold(padded.rows.buffer)
+            self.budget.release(fresh.rows.buffer)
         return padded
 
     def _drop_batch(self) -> None:
         if self._batch is not None:
-            self._release(self._batch.rows.buffer)
+            self.budget.release(self._batch.rows.buffer)
         self._batch, self._owners = None, []
 
     def _hand_out(self, batch: RunningBatch, deltas: list[str], owners: list[tuple[Ticket, int] | None]) -> None:
@@ -708,7 +565,7 @@ class Scheduler:
         if len(cohort) > 1:
             logger.warning("a batched prefill failed (%s); admitting its %d requests one by one", err, len(cohort))
             with self._cond:
-                self._waiting.extendleft(reversed(cohort))
+                self.policy.retry_first(cohort)
                 for ticket in cohort:
                     ticket.alone = True
             return
@@ -729,15 +586,13 @@ class Scheduler:
         half dropped would fail every step after it, or end the loop with callers waiting)."""
         tickets = {id(owner[0]): owner[0] for owner in self._owners if owner is not None}
         tickets.update((id(t), t) for t in self._admitting)
-        chunked, batch = self._chunked, self._batch
+        chunked = self._chunked
         if chunked is not None:
             tickets[id(chunked.ticket)] = chunked.ticket
         self._batch, self._owners, self._chunked, self._admitting = None, [], None, []
-        held = [chunked.assembled.rows.buffer] if chunked is not None else []
-        held += [batch.rows.buffer] if batch is not None else []
-        for buffer in held:
+        for buffer in self.budget.held():  # the batch's, a chunked newcomer's, a merge's half built
             try:
-                self._release(buffer)
+                self.budget.release(buffer)
             except Exception:  # noqa: BLE001 - a buffer the pool cannot take back is left to the collector
                 logger.exception("a failed step's KV buffer could not go back to the pool; dropping it")
         with self._cond:

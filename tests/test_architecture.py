@@ -23,7 +23,7 @@ LAYERS = (
     ("prefill",),
     ("decode",),
     ("registry", "registry_sync", "planner", "embedding"),
-    ("background", "callers", "scheduler", "registration", "serving", "warm_up", "conformance"),
+    ("background", "callers", "admission", "scheduler", "registration", "serving", "warm_up", "conformance"),
     ("engine", "engine_parts"),
     ("integrations", "retrievers", "server", "distributed", "corpus", "demo", "cli"),
 )

@@ -292,8 +292,11 @@ class BufferPool:
                 self._idle.remove(buffer)
                 buffer.reset()
                 return buffer
-        rounded = -(-capacity // self.granularity) * self.granularity
-        return KVBuffer.for_model(self.model, rounded)
+        return KVBuffer.for_model(self.model, self.capacity_for(capacity))
+
+    def capacity_for(self, entries: int) -> int:
+        """The capacity of a buffer this pool allocates for ``entries``: rounded up to its granularity."""
+        return -(-entries // self.granularity) * self.granularity
 
     def release(self, buffer: KVBuffer) -> None:
         with self._lock:

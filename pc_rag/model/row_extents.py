@@ -14,7 +14,7 @@ output is never read): the same product over the same entries with fewer masked 
 summation order of the kernel's blocks changes).
 
 The rows' layout decides how much is saved: a rebuilt batch aligns its rows to the right
-(:meth:`pc_rag.decode.loop.RunningBatch.combine`), so that a row's entries and its decoded tokens
+(:func:`pc_rag.decode.layout.combine`), so that a row's entries and its decoded tokens
 are one range ending at the write column.
 """
 

@@ -43,7 +43,7 @@ Assembly = Literal["copy", "in_place"]
 
 Signature = tuple  # one cached segment as a row reads it (see :func:`signature`)
 # what a running batch holds, by the signatures of its segments: a part rows read shared, or None
-# for one segment running rows hold in their own caches (pc_rag.decode.loop.RunningBatch.held)
+# for one segment running rows hold in their own caches (pc_rag.decode.layout.held)
 Held = Mapping[tuple[Signature, ...], SharedPart | None]
 
 
