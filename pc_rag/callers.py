@@ -41,6 +41,8 @@ class Ticket:
         self.unfinished = len(self.plans)
         self.listeners: list[Callable[[], None]] = []  # called after every event (an asyncio waiter's wake-up)
         self.alone = logits_only  # admitted by itself (a prefill that failed in company is tried again alone)
+        for index, request in enumerate(self.requests):
+            request.owner = (self, index)
 
     @property
     def rows(self) -> int:

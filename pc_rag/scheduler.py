@@ -95,6 +95,12 @@ class SchedulerStats:
     step_rows: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # rows of the last decode steps
 
 
+def _owner(request: RequestState) -> Ticket:
+    """The ticket ``request`` is a row of."""
+    assert request.owner is not None
+    return request.owner[0]
+
+
 def _steps_left(batch: RunningBatch) -> int:
     """The most steps a live row of ``batch`` may still run (its budget: it may stop sooner)."""
     return max((r.budget - r.steps for r in batch.requests if not r.done), default=0)
@@ -127,8 +133,6 @@ class Scheduler:
         self.policy: AdmissionPolicy = FirstComeFirstServed() if policy is None else policy  # the waiting tickets
         self._awaiting_room = 0  # submissions waiting for room in a full queue (queue_timeout_s)
         self._batch: RunningBatch | None = None
-        # row of the running batch -> (ticket, index in the ticket); None: a vacant row (compiled batches, vacant_rows)
-        self._owners: list[tuple[Ticket, int] | None] = []
         self._chunked: _Chunked | None = None
         self._admitting: list[Ticket] = []  # taken from the queue, not yet running (failed with the step if it fails)
         self._thread: threading.Thread | None = None
@@ -245,23 +249,22 @@ class Scheduler:
         # would rebuild to 8 when one row finished, and back to 16 for the next newcomer)
         dead = 0 if batch is None else sum(1 for request in batch.requests if request.done and not isinstance(request, VacantRow))
         if fresh is not None:
-            self._merge(*fresh)
+            self._merge(fresh)
         elif (batch is not None and rebuild_without_finished(dead, batch.batch, _steps_left(batch), chunking=self._chunked is not None)
               and self._compaction_fits(batch)):
-            self._merge(None, [])  # half the rows feed placeholders: rebuild without them (unless a newcomer will take a slot)
+            self._merge(None)  # half the rows feed placeholders: rebuild without them (unless a newcomer will take a slot)
         self._admitting = []
         batch = self._batch
         if batch is None:
             return
-        deltas, owners = batch.take(), self._owners
+        deltas = batch.take()
         if batch.finished:
-            # the buffer goes back before the callers hear they are done; the owners stay until
+            # the buffer goes back before the callers hear they are done; the batch stays until
             # they have heard (a hand-out that raises fails them: _fail_running)
             self.budget.release(batch.rows.buffer)
-            self._batch = None
-        self._hand_out(batch, deltas, owners)
+        self._hand_out(batch, deltas)
         if batch.finished:
-            self._owners = []
+            self._batch = None
             return
         self._feed(batch)
         with self._cond:
@@ -269,7 +272,7 @@ class Scheduler:
             self._stats.step_rows.append(batch.batch)
 
     # -- admission ---------------------------------------------------------------------------
-    def _admit(self) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:
+    def _admit(self) -> RunningBatch | None:
         """Prefill what may start now: a chunk of a long prompt in progress, or the next tickets."""
         if self._chunked is not None:
             return self._next_chunk()
@@ -286,7 +289,6 @@ class Scheduler:
                 request.prefill_started = now
         plans = [plan for ticket in cohort for plan in ticket.plans]
         requests = [request for ticket in cohort for request in ticket.requests]
-        owners = [(ticket, index) for ticket in cohort for index in range(ticket.rows)]
         first = cohort[0]
         answer_tokens = max(request.budget for request in requests)
         # what the running rows already hold (shared parts, copied modules): the newcomers read it shared
@@ -310,7 +312,7 @@ class Scheduler:
         except Exception as err:  # noqa: BLE001
             self._fail_cohort(cohort, err)
             return None
-        return self._prefilled(prefilled, requests, owners)
+        return self._prefilled(prefilled, requests)
 
     def _fusable(self) -> bool:
         """Whether a newcomer's chunk may share a forward pass with the running rows' decode step:
@@ -319,7 +321,7 @@ class Scheduler:
         return (self.limits.fuse_prefill and batch is not None and self.spec.split and batch.cursor.fixed
                 and not self.forward.compiled)
 
-    def _next_chunk(self) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:
+    def _next_chunk(self) -> RunningBatch | None:
         """The newcomer in chunks: its next chunk alone when no decode step can take it, or its
         prefilled row once the last chunk is done."""
         chunked = self._chunked
@@ -342,7 +344,7 @@ class Scheduler:
                 return None
         self._chunked = None
         prefilled = Prefilled(chunked.assembled.rows, chunked.logits, chunked.assembled.order, chunked.assembled_at)
-        return self._prefilled(prefilled, ticket.requests, [(ticket, 0)])
+        return self._prefilled(prefilled, ticket.requests)
 
     def _chunk_done(self, chunked: _Chunked, logits: torch.Tensor, *, fused: bool) -> None:
         with self._cond:
@@ -379,25 +381,23 @@ class Scheduler:
             return
         self._chunk_done(chunked, logits, fused=True)
 
-    def _prefilled(self, prefilled: Prefilled, requests: list[RequestState], owners: list[tuple[Ticket, int]]
-                   ) -> tuple[RunningBatch, list[tuple[Ticket, int]]] | None:
+    def _prefilled(self, prefilled: Prefilled, requests: list[RequestState]) -> RunningBatch | None:
         rows, order = prefilled.rows, prefilled.order
         self.budget.hold(rows.buffer, pooled=rows.batch == 1)  # one row: the pool's
         # the prefill rate the load-or-compute choice weighs fetches against (pc_rag.kv.load_or_compute)
         self._observe(sum(requests[i].stats.computed_tokens for i in order), time.perf_counter() - prefilled.assembled_at)
         requests = [requests[i] for i in order]
-        owners = [owners[i] for i in order]
         for request, recomputed in zip(requests, prefilled.recomputed or [0] * len(requests)):
             request.stats.assemble_s = prefilled.assembled_at - request.started
             request.stats.cached_tokens -= recomputed
             request.stats.computed_tokens += recomputed
-        if owners[0][0].logits_only:
-            (ticket, _), = owners
+        ticket = _owner(requests[0])
+        if ticket.logits_only:
             self.budget.release(rows.buffer)
             ticket.finish("done", prefilled.logits[0])
             self._count_finished(1)
             return None
-        return RunningBatch(self.forward, rows, requests, prefilled.logits, self.spec), owners
+        return RunningBatch(self.forward, rows, requests, prefilled.logits, self.spec)
 
     def _choose(self) -> list[Ticket]:
         """The next tickets to admit, as the admission policy chooses them."""
@@ -436,13 +436,12 @@ class Scheduler:
         return vacant_rows(self.forward.compiled, self.limits.max_running, rows)
 
     # -- the running batch -------------------------------------------------------------------
-    def _merge(self, fresh: RunningBatch | None, owners: list[tuple[Ticket, int]]) -> None:
+    def _merge(self, fresh: RunningBatch | None) -> None:
         """The running batch's live rows and ``fresh``'s rows as one batch."""
         batch = self._batch
         if batch is None:
             assert fresh is not None
             self._batch = self._padded(fresh)
-            self._owners = [*owners, *[None] * (self._batch.batch - len(owners))]
             return
         if fresh is not None:
             if fresh.rows.shared is not None:  # running rows that copied what the newcomers share read it with them
@@ -452,11 +451,6 @@ class Scheduler:
             slots = layout.admit(batch, fresh)  # finished rows' slots or reserved rows: the running rows are not copied
             if slots is not None:
                 self.budget.release(fresh.rows.buffer)
-                for slot, owner in zip(slots, owners):
-                    if slot < len(self._owners):
-                        self._owners[slot] = owner  # a finished row's slot
-                    else:
-                        self._owners.append(owner)  # a row taken from the reserve (they come last, in order)
                 self.budget.track()  # the running batch's buffer may have widened into its reserve
                 with self._cond:
                     self._stats.in_place += 1
@@ -480,8 +474,6 @@ class Scheduler:
             if fresh is not None:
                 self.budget.release(fresh.rows.buffer)
         self.budget.release(batch.rows.buffer)
-        self._owners = [self._owners[row] for row in keep] + owners
-        self._owners += [None] * (merged.batch - len(self._owners))
         self._batch = merged
 
     def _padded(self, fresh: RunningBatch) -> RunningBatch:
@@ -496,13 +488,13 @@ class Scheduler:
     def _drop_batch(self) -> None:
         if self._batch is not None:
             self.budget.release(self._batch.rows.buffer)
-        self._batch, self._owners = None, []
+        self._batch = None
 
-    def _hand_out(self, batch: RunningBatch, deltas: list[str], owners: list[tuple[Ticket, int] | None]) -> None:
+    def _hand_out(self, batch: RunningBatch, deltas: list[str]) -> None:
         """Each row's new text to its caller; a finished row's result at once."""
         finished = 0
         for row, (request, delta) in enumerate(zip(batch.requests, deltas)):
-            owner = owners[row]
+            owner = request.owner
             if owner is None:  # a vacant row
                 continue
             ticket, index = owner
@@ -539,7 +531,7 @@ class Scheduler:
         if batch is None:
             return
         for row, request in enumerate(batch.requests):
-            owner = self._owners[row]
+            owner = request.owner
             if owner is None:
                 continue
             ticket, _ = owner
@@ -584,12 +576,13 @@ class Scheduler:
         """A step raised outside any one row: the requests it was serving fail, and the running
         state is dropped first, whatever fails after, so the next step starts clean (a state left
         half dropped would fail every step after it, or end the loop with callers waiting)."""
-        tickets = {id(owner[0]): owner[0] for owner in self._owners if owner is not None}
+        running = self._batch.requests if self._batch is not None else []
+        tickets = {id(r.owner[0]): r.owner[0] for r in running if r.owner is not None}
         tickets.update((id(t), t) for t in self._admitting)
         chunked = self._chunked
         if chunked is not None:
             tickets[id(chunked.ticket)] = chunked.ticket
-        self._batch, self._owners, self._chunked, self._admitting = None, [], None, []
+        self._batch, self._chunked, self._admitting = None, None, []
         for buffer in self.budget.held():  # the batch's, a chunked newcomer's, a merge's half built
             try:
                 self.budget.release(buffer)

@@ -59,6 +59,7 @@ class VacantRow:
     matcher = None
     processors = None
     budget = steps = 0
+    owner = None  # nobody's
 
     def __init__(self, next_position: int) -> None:
         self.next_position = next_position  # a live row's: the step's position bounds stay theirs

@@ -518,6 +518,9 @@ class RequestState:
         self.done = self.budget <= 0
         self.error: Exception | None = None  # what failed this request alone (see fail)
         self.prefill_started = time.perf_counter()
+        # whose row this is: (the submission, its index in it), set by pc_rag.callers.Ticket; the
+        # scheduler reads a row's caller from the request the batch holds there, wherever it moved
+        self.owner: tuple[Any, int] | None = None
 
     def fail(self, error: Exception) -> None:
         """This request stops with ``error`` (its processors, grammar, sampler or detokeniser
