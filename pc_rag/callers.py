@@ -11,22 +11,44 @@ cancels the ticket: its rows stop at the scheduler's next step.
 from __future__ import annotations
 
 import asyncio
+import enum
+import itertools
 import logging
 import queue
 from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
+from .decode.loop import RunningBatch
 from .decode.request import CacheStats, Generation, RequestState
 from .prompt.plan import Plan
 
 logger = logging.getLogger(__name__)
+_ids = itertools.count(1)
+
+
+class RequestStatus(enum.Enum):
+    """Where a submission is. The scheduler's loop moves it along; the last three are final."""
+
+    WAITING = "waiting"  # queued with the admission policy
+    ADMITTING = "admitting"  # chosen, being prefilled in one pass
+    PREFILLING = "prefilling"  # being prefilled in chunks, one per iteration
+    RUNNING = "running"  # its rows decode in the running batch
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED)
 
 
 class Ticket:
     """One submission: its plans (a row each), their request states, and the events its caller reads.
 
     Events are ``("text", str)`` (a single request's text as it is decoded), then ``("done",
-    result)`` or ``("error", exception)``.
+    result)`` or ``("error", exception)``. ``status`` (a :class:`RequestStatus`) is where it is;
+    ``id`` names it in the scheduler. Each of its requests knows it: ``request.owner`` is
+    ``(ticket, index)``, so whichever row of a batch holds a request, its caller is found there.
     """
 
     def __init__(self, plans: Sequence[Plan], requests: Sequence[RequestState], *, use_cache: bool, share: bool,
@@ -34,9 +56,10 @@ class Ticket:
         self.plans, self.requests = list(plans), list(requests)
         self.use_cache, self.share, self.logits_only = use_cache, share, logits_only
         self.submitted = submitted
+        self.id = next(_ids)
+        self.status = RequestStatus.WAITING
         self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.cancelled = False  # set by the caller's side
-        self.closed = False  # set by the loop once the last event is out
         self.results: list[Generation | None] = [None] * len(self.plans)
         self.unfinished = len(self.plans)
         self.listeners: list[Callable[[], None]] = []  # called after every event (an asyncio waiter's wake-up)
@@ -62,6 +85,11 @@ class Ticket:
     def single(self) -> bool:
         return len(self.plans) == 1
 
+    @property
+    def closed(self) -> bool:
+        """Whether its last event is out (its status is final)."""
+        return self.status.final
+
     def emit(self, kind: str, payload: Any) -> None:
         self.events.put((kind, payload))
         for listener in self.listeners:
@@ -73,10 +101,12 @@ class Ticket:
                 logger.warning("a caller's wake-up failed (%s); cancelling its request", err)
                 self.cancelled = True
 
-    def finish(self, kind: str, payload: Any) -> None:
+    def finish(self, status: RequestStatus, payload: Any) -> None:
+        """The last event: the result (``FINISHED``) or the error (``CANCELLED``, ``FAILED``); once only."""
+        assert status.final
         if not self.closed:
-            self.closed = True
-            self.emit(kind, payload)
+            self.status = status
+            self.emit("done" if status is RequestStatus.FINISHED else "error", payload)
 
 
 class TicketQueue(Protocol):
@@ -105,6 +135,45 @@ def wait(ticket: Ticket, cancel: Callable[[Ticket], None]) -> Generator[str, Non
     finally:
         if not over:
             cancel(ticket)
+
+
+def hand_out(batch: RunningBatch, deltas: Sequence[str]) -> tuple[int, int]:
+    """Each row's new text (from :meth:`RunningBatch.take`) to its caller; a row finished at this
+    step gives its caller its result at once (all of them, for a ticket of several rows). A row
+    that failed alone (its processors, grammar, sampler or detokeniser raised) fails its ticket,
+    whose other rows stop at the next step. Returns the rows finished and the rows failed."""
+    finished = failed = 0
+    for row, (request, delta) in enumerate(zip(batch.requests, deltas)):
+        if request.owner is None:  # a vacant row
+            continue
+        ticket, index = request.owner
+        if ticket.closed:
+            continue
+        if request.error is not None:  # this row alone failed (pc_rag.decode.loop.choose)
+            failed += ticket.unfinished
+            ticket.finish(RequestStatus.FAILED, request.error)
+            continue
+        if delta and ticket.single:
+            ticket.emit("text", delta)
+        if batch.alive[row] and batch.fed[row] is None:  # finished at this step (alive: before it)
+            try:
+                tail, result = request.close()
+            except Exception as err:  # noqa: BLE001 - its detokeniser's failure is its request's alone
+                logger.warning("a request failed as it finished (%s: %s); the rows beside it go on", type(err).__name__, err)
+                request.fail(err)
+                failed += ticket.unfinished
+                ticket.finish(RequestStatus.FAILED, err)
+                continue
+            if ticket.cancelled:
+                result.finish_reason = "cancelled"
+            if tail and ticket.single:
+                ticket.emit("text", tail)
+            ticket.results[index] = result
+            ticket.unfinished -= 1
+            finished += 1
+            if ticket.unfinished == 0:
+                ticket.finish(RequestStatus.FINISHED, result if ticket.single else list(ticket.results))
+    return finished, failed
 
 
 class StreamingGeneration(Iterator[str]):

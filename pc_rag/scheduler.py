@@ -2,27 +2,21 @@
 
 Callers (``generate``, ``stream``, ``generate_batch``, ``next_token_logits``, the LangChain and
 LlamaIndex adapters, the server) plan their prompts on their own thread, where a prompt that
-cannot be served is refused before it touches anything shared, and submit a :class:`Ticket`.
-They wait on its events: text as it is decoded, then the result. The loop, every iteration:
+cannot be served is refused before it touches anything shared, and submit a
+:class:`~pc_rag.callers.Ticket`; they read its events (:mod:`pc_rag.callers`). The loop, every
+iteration, calls into the room that owns each step (docs/architecture.md walks one request through them):
 
-1. lets go of rows whose caller went away (a closed stream, a cancelled task);
-2. admits waiting tickets, first come first served, while the running rows (``max_running``),
-   the step's prefill budget (``max_step_tokens``) and the KV buffers' memory budget allow, and
-   prefills them: together in one pass, sharing the module KV they import alike and reading
-   shared what the running rows already hold (:func:`layout.held`), or, for a
-   request admitted alone while others decode, in chunks of the budget, one per iteration, each
-   riding on the running rows' decode step (step 5), so a long prompt never stalls the running
-   rows for more than one budget;
-3. merges the newly prefilled rows into the running batch: in place, into finished rows' slots
-   or rows its buffer reserves, where they fit (:func:`layout.admit`: only the new rows' KV is written), else rebuilt
-   as one buffer with every row's live entries packed to the front (:func:`layout.combine`),
-   dropping finished rows on the way; running rows that had copied a module the newcomers share
-   read the newcomers' part instead (:func:`layout.promote`), so the batch holds it once;
-   one forward pass per step for every row;
-4. takes every row's next token and hands each caller its text; a finished row's caller gets
-   its result at once, and its slot is free for the next admission;
-5. runs one decode step for every row still going, with a newcomer's next prefill chunk in the
-   same forward pass (:mod:`pc_rag.model.packed`: the step rides on the chunk's weight reads).
+1. let go of rows whose caller went away (a closed stream, a cancelled task);
+2. admit: the policy (:mod:`pc_rag.admission`) chooses waiting tickets while rows, the step's
+   prefill budget and the KV buffers' memory budget (:mod:`pc_rag.kv.budget`) allow; they are
+   prefilled together in one pass, reading shared what the running rows hold, or one newcomer in
+   chunks of the step budget, each riding on the running rows' decode step (step 5);
+3. merge the prefilled rows into the running batch (:mod:`pc_rag.decode.layout`: in place where
+   they fit, else rebuilt with every row's live entries packed), or rebuild a half-finished batch;
+4. take every row's next token and hand each caller its text; a finished row's caller gets its
+   result at once (:func:`pc_rag.callers.hand_out`), and its slot is free for the next admission;
+5. feed: one decode step for every row still going, with a newcomer's next prefill chunk in the
+   same forward pass (:mod:`pc_rag.model.packed`).
 
 Models whose attention cannot take per-row masks (ALiBi, learned positions, flash/flex
 attention) are served one request at a time by the same loop. A row whose processors, grammar,
@@ -42,12 +36,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-import torch
-
 from .admission import AdmissionPolicy, FirstComeFirstServed, Limits, Room, in_chunks, rebuild_without_finished
-from .callers import Ticket
+from .callers import RequestStatus, Ticket, hand_out
 from .decode import layout
 from .decode.layout import VacantRow, reserved_rows, vacant_rows
 from .decode.loop import RunningBatch
@@ -56,25 +49,13 @@ from .errors import PromptCacheError, QueueFull, ServingFailed
 from .kv.budget import BufferBudget
 from .kv.buffers import BufferPool
 from .model.spec import ModelSpec
-from .prefill.passes import chunks_of, new_tokens, prefill
-from .prefill.rows import Inputs, Prefilled
+from .prefill.chunked import ChunkedPrefill
+from .prefill.rows import Prefilled
 from .prompt.plan import Plan
 
 logger = logging.getLogger(__name__)
 
 IDLE_EXIT_S = 2.0  # the loop thread ends after this long with nothing to do
-
-
-@dataclass
-class _Chunked:
-    """A newcomer being prefilled one chunk per iteration, alone or riding on the running rows'
-    decode step (one packed forward pass: :func:`pc_rag.decode.loop.decode_one_token_with`)."""
-
-    ticket: Ticket
-    assembled: Any  # pc_rag.prefill.assemble.Assembled: its rows and inputs
-    assembled_at: float
-    chunks: deque[Inputs]  # what is left to prefill, in order
-    logits: torch.Tensor | None = None  # the last chunk's, once it is prefilled
 
 
 @dataclass
@@ -99,11 +80,6 @@ def _owner(request: RequestState) -> Ticket:
     """The ticket ``request`` is a row of."""
     assert request.owner is not None
     return request.owner[0]
-
-
-def _steps_left(batch: RunningBatch) -> int:
-    """The most steps a live row of ``batch`` may still run (its budget: it may stop sooner)."""
-    return max((r.budget - r.steps for r in batch.requests if not r.done), default=0)
 
 
 _OPEN: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
@@ -133,8 +109,9 @@ class Scheduler:
         self.policy: AdmissionPolicy = FirstComeFirstServed() if policy is None else policy  # the waiting tickets
         self._awaiting_room = 0  # submissions waiting for room in a full queue (queue_timeout_s)
         self._batch: RunningBatch | None = None
-        self._chunked: _Chunked | None = None
-        self._admitting: list[Ticket] = []  # taken from the queue, not yet running (failed with the step if it fails)
+        self._chunked: ChunkedPrefill | None = None  # a newcomer prefilled a chunk per iteration
+        self._newcomer: Ticket | None = None  # its ticket
+        self._tickets: dict[int, Ticket] = {}  # every submission held, by id, until its status is final
         self._thread: threading.Thread | None = None
         self._closed = False
         self._stats = SchedulerStats()
@@ -171,6 +148,7 @@ class Scheduler:
                 self._stats.cancelled += 1
                 raise PromptCacheError("the request was cancelled before it was queued")
             self.policy.add(ticket)
+            self._tickets[ticket.id] = ticket
             self._start()
             self._cond.notify_all()
         return ticket
@@ -195,7 +173,8 @@ class Scheduler:
         """Rows decoding now (not finished, not cancelled), and a long prompt being prefilled."""
         batch = self._batch
         live = 0 if batch is None else sum(1 for request in batch.requests if not request.done)
-        return live + (self._chunked.ticket.rows if self._chunked is not None else 0)
+        newcomer = self._newcomer
+        return live + (newcomer.rows if newcomer is not None else 0)
 
     def close(self, timeout: float | None = 5.0) -> None:
         """Stop the loop once what it holds is served; later submissions are refused."""
@@ -221,6 +200,7 @@ class Scheduler:
             held = False  # inside the background encoder's serving(): documents wait while requests are served
             while True:
                 with self._cond:
+                    self._forget_ended()
                     if not self._busy():
                         serving.close()  # background encoding may run while nothing is served
                         held = False
@@ -241,19 +221,19 @@ class Scheduler:
                     logger.exception("scheduler step failed; failing the requests it was serving")
                     self._fail_running(err)
 
+    def _forget_ended(self) -> None:
+        """(Under the lock.) Tickets whose status is final leave the scheduler's table."""
+        for key in [key for key, ticket in self._tickets.items() if ticket.closed]:
+            del self._tickets[key]
+
     def _iteration(self) -> None:
+        """Let go, admit, merge, take and hand out, feed."""
         self._let_go_of_cancelled()
         fresh = self._admit()
-        batch = self._batch
-        # finished rows (not vacant ones: counting those, a compiled batch padded to 16 rows for 9
-        # would rebuild to 8 when one row finished, and back to 16 for the next newcomer)
-        dead = 0 if batch is None else sum(1 for request in batch.requests if request.done and not isinstance(request, VacantRow))
         if fresh is not None:
             self._merge(fresh)
-        elif (batch is not None and rebuild_without_finished(dead, batch.batch, _steps_left(batch), chunking=self._chunked is not None)
-              and self._compaction_fits(batch)):
-            self._merge(None)  # half the rows feed placeholders: rebuild without them (unless a newcomer will take a slot)
-        self._admitting = []
+        elif self._rebuild_due():
+            self._merge(None)  # half the rows feed placeholders: rebuild without them
         batch = self._batch
         if batch is None:
             return
@@ -262,7 +242,8 @@ class Scheduler:
             # the buffer goes back before the callers hear they are done; the batch stays until
             # they have heard (a hand-out that raises fails them: _fail_running)
             self.budget.release(batch.rows.buffer)
-        self._hand_out(batch, deltas)
+        finished, failed = hand_out(batch, deltas)
+        self._count(finished=finished, failed=failed)
         if batch.finished:
             self._batch = None
             return
@@ -279,9 +260,6 @@ class Scheduler:
         cohort = self._choose()
         if not cohort:
             return None
-        self._admitting = cohort
-        with self._cond:
-            self._stats.admitted += sum(t.rows for t in cohort)
         now = time.perf_counter()
         for ticket in cohort:
             for request in ticket.requests:
@@ -302,10 +280,9 @@ class Scheduler:
                 self._fail_cohort(cohort, err)
                 return None
             if plain is not None:  # the plain path (no scored recovery): chunks of the budget
-                assembled, assembled_at = plain
-                self.budget.hold(assembled.rows.buffer, pooled=True)  # one row: the pool's
-                chunks = deque(chunks_of(assembled.rows, assembled.inputs, self.limits.max_step_tokens))
-                self._chunked = _Chunked(first, assembled, assembled_at, chunks)
+                first.status = RequestStatus.PREFILLING
+                self._chunked, self._newcomer = ChunkedPrefill.of(*plain, self.limits.max_step_tokens), first
+                self.budget.hold(self._chunked.buffer, pooled=True)  # one row: the pool's
                 return self._next_chunk()
         try:
             prefilled = self._prefill(plans, answer_tokens, first.use_cache, first.share and (len(plans) > 1 or bool(held)), held)
@@ -324,62 +301,60 @@ class Scheduler:
     def _next_chunk(self) -> RunningBatch | None:
         """The newcomer in chunks: its next chunk alone when no decode step can take it, or its
         prefilled row once the last chunk is done."""
-        chunked = self._chunked
-        assert chunked is not None
-        ticket = chunked.ticket
+        chunked, ticket = self._chunked, self._newcomer
+        assert chunked is not None and ticket is not None
         if ticket.cancelled:
             self._drop_chunked()
             self._cancelled(ticket)
             return None
-        if chunked.logits is None:
+        if not chunked.done:
             if self._fusable():
                 return None  # its next chunk rides on this iteration's decode step (_feed)
             try:
-                logits = prefill(self.forward, chunked.assembled.rows, chunked.chunks.popleft(), self.spec)
+                chunked.prefill_next(self.forward, self.spec)
             except Exception as err:  # noqa: BLE001
                 self._fail_chunked(err)
                 return None
-            self._chunk_done(chunked, logits, fused=False)
-            if chunked.logits is None:
+            self._count_chunk(fused=False)
+            if not chunked.done:
                 return None
-        self._chunked = None
-        prefilled = Prefilled(chunked.assembled.rows, chunked.logits, chunked.assembled.order, chunked.assembled_at)
-        return self._prefilled(prefilled, ticket.requests)
+        self._chunked = self._newcomer = None
+        return self._prefilled(chunked.prefilled(), ticket.requests)
 
-    def _chunk_done(self, chunked: _Chunked, logits: torch.Tensor, *, fused: bool) -> None:
+    def _count_chunk(self, *, fused: bool) -> None:
         with self._cond:
             self._stats.chunks += 1
             self._stats.fused += int(fused)
-        if not chunked.chunks:  # the last chunk: the row is prefilled
-            chunked.logits = logits
 
     def _drop_chunked(self) -> None:
         assert self._chunked is not None
-        self.budget.release(self._chunked.assembled.rows.buffer)
-        self._chunked = None
+        self.budget.release(self._chunked.buffer)
+        self._chunked = self._newcomer = None
 
     def _fail_chunked(self, err: Exception) -> None:
-        assert self._chunked is not None
-        ticket = self._chunked.ticket
+        ticket = self._newcomer
+        assert ticket is not None
         self._drop_chunked()
         self._fail_cohort([ticket], err)
 
     def _feed(self, batch: RunningBatch) -> None:
         """The running rows' decode step, with a newcomer's next chunk in the same forward pass
         where one is waiting for it."""
-        chunked = self._chunked
-        if chunked is None or chunked.logits is not None or chunked.ticket.cancelled or not self._fusable():
+        chunked, ticket = self._chunked, self._newcomer
+        if chunked is None or ticket is None or chunked.done or ticket.cancelled or not self._fusable():
             batch.feed()
             return
         try:
-            logits = batch.feed(alongside=new_tokens(chunked.assembled.rows, chunked.chunks.popleft(), self.spec))
+            logits = batch.feed(alongside=chunked.next_tokens(self.spec))
         except Exception as err:  # noqa: BLE001
             # the newcomer's chunk fails it alone: the running rows take their step without it
             logger.warning("a decode step with a newcomer's prefill chunk failed (%s); stepping without it", err)
             self._fail_chunked(err)
             batch.feed()
             return
-        self._chunk_done(chunked, logits, fused=True)
+        assert logits is not None
+        chunked.took(logits)
+        self._count_chunk(fused=True)
 
     def _prefilled(self, prefilled: Prefilled, requests: list[RequestState]) -> RunningBatch | None:
         rows, order = prefilled.rows, prefilled.order
@@ -394,9 +369,11 @@ class Scheduler:
         ticket = _owner(requests[0])
         if ticket.logits_only:
             self.budget.release(rows.buffer)
-            ticket.finish("done", prefilled.logits[0])
-            self._count_finished(1)
+            ticket.finish(RequestStatus.FINISHED, prefilled.logits[0])
+            self._count(finished=1)
             return None
+        for request in requests:
+            _owner(request).status = RequestStatus.RUNNING
         return RunningBatch(self.forward, rows, requests, prefilled.logits, self.spec)
 
     def _choose(self) -> list[Ticket]:
@@ -407,6 +384,9 @@ class Scheduler:
             room = Room(running=self.running, max_running=self.limits.max_running, max_step_tokens=self.limits.max_step_tokens,
                         one_pass=self.spec.one_pass, fits=self._fits)
             cohort = self.policy.choose(room)
+            for ticket in cohort:
+                ticket.status = RequestStatus.ADMITTING
+            self._stats.admitted += sum(t.rows for t in cohort)
             if cohort:
                 self._cond.notify_all()  # room in the queue
             return cohort
@@ -417,112 +397,41 @@ class Scheduler:
         held while it is built) the batch it is merged into."""
         if self.budget.limit is None:
             return True
-        plans = [(p, r) for t in cohort for p, r in zip(t.plans, t.requests)]
-        entries = max(t.entries for t in cohort)
+        requests = [(len(p.input_ids), r) for t in cohort for p, r in zip(t.plans, t.requests)]
+        merged = None if self._batch is None else layout.merged_shape(self._batch, requests)
+        return self.budget.admits(len(requests), max(t.entries for t in cohort), merged)
+
+    def _rebuild_due(self) -> bool:
+        """Whether the running batch is rebuilt without its finished rows now (the rule:
+        :func:`pc_rag.admission.rebuild_without_finished`), its rebuilt size fitting the budget."""
         batch = self._batch
         if batch is None:
-            return self.budget.admits(len(plans), entries, None)
-        live = [r for r in batch.requests if not r.done]
-        length = max(batch.length, max(len(p.input_ids) for p, _ in plans))
-        steps = max([r.budget - r.steps for r in live] + [r.budget for _, r in plans])
-        return self.budget.admits(len(plans), entries, (len(live) + len(plans), length + steps))
-
-    def _compaction_fits(self, batch: RunningBatch) -> bool:
-        """Whether the running batch rebuilt without its finished rows fits beside it in the budget."""
-        live = sum(1 for r in batch.requests if not r.done)
-        return self.budget.rebuild_fits(live, batch.length + _steps_left(batch))
+            return False
+        # finished rows (not vacant ones: counting those, a compiled batch padded to 16 rows for 9
+        # would rebuild to 8 when one row finished, and back to 16 for the next newcomer)
+        dead = sum(1 for request in batch.requests if request.done and not isinstance(request, VacantRow))
+        return (rebuild_without_finished(dead, batch.batch, layout.steps_left(batch), chunking=self._chunked is not None)
+                and self.budget.rebuild_fits(*layout.merged_shape(batch, [])))
 
     def _vacant(self, rows: int) -> int:
         return vacant_rows(self.forward.compiled, self.limits.max_running, rows)
 
     # -- the running batch -------------------------------------------------------------------
     def _merge(self, fresh: RunningBatch | None) -> None:
-        """The running batch's live rows and ``fresh``'s rows as one batch."""
-        batch = self._batch
-        if batch is None:
-            assert fresh is not None
-            self._batch = self._padded(fresh)
-            return
-        if fresh is not None:
-            if fresh.rows.shared is not None:  # running rows that copied what the newcomers share read it with them
-                promoted = layout.promote(batch, fresh.rows.shared)
-                with self._cond:
-                    self._stats.promoted += promoted
-            slots = layout.admit(batch, fresh)  # finished rows' slots or reserved rows: the running rows are not copied
-            if slots is not None:
-                self.budget.release(fresh.rows.buffer)
-                self.budget.track()  # the running batch's buffer may have widened into its reserve
-                with self._cond:
-                    self._stats.in_place += 1
-                return
-        keep = [row for row, request in enumerate(batch.requests) if not request.done]
-        sources: list[tuple[RunningBatch, Sequence[int]]] = [(batch, keep)] if keep else []
-        if fresh is not None:
-            sources.append((fresh, range(fresh.batch)))
-        if not sources:
-            self._drop_batch()
-            return
-        if len(sources) == 1 and fresh is not None:
-            merged = self._padded(fresh)
-        else:
-            rows = sum(len(kept) for _, kept in sources)
-            reserve = reserved_rows(self.spec.device, self.forward.compiled, self.limits.max_running, rows)
-            merged = layout.combine(sources, reserve=reserve, vacant=self._vacant(rows))
-            self.budget.hold(merged.rows.buffer)
-            with self._cond:
-                self._stats.merges += 1
-            if fresh is not None:
-                self.budget.release(fresh.rows.buffer)
-        self.budget.release(batch.rows.buffer)
-        self._batch = merged
-
-    def _padded(self, fresh: RunningBatch) -> RunningBatch:
-        """``fresh`` as the running batch (:func:`layout.padded`): under ``compile`` a copy with
-        vacant rows, held in its place."""
-        padded = layout.padded(fresh, self._vacant(fresh.batch))
-        if padded is not fresh:
-            self.budget.hold(padded.rows.buffer)
-            self.budget.release(fresh.rows.buffer)
-        return padded
-
-    def _drop_batch(self) -> None:
-        if self._batch is not None:
-            self.budget.release(self._batch.rows.buffer)
-        self._batch = None
-
-    def _hand_out(self, batch: RunningBatch, deltas: list[str]) -> None:
-        """Each row's new text to its caller; a finished row's result at once."""
-        finished = 0
-        for row, (request, delta) in enumerate(zip(batch.requests, deltas)):
-            owner = request.owner
-            if owner is None:  # a vacant row
-                continue
-            ticket, index = owner
-            if ticket.closed:
-                continue
-            if request.error is not None:  # this row alone failed (pc_rag.decode.loop.choose)
-                self._fail_ticket(ticket, request.error)
-                continue
-            if delta and ticket.single:
-                ticket.emit("text", delta)
-            if batch.alive[row] and batch.fed[row] is None:  # finished at this step (alive: before it)
-                try:
-                    tail, result = request.close()
-                except Exception as err:  # noqa: BLE001 - its detokeniser's failure is its request's alone
-                    logger.warning("a request failed as it finished (%s: %s); the rows beside it go on", type(err).__name__, err)
-                    request.fail(err)
-                    self._fail_ticket(ticket, err)
-                    continue
-                if ticket.cancelled:
-                    result.finish_reason = "cancelled"
-                if tail and ticket.single:
-                    ticket.emit("text", tail)
-                ticket.results[index] = result
-                ticket.unfinished -= 1
-                finished += 1
-                if ticket.unfinished == 0:
-                    ticket.finish("done", result if ticket.single else list(ticket.results))
-        self._count_finished(finished)
+        """``fresh``'s rows into the running batch, or (None) the batch rebuilt without its
+        finished rows (:func:`pc_rag.decode.layout.merge`); the budget holds what it allocated."""
+        reserve = partial(reserved_rows, self.spec.device, self.forward.compiled, self.limits.max_running)
+        merged = layout.merge(self._batch, fresh, reserve=reserve, vacant=self._vacant)
+        if merged.made is not None:
+            self.budget.hold(merged.made)  # the peak counts it beside the buffers it replaces
+        for buffer in merged.dropped:
+            self.budget.release(buffer)
+        self.budget.track()  # an in-place admission may have widened the buffer into its reserve
+        self._batch = merged.batch
+        with self._cond:
+            self._stats.promoted += merged.promoted
+            self._stats.in_place += int(merged.how == "in place")
+            self._stats.merges += int(merged.how == "rebuilt")
 
     def _let_go_of_cancelled(self) -> None:
         """Rows whose caller went away, or whose ticket failed in another of its rows, stop now
@@ -541,15 +450,16 @@ class Scheduler:
                     self._cancelled(ticket)
 
     # -- endings -----------------------------------------------------------------------------
-    def _count_finished(self, count: int) -> None:
-        if count:
+    def _count(self, *, finished: int = 0, failed: int = 0) -> None:
+        if finished or failed:
             with self._cond:
-                self._stats.finished += count
+                self._stats.finished += finished
+                self._stats.failed += failed
 
     def _cancelled(self, ticket: Ticket) -> None:
         with self._cond:
             self._stats.cancelled += 1
-        ticket.finish("error", PromptCacheError("the request was cancelled"))
+        ticket.finish(RequestStatus.CANCELLED, PromptCacheError("the request was cancelled"))
 
     def _fail_cohort(self, cohort: Sequence[Ticket], err: Exception) -> None:
         """A prefill failed: with several tickets, each is tried again alone, so only the one that
@@ -559,36 +469,24 @@ class Scheduler:
             with self._cond:
                 self.policy.retry_first(cohort)
                 for ticket in cohort:
-                    ticket.alone = True
+                    ticket.alone, ticket.status = True, RequestStatus.WAITING
             return
-        with self._cond:
-            self._stats.failed += cohort[0].rows
-        cohort[0].finish("error", err)
-
-    def _fail_ticket(self, ticket: Ticket, err: Exception) -> None:
-        """One of ``ticket``'s rows failed: the ticket fails (its other rows stop at the next step;
-        rows of its batch that finished stay finished)."""
-        with self._cond:
-            self._stats.failed += ticket.unfinished
-        ticket.finish("error", err)
+        self._count(failed=cohort[0].rows)
+        cohort[0].finish(RequestStatus.FAILED, err)
 
     def _fail_running(self, err: Exception) -> None:
         """A step raised outside any one row: the requests it was serving fail, and the running
         state is dropped first, whatever fails after, so the next step starts clean (a state left
         half dropped would fail every step after it, or end the loop with callers waiting)."""
-        running = self._batch.requests if self._batch is not None else []
-        tickets = {id(r.owner[0]): r.owner[0] for r in running if r.owner is not None}
-        tickets.update((id(t), t) for t in self._admitting)
-        chunked = self._chunked
-        if chunked is not None:
-            tickets[id(chunked.ticket)] = chunked.ticket
-        self._batch, self._chunked, self._admitting = None, None, []
+        serving = (RequestStatus.ADMITTING, RequestStatus.PREFILLING, RequestStatus.RUNNING)
+        with self._cond:
+            tickets = [t for t in self._tickets.values() if t.status in serving]
+        self._batch, self._chunked, self._newcomer = None, None, None
         for buffer in self.budget.held():  # the batch's, a chunked newcomer's, a merge's half built
             try:
                 self.budget.release(buffer)
             except Exception:  # noqa: BLE001 - a buffer the pool cannot take back is left to the collector
                 logger.exception("a failed step's KV buffer could not go back to the pool; dropping it")
-        with self._cond:
-            self._stats.failed += sum(t.rows for t in tickets.values() if not t.closed)
-        for ticket in tickets.values():
-            ticket.finish("error", ServingFailed(f"the step serving this request failed: {err}"))
+        self._count(failed=sum(t.rows for t in tickets))
+        for ticket in tickets:
+            ticket.finish(RequestStatus.FAILED, ServingFailed(f"the step serving this request failed: {err}"))

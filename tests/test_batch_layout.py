@@ -195,3 +195,38 @@ def joining(engine, prompt: str, tokens: int, held):
     ticket = engine._ticket(plans, SamplingParams(max_new_tokens=tokens), True, 0.0, share=True)
     prefilled = engine._prefill(plans, tokens, True, True, held)
     return RunningBatch(engine.forward, prefilled.rows, ticket.requests, prefilled.logits, engine.spec)
+
+
+def test_merge_says_what_it_allocated_and_let_go_of(engine):
+    """layout.merge, the scheduler's one call per merge: a first batch as it is (or padded), a
+    newcomer in place where a row is free (its own buffer let go), else a rebuild into a new
+    buffer (the old ones let go), and a batch whose rows all finished dropped."""
+    engine.stop_token_ids.clear()
+    names = engine.names
+    prompts = [(build_prompt(f"Tell me about harbour {i}.", names[i : i + 2]), n) for i, n in enumerate((3, 12, 8, 8))]
+    lone = [engine.generate(p, max_new_tokens=n).token_ids for p, n in prompts]
+    out: dict[int, list[int]] = {}
+    no_reserve, one_reserved = (lambda rows: 0), (lambda rows: 1)
+    first = running_alone(engine, *prompts[0])
+    started = layout.merge(None, first, reserve=no_reserve, vacant=no_reserve)
+    assert (started.batch, started.made, started.dropped, started.how) == (first, None, [], "started")
+    padded = layout.merge(None, running_alone(engine, *prompts[0]), reserve=no_reserve, vacant=lambda rows: 3)
+    assert padded.how == "started" and padded.batch.batch == 4 and padded.made is padded.batch.rows.buffer
+    second = running_alone(engine, *prompts[1])
+    rebuilt = layout.merge(first, second, reserve=one_reserved, vacant=no_reserve)  # no free row in a lone batch: rebuilt
+    assert rebuilt.how == "rebuilt" and rebuilt.made is rebuilt.batch.rows.buffer
+    assert rebuilt.dropped == [second.rows.buffer, first.rows.buffer] and rebuilt.batch.rows.buffer.reserved == 1
+    batch = rebuilt.batch
+    third = running_alone(engine, *prompts[2])
+    in_place = layout.merge(batch, third, reserve=no_reserve, vacant=no_reserve)
+    assert (in_place.batch, in_place.made, in_place.dropped, in_place.how) == (batch, None, [third.rows.buffer], "in place")
+    assert batch.batch == 3
+    while not batch.requests[0].done:  # the first row finishes: a newcomer takes its slot in place
+        step(batch, out)
+    assert layout.merge(batch, running_alone(engine, *prompts[3]), reserve=no_reserve, vacant=no_reserve).how == "in place"
+    while not step(batch, out):
+        pass
+    dropped = layout.merge(batch, None, reserve=no_reserve, vacant=no_reserve)
+    assert (dropped.batch, dropped.made, dropped.dropped, dropped.how) == (None, None, [batch.rows.buffer], "dropped")
+    requests = [first.requests[0], second.requests[0], third.requests[0], batch.requests[0]]
+    assert [out.get(id(r)) for r in requests] == lone

@@ -767,3 +767,37 @@ def test_callers_arriving_apart_share_the_documents_they_import(engine):
     assert got == lone
     after = engine.scheduler.stats()
     assert after["promoted"] - stats["promoted"] >= 1
+
+
+def test_a_tickets_status_follows_it_through_the_loop_and_it_leaves_the_table_at_the_end(engine):
+    """One status per submission (pc_rag.callers.RequestStatus): waiting when built, running while
+    its text comes, finished with its result, cancelled when its caller leaves; each of its
+    requests names it as owner; the scheduler's table of tickets empties once every one is final."""
+    import time
+
+    from pc_rag.callers import RequestStatus, wait
+    from pc_rag.decode.request import sampling_params
+
+    engine.stop_token_ids.clear()
+
+    def ticket(max_new_tokens: int):
+        plans = engine._prepare([build_prompt("Tell me about harbour 1.", engine.names[:2])], True)
+        params = sampling_params({"max_new_tokens": max_new_tokens}, engine.generation_config)
+        return engine._ticket(plans, params, True, time.perf_counter(), share=True)
+
+    done = ticket(6)
+    assert done.status is RequestStatus.WAITING and done.requests[0].owner == (done, 0) and not done.closed
+    seen: list[RequestStatus] = []
+    done.listeners.append(lambda: seen.append(done.status))
+    text = "".join(wait(engine.scheduler.submit(done), engine.scheduler.cancel))
+    assert text and set(seen[:-1]) == {RequestStatus.RUNNING} and seen[-1] is RequestStatus.FINISHED and done.closed
+
+    left = ticket(400)
+    stream = wait(engine.scheduler.submit(left), engine.scheduler.cancel)
+    next(stream)
+    stream.close()  # the caller leaves
+    while left.events.get()[0] != "error":
+        pass
+    assert left.status is RequestStatus.CANCELLED
+    engine.scheduler.close()
+    assert engine.scheduler._tickets == {}

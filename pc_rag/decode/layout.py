@@ -8,15 +8,16 @@ rows hold, between two steps:
 - :func:`combine`: several batches' rows rebuilt as one buffer, each row's live entries packed to
   the front, finished rows dropped, with reserved rows (:func:`reserved_rows`) or, under
   ``compile``, vacant rows (:class:`VacantRow`, :func:`vacant_rows`) for later arrivals;
-  :func:`padded` a freshly prefilled batch as the running batch;
+  :func:`merge` newcomers into the running batch (in place, else rebuilt), :func:`padded` a freshly
+  prefilled batch as the running batch;
 - :func:`held` and :func:`promote`: the shared parts and copied modules the live rows read, that a
   newcomer reads with them, and running rows that stop reading their copy to share a newcomer's part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -265,12 +266,74 @@ def combine(sources: Sequence[tuple[RunningBatch, Sequence[int]]], *, reserve: i
     return RunningBatch(forward, packed, requests, torch.cat(logits), spec)
 
 
-def padded(fresh: RunningBatch, vacant: int) -> RunningBatch:
+def steps_left(batch: RunningBatch) -> int:
+    """The most steps a live row of ``batch`` may still run (its budget: it may stop sooner)."""
+    return max((r.budget - r.steps for r in batch.requests if not r.done), default=0)
+
+
+def merged_shape(batch: RunningBatch, newcomers: Sequence[tuple[int, RequestState]]) -> tuple[int, int]:
+    """(rows, entries) of the batch :func:`combine` builds from ``batch``'s live rows and
+    ``newcomers`` (each a prompt length and its request): what a merge, or (none) a rebuild
+    without the finished rows, allocates."""
+    live = [r for r in batch.requests if not r.done]
+    length = max([batch.length] + [prompt for prompt, _ in newcomers])
+    steps = max([r.budget - r.steps for r in live] + [r.budget for _, r in newcomers] + [0])
+    return len(live) + len(newcomers), length + steps
+
+
+@dataclass
+class Merged:
+    """What :func:`merge` did: the running batch now, the buffer it allocated (the caller holds
+    it) and the buffers it let go of (the caller releases them, after holding the new one)."""
+
+    batch: RunningBatch | None  # None: no row left
+    made: KVBuffer | None
+    dropped: list[KVBuffer]
+    how: str  # "started", "in place", "rebuilt" or "dropped"
+    promoted: int = 0  # running rows that now read a newcomer's shared part instead of their copy
+
+
+def merge(batch: RunningBatch | None, fresh: RunningBatch | None, *, reserve: Callable[[int], int],
+          vacant: Callable[[int], int]) -> Merged:
+    """The running ``batch``'s live rows and ``fresh``'s (newly prefilled) rows as one batch;
+    with no ``fresh``, ``batch`` rebuilt without its finished rows.
+
+    Running rows that copied a module the newcomers share read the newcomers' part instead
+    (:func:`promote`); the newcomers are written in place where they fit (:func:`admit`), else
+    every live row is packed into a new buffer (:func:`combine`) with ``reserve(rows)`` reserved
+    rows, or ``vacant(rows)`` vacant ones under ``compile``. A first batch is ``fresh`` itself,
+    or its padded copy (:func:`padded`)."""
+    if batch is None:
+        assert fresh is not None
+        return padded(fresh, vacant(fresh.batch))
+    promoted = 0
+    if fresh is not None:
+        if fresh.rows.shared is not None:
+            promoted = promote(batch, fresh.rows.shared)
+        if admit(batch, fresh) is not None:  # the running rows are not copied
+            return Merged(batch, None, [fresh.rows.buffer], "in place", promoted)
+    keep = [row for row, request in enumerate(batch.requests) if not request.done]
+    sources: list[tuple[RunningBatch, Sequence[int]]] = [(batch, keep)] if keep else []
+    if fresh is not None:
+        sources.append((fresh, range(fresh.batch)))
+    if not sources:
+        return Merged(None, None, [batch.rows.buffer], "dropped", promoted)
+    if len(sources) == 1 and fresh is not None:  # every running row is finished: the newcomers alone
+        started = padded(fresh, vacant(fresh.batch))
+        return Merged(started.batch, started.made, [*started.dropped, batch.rows.buffer], "started", promoted)
+    rows = sum(len(kept) for _, kept in sources)
+    merged = combine(sources, reserve=reserve(rows), vacant=vacant(rows))
+    dropped = [fresh.rows.buffer] if fresh is not None else []
+    return Merged(merged, merged.rows.buffer, [*dropped, batch.rows.buffer], "rebuilt", promoted)
+
+
+def padded(fresh: RunningBatch, vacant: int) -> Merged:
     """``fresh`` as the running batch: as it is, or (``vacant`` rows, under ``compile``) copied
-    into a batch with that many vacant rows, whose buffer the caller then releases."""
+    into a batch with that many vacant rows."""
     if not vacant:
-        return fresh
-    return combine([(fresh, range(fresh.batch))], vacant=vacant)
+        return Merged(fresh, None, [], "started")
+    copy = combine([(fresh, range(fresh.batch))], vacant=vacant)
+    return Merged(copy, copy.rows.buffer, [fresh.rows.buffer], "started")
 
 
 def _pack_row(old: Rows, row: int, runs: Sequence[tuple[int, int]], new: Rows, at: int, begin: int) -> None:
