@@ -15,11 +15,11 @@ if TYPE_CHECKING:
     from .prompt.documents import DocumentRecord, build_prompt, module_reference
     from .prompt.plan import Plan, Segment
     from .prompt.pml import PML, escape, parse_prompt, parse_schema
-    from .registry import Schema
+    from .registry_snapshot import Schema
 
 # imported on first use (PEP 562): `pc-rag --help` and light tools do not pay for torch
 _WHERE = {
-    "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry", "DocumentRecord": "prompt.documents",
+    "DEFAULT_ENCODING": "engine", "PromptCache": "engine", "Schema": "registry_snapshot", "DocumentRecord": "prompt.documents",
     "build_prompt": "prompt.documents", "module_reference": "prompt.documents", "PromptCacheError": "errors", "QueueFull": "errors",
     "ServingFailed": "errors", "ContextWindowExceeded": "errors", "UnknownModule": "errors",
     "CacheStats": "decode.request", "Generation": "decode.request", "TokenLogprob": "decode.logprobs", "Plan": "prompt.plan", "Segment": "prompt.plan",

@@ -42,7 +42,8 @@ from .prefill.recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strateg
 from .prompt.documents import SEPARATOR, check_name
 from .prompt.layout import ENCODINGS, Encoding
 from .registration import Registration
-from .registry import Registry, Schema
+from .registry import Registry
+from .registry_snapshot import Schema
 from .registry_sync import RegistrySync
 from .scheduler import Scheduler
 from .serving import Serving
@@ -206,10 +207,9 @@ class PromptCache(Registration, Serving):
 
     def _scheduler(self, limits: Limits) -> Scheduler:
         """The loop that runs every request: it prefills through this engine's prefill path."""
-        return Scheduler(
-            spec=self.spec, buffers=self.buffers, kv_bytes_per_token=self.spec.kv_bytes_per_token(self.spec.dtype), limits=limits,
-            prefill=self._prefill, assemble=self._assemble_plain,
-            serving=self.background.serving, observe_prefill=self.costs.observe_prefill, forward=self.forward)
+        return Scheduler(spec=self.spec, buffers=self.buffers, kv_bytes_per_token=self.spec.kv_bytes_per_token(self.spec.dtype),
+                         limits=limits, prefill=self._prefill, assemble=self._assemble_plain, serving=self.background.serving,
+                         observe_prefill=self.costs.observe_prefill, forward=self.forward)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, device: str | torch.device | None = None,

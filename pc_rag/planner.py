@@ -25,7 +25,7 @@ from .prefill.recovery import encoded_behind
 from .prompt.documents import split_references
 from .prompt.plan import ModuleSpan, Plan, Segment, close_names, compute_last, plan_prompt
 from .prompt.pml import PML, parse_prompt
-from .registry import Schema, Snapshot
+from .registry_snapshot import Schema, Snapshot
 
 
 def scope(collections: str | Iterable[str] | None) -> frozenset[str] | None:

@@ -14,7 +14,8 @@ from .kv.remote import RemoteTier
 from .kv.store import ModuleStore
 from .prompt.documents import DEFAULT_SCHEMA, DocumentRecord, check_name, normalize
 from .prompt.neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, NeighbourSearch, check_context, reorder, searched_neighbours
-from .registry import Registry, Schema
+from .registry import Registry
+from .registry_snapshot import Schema
 from .registry_sync import RegistrySync
 
 

@@ -22,7 +22,8 @@ from . import planner
 from .background import BackgroundEncoder
 from .callers import AsyncStream, StreamingGeneration, Ticket, wait
 from .decode.constrained import Vocabulary
-from .decode.request import Generation, RequestState, SamplingParams, sampling_params
+from .decode.request import Generation, RequestState
+from .decode.sampling import SamplingParams, sampling_params
 from .errors import ContextWindowExceeded, PromptCacheError
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CostModel, compute_in_prompt, load_or_compute, short_prefixes

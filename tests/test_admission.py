@@ -9,7 +9,7 @@ import pytest
 
 from pc_rag.admission import COMPACTION_MIN_STEPS, FirstComeFirstServed, Limits, Room, in_chunks, rebuild_without_finished
 from pc_rag.callers import Ticket
-from pc_rag.decode.request import sampling_params
+from pc_rag.decode.sampling import sampling_params
 
 SCHEMA = '<schema name="shop"><module name="hours">The shop opens at nine and closes at five on weekdays.</module></schema>'
 

@@ -22,7 +22,7 @@ LAYERS = (
     ("model",),
     ("prefill",),
     ("decode",),
-    ("registry", "registry_sync", "planner", "embedding"),
+    ("registry_snapshot", "registry", "registry_sync", "planner", "embedding"),
     ("background", "callers", "admission", "scheduler", "registration", "serving", "warm_up", "conformance"),
     ("engine", "engine_parts"),
     ("integrations", "retrievers", "server", "distributed", "corpus", "demo", "cli"),
@@ -110,6 +110,23 @@ def _lengths(path: Path):
 def test_no_function_over_60_lines():
     long = [f"{p.relative_to(ROOT)}:{line} {name} ({n} lines)" for p in MODULES.values() for name, line, n in _lengths(p) if n > 60]
     assert long == []
+
+
+def test_no_module_over_500_lines():
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in MODULES.values() if (n := len(p.read_text().splitlines())) > 500]
+    assert long == []
+
+
+# the serving loop's rooms (docs/architecture.md, "The scheduler's loop"): the scheduler calls into
+# each, and none reaches back into the scheduler
+SERVING_ROOMS = ("pc_rag.callers", "pc_rag.admission", "pc_rag.kv.budget", "pc_rag.decode.layout", "pc_rag.decode.loop",
+                 "pc_rag.prefill.chunked")
+
+
+def test_the_scheduler_calls_into_each_room_and_no_room_into_the_scheduler():
+    called = {target for target, _, _ in imports("pc_rag.scheduler")}
+    assert [room for room in SERVING_ROOMS if room not in called] == []
+    assert [room for room in SERVING_ROOMS if any(t == "pc_rag.scheduler" for t, _, _ in imports(room))] == []
 
 
 def test_lint_is_clean():

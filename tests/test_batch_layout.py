@@ -44,7 +44,7 @@ def test_a_compiled_batch_is_padded_to_a_power_of_two_rows_within_max_running():
 
 def running_alone(engine, prompt: str, tokens: int):
     """One prompt prefilled alone as a running batch of one row, as the scheduler admits it."""
-    from pc_rag.decode.request import SamplingParams
+    from pc_rag.decode.sampling import SamplingParams
 
     plans = engine._prepare([prompt], True)
     ticket = engine._ticket(plans, SamplingParams(max_new_tokens=tokens), True, 0.0, share=False)
@@ -189,7 +189,7 @@ def test_a_newcomer_reads_what_running_rows_hold_and_a_copy_becomes_shared(engin
 
 def joining(engine, prompt: str, tokens: int, held):
     """One prompt prefilled to join a running batch that holds ``held``, as the scheduler admits it."""
-    from pc_rag.decode.request import SamplingParams
+    from pc_rag.decode.sampling import SamplingParams
 
     plans = engine._prepare([prompt], True)
     ticket = engine._ticket(plans, SamplingParams(max_new_tokens=tokens), True, 0.0, share=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pc_rag import PromptCache
-from pc_rag.decode.request import TokenHistory
+from pc_rag.decode.sampling import TokenHistory
 from pc_rag.errors import PromptCacheError
 
 PROMPT = "the cat sat on the mat and then the cat sat on the"

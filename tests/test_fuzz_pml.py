@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pc_rag import PromptCacheError
-from pc_rag.prompt.pml import parse_markup, parse_prompt, parse_schema
+from pc_rag.prompt.markup import parse_markup
+from pc_rag.prompt.pml import parse_prompt, parse_schema
 
 # fragments that steer random text towards almost-valid markup, where parser bugs live
 FRAGMENTS = st.sampled_from([

@@ -279,7 +279,7 @@ def test_a_prefill_chunk_rides_on_the_decode_step_exactly(make_engine, make_tiny
     from pc_rag import PromptCache
     from pc_rag.decode import layout
     from pc_rag.decode.loop import RunningBatch
-    from pc_rag.decode.request import SamplingParams
+    from pc_rag.decode.sampling import SamplingParams
     from pc_rag.prefill.passes import chunks_of, new_tokens
 
     from .test_batch_layout import running_alone, step
@@ -568,7 +568,7 @@ def test_a_row_that_fails_while_decoding_fails_alone(engine, monkeypatch):
     """A row whose sampler raises mid-answer fails its own caller; the rows decoding in the same
     steps answer as alone, and the loop lives on. The fault is injected into one request's sampler
     (picked by its seed), as the tests above inject theirs into the encoder and the packed pass."""
-    from pc_rag.decode.request import Sampler
+    from pc_rag.decode.sampling import Sampler
 
     names = engine.names
     prompts = [build_prompt(f"How far is harbour {i}?", names[i : i + 2]) for i in range(4)]
@@ -776,7 +776,7 @@ def test_a_tickets_status_follows_it_through_the_loop_and_it_leaves_the_table_at
     import time
 
     from pc_rag.callers import RequestStatus, wait
-    from pc_rag.decode.request import sampling_params
+    from pc_rag.decode.sampling import sampling_params
 
     engine.stop_token_ids.clear()
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pc_rag import UnknownModule
-from pc_rag.server.app import _error
+from pc_rag.server.wire import api_error
 
 from .conftest import SQUAD
 from .servers import MODEL, ServerProcess
@@ -116,7 +116,7 @@ def test_documents_reach_encoded_while_another_tenants_traffic_never_stops(serve
 
 def test_a_document_deleted_after_it_was_named_answers_404_not_400():
     # the race (deleted between the server's check and the request's plan) as the server answers it
-    error = _error(UnknownModule("module reference to unknown module 'x' in schema 'alpha'", schema="alpha", name="x"))
+    error = api_error(UnknownModule("module reference to unknown module 'x' in schema 'alpha'", schema="alpha", name="x"))
     assert (error.status, error.body()["error"]["code"]) == (404, "not_found")
     assert error.body()["error"]["message"] == "document 'x' in collection 'alpha' not found"
 

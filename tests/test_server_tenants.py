@@ -361,7 +361,7 @@ async def test_a_stream_whose_client_is_gone_before_its_first_byte_still_closes(
     gives back the key's slots."""
     from starlette.requests import ClientDisconnect
 
-    from pc_rag.server.app import _EventStream
+    from pc_rag.server.streaming import EventStream
 
     started, closed = [], []
 
@@ -379,5 +379,5 @@ async def test_a_stream_whose_client_is_gone_before_its_first_byte_still_closes(
         raise OSError("the client is gone")
 
     with pytest.raises(ClientDisconnect):
-        await _EventStream(events(), close)({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        await EventStream(events(), close)({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
     assert closed == [True] and started == []

@@ -14,29 +14,29 @@ scheduler's next step.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from contextlib import suppress
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any
 
 from pydantic import Field
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..background import IN_PROGRESS, QUEUED
 from ..callers import gather_or_cancel
 from ..decode.logprobs import chat_logprobs, completion_logprobs
-from ..decode.request import Generation, SamplingParams
-from ..errors import PromptCacheError, QueueFull, ServingFailed, UnknownModule
+from ..decode.request import Generation
+from ..decode.sampling import SamplingParams
+from ..errors import PromptCacheError
 from ..integrations._shared import model_name as engine_model_name
 from ..prompt.documents import DEFAULT_SCHEMA, SEPARATOR, check_name, module_reference
 from .backend import LocalBackend, call_payload
 from .metrics import CONTENT_TYPE, Metrics
 from .quota import Quota, Slots
+from .streaming import ClientGone, EventStream, StreamedChoice, merge_streams, prepend, sse, unless_disconnected
 from .tenants import SINGLE_USER, Tenant, Tenants
 from .wire import (
     ApiError,
@@ -44,7 +44,7 @@ from .wire import (
     ChatRequest,
     CompletionRequest,
     RequestBody,
-    bad_request,
+    api_error,
     chat_call,
     chat_chunk,
     chat_response,
@@ -54,7 +54,6 @@ from .wire import (
     completion_response,
     new_id,
     not_found,
-    rate_limited,
     read_body,
     reply_message,
     usage,
@@ -80,10 +79,6 @@ class _Document(RequestBody):
 
 class _Documents(RequestBody):
     documents: list[_Document] = Field(min_length=1)
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
 
 
 class Server:
@@ -185,8 +180,8 @@ class Server:
     async def _whole(self, request: Request, slots: Slots, calls: list[Call], n: int, documents: Sequence[str] = ()) -> list[Generation]:
         """Every call's Generation (a refused one cancels the rest); a client gone first is charged."""
         try:
-            return await _unless_disconnected(request, gather_or_cancel(*(self._generate(c, slots.tenant, documents) for c in calls)))
-        except _ClientGone:
+            return await unless_disconnected(request, gather_or_cancel(*(self._generate(c, slots.tenant, documents) for c in calls)))
+        except ClientGone:
             self._charge_departed(slots, calls)
             raise
 
@@ -225,14 +220,14 @@ class Server:
         ``slots`` until it ends."""
         scope = slots.tenant.scope
         started = time.perf_counter()
-        streamed = [_Choice(i, call, self.backend.stream(call_payload(call.prompt, call.params, scope, documents)))
+        streamed = [StreamedChoice(i, call, self.backend.stream(call_payload(call.prompt, call.params, scope, documents)))
                     for i, call in enumerate(calls)]
         try:
-            await _unless_disconnected(request, gather_or_cancel(*(choice.start() for choice in streamed)))
+            await unless_disconnected(request, gather_or_cancel(*(choice.start() for choice in streamed)))
         except BaseException as exc:
             for choice in streamed:
                 await choice.stream.aclose()
-            if isinstance(exc, _ClientGone):  # charged like a stream cut before anything reached it
+            if isinstance(exc, ClientGone):  # charged like a stream cut before anything reached it
                 self._charge_departed(slots, calls, [0 for _ in calls])
             raise
         for choice in streamed:  # observed now: a client that leaves mid-reply (perhaps tired of a slow first token) counts too
@@ -244,23 +239,23 @@ class Server:
                 await choice.stream.aclose()  # a disconnect cancels the events: the rows are let go
             held.release()
 
-        return _EventStream(self._events(request_id, streamed, chat, held), close)
+        return EventStream(self._events(request_id, streamed, chat, held), close)
 
-    async def _events(self, request_id: str, streamed: list["_Choice"], chat: bool, slots: Slots) -> AsyncIterator[str]:
+    async def _events(self, request_id: str, streamed: list["StreamedChoice"], chat: bool, slots: Slots) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         finished = False
         try:
-            async for chunk in _merge([self._choice_chunks(request_id, choice, chat) for choice in streamed]):
-                yield _sse(chunk)
+            async for chunk in merge_streams([self._choice_chunks(request_id, choice, chat) for choice in streamed]):
+                yield sse(chunk)
             results: list[Generation] = [choice.stream.result for choice in streamed]
             for result in results:
                 self.metrics.generation(result, streamed=True)
             slots.charge(usage(results, len(results))["total_tokens"])
             finished = True
             if streamed[0].call.include_usage:
-                yield _sse(usage_chunk(request_id, self.model, kind, results))
+                yield sse(usage_chunk(request_id, self.model, kind, results))
         except Exception as exc:  # headers are sent: the error is the stream's last event
-            yield _sse(_error(exc, chat=chat).body())  # _error logs what is not the client's fault
+            yield sse(api_error(exc, chat=chat).body())  # _error logs what is not the client's fault
         finally:
             if not finished:  # its client left (or it failed): counted and charged for what it was sent
                 sent = [_count(self.backend.tokenizer, "".join(c.texts)) for c in streamed]
@@ -268,14 +263,14 @@ class Server:
                 self._charge_departed(slots, [c.call for c in streamed], sent)
         yield "data: [DONE]\n\n"
 
-    async def _choice_chunks(self, request_id: str, choice: "_Choice", chat: bool) -> AsyncIterator[dict[str, Any]]:
+    async def _choice_chunks(self, request_id: str, choice: "StreamedChoice", chat: bool) -> AsyncIterator[dict[str, Any]]:
         """One choice's chunks: its text as it comes (each piece with the log-probabilities of the
         tokens it completes: LoggedPiece), then its finish (a reply that may be a tool call, whole)."""
         tokenizer, index, call = self.backend.tokenizer, choice.index, choice.call
         if chat:
             yield chat_chunk(request_id, self.model, {"role": "assistant", "content": ""}, index=index)
         sent = shown = 0  # log-probability entries and characters streamed so far
-        async for piece in _prepend(choice.first, choice.stream):
+        async for piece in prepend(choice.first, choice.stream):
             choice.texts.append(piece)
             if call.tools:  # the reply may be a tool call: read it whole before anything is sent
                 continue
@@ -382,89 +377,6 @@ class Server:
 
 
 # -- plumbing -------------------------------------------------------------------------------------
-class _EventStream(StreamingResponse):
-    """Server-sent events that run ``close`` however the response ends: sent whole, cut by a
-    disconnect, or never started (a client gone before the first byte: the events' generator
-    never runs, so its own ``finally`` could not be relied on)."""
-
-    def __init__(self, events: AsyncIterator[str], close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._close = close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._close()
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-class _Choice:
-    """One streamed choice: its call, its stream, its first piece (awaited before the response
-    starts) and when it came (``first_at``, ``time.perf_counter()``), and the text streamed so far."""
-
-    def __init__(self, index: int, call: Call, stream: Any) -> None:
-        self.index, self.call, self.stream = index, call, stream
-        self.first: str | None = None
-        self.first_at = 0.0
-        self.texts: list[str] = []
-
-    async def start(self) -> None:
-        try:
-            self.first = await self.stream.__anext__()
-        except StopAsyncIteration:
-            self.first = None
-        self.first_at = time.perf_counter()
-
-
-T = TypeVar("T")
-
-
-async def _merge(sources: list[AsyncIterator[T]]) -> AsyncIterator[T]:
-    """The items of every source as they come (one source: in turn); a source's error is raised
-    here, and leaving early stops them all."""
-    if len(sources) == 1:
-        async for item in sources[0]:
-            yield item
-        return
-    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
-
-    async def pump(source: AsyncIterator[T]) -> None:
-        try:
-            async for item in source:
-                await queue.put((True, item))
-        except Exception as exc:  # noqa: BLE001 - raised by the consumer below
-            await queue.put((False, exc))
-            return
-        await queue.put((False, None))
-
-    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
-    try:
-        left = len(tasks)
-        while left:
-            ok, item = await queue.get()
-            if ok:
-                yield item
-            elif item is None:
-                left -= 1
-            else:
-                raise item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _prepend(first: str | None, stream: Any) -> AsyncIterator[str]:
-    if first is not None:
-        yield first
-        async for piece in stream:
-            yield piece
-
-
 def _int_query(request: Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
@@ -483,49 +395,6 @@ def _budgets(calls: Sequence[Call]) -> int:
     return sum(c.params.get("max_tokens") or c.params.get("max_new_tokens") or SamplingParams.max_new_tokens for c in calls)
 
 
-async def _until_disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """``work``'s result, or cancel it when the client goes away first (its rows are let go)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with suppress(asyncio.CancelledError, Exception):
-        await task
-    raise _ClientGone
-
-
-def _error(exc: BaseException, *, chat: bool = False) -> ApiError:
-    """Any failure as the error a client gets (of a chat completion: ``chat``, whose fields are
-    named otherwise); anything unexpected is a 500 and logged."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, QueueFull):
-        return rate_limited(str(exc), "queue_full")
-    if isinstance(exc, ServingFailed):  # not the client's input: a 5xx, which clients retry
-        logger.error("request failed", exc_info=exc)
-        if exc.unavailable:
-            return ApiError(503, "the server is shutting down", kind="server_error", code="unavailable")
-        return ApiError(500, "the engine failed to serve this request; trying again may succeed", kind="server_error")
-    if isinstance(exc, UnknownModule):  # a document deleted after the request named it: as if it never existed
-        return not_found(f"document {exc.name!r} in collection {exc.schema!r}")
-    if isinstance(exc, PromptCacheError):
-        return bad_request(exc, chat=chat)
-    logger.error("request failed", exc_info=exc)
-    return ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error")
-
-
 async def _no_route(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 404)
     message = f"no route {request.method} {request.url.path}" if status == 404 else f"{request.method} is not allowed on {request.url.path}"
@@ -542,11 +411,11 @@ def _endpoint(server: Server, name: str, handler: Handler) -> Callable[[Request]
         try:
             tenant = SINGLE_USER if server.tenants is None else server.tenants.authenticate(request.headers.get("authorization"))
             response = await handler(request, tenant)
-        except _ClientGone:
+        except ClientGone:
             server.metrics.answered(name, 499)  # nginx's code for it: nobody reads this response
             return Response(status_code=499)
         except Exception as exc:
-            error = _error(exc, chat=name == "chat")
+            error = api_error(exc, chat=name == "chat")
             response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
         server.metrics.answered(name, response.status_code)
         return response

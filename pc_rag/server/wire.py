@@ -23,8 +23,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..decode.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs
-from ..decode.request import SEED_MAX, SEED_MIN, Generation
-from ..errors import ContextWindowExceeded, PromptCacheError
+from ..decode.request import Generation
+from ..decode.sampling import SEED_MAX, SEED_MIN
+from ..errors import ContextWindowExceeded, PromptCacheError, QueueFull, ServingFailed, UnknownModule
 from ..prompt.schemas import response_format_schema
 from ..prompt.tools import call_id, call_schema, parse_calls, resolve_tool_choice
 
@@ -410,3 +411,23 @@ def usage_chunk(request_id: str, model: str, kind: str, results: Sequence[Genera
     usage of its choices (one prompt's)."""
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [],
             "usage": usage(results, len(results))}
+
+
+def api_error(exc: BaseException, *, chat: bool = False) -> ApiError:
+    """Any failure as the error a client gets (of a chat completion: ``chat``, whose fields are
+    named otherwise); anything unexpected is a 500 and logged."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, QueueFull):
+        return rate_limited(str(exc), "queue_full")
+    if isinstance(exc, ServingFailed):  # not the client's input: a 5xx, which clients retry
+        logger.error("request failed", exc_info=exc)
+        if exc.unavailable:
+            return ApiError(503, "the server is shutting down", kind="server_error", code="unavailable")
+        return ApiError(500, "the engine failed to serve this request; trying again may succeed", kind="server_error")
+    if isinstance(exc, UnknownModule):  # a document deleted after the request named it: as if it never existed
+        return not_found(f"document {exc.name!r} in collection {exc.schema!r}")
+    if isinstance(exc, PromptCacheError):
+        return bad_request(exc, chat=chat)
+    logger.error("request failed", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error")
