@@ -14,8 +14,16 @@ each ``--lengths``; and ``--callers`` concurrent callers of 32-token answers: pc
 batches them, llama-cpp-python's ``Llama`` serves one call at a time (its high-level API, what a
 LangChain ``ChatLlamaCpp`` chain runs), so its callers queue.
 
+``--chains`` adds the README's vector-store chain as a user writes it twice over one Chroma store
+of the same passages (``k`` = ``--passages``): retriever, ``ChatPromptTemplate``, then
+``ChatPromptCache`` (hits as pre-encoded modules) or LangChain's ``ChatLlamaCpp`` over the same
+GGUF (hits pasted as text, prefilled every call). Answers stop where the model ends them (at most
+``--chain-tokens``); medians over the questions of the whole ``invoke`` and its answer's tokens,
+each chain warmed once (pc-rag's documents encoded, llama.cpp's system turn in its cache).
+
     python benchmarks/cpu_anchor.py                          # ~15 min here
     python benchmarks/cpu_anchor.py --prompts 4 --lengths 32 128
+    python benchmarks/cpu_anchor.py --weights int4 --lengths 32 --chains   # needs langchain-community
 """
 
 from __future__ import annotations
@@ -120,6 +128,46 @@ def concurrent(answer: Callable[[Any, int], tuple[float, float]], prompts: list[
     return {"tokens_per_s": callers * tokens / wall, "mean_first_token_s": statistics.mean(f for f, _ in results), "wall_s": wall}
 
 
+def chains(weights: str, asked: list[tuple[str, list[str]]], passages: int, tokens: int) -> dict[str, Any]:
+    """The README chain over one Chroma store, with ChatPromptCache and with ChatLlamaCpp."""
+    from langchain_chroma import Chroma
+    from langchain_community.chat_models import ChatLlamaCpp
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+
+    from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheRetriever, SentenceTransformerEmbeddings, format_modules
+
+    model, tokenizer = load_model(None)
+    engine = PromptCache(model, tokenizer, weights=weights)
+    store = Chroma(collection_name="cpu-anchor", embedding_function=SentenceTransformerEmbeddings())
+    texts = [text for _, texts in asked for text in texts]
+    store.add_texts(texts, ids=[f"p{i}" for i in range(len(texts))])
+    prompt = ChatPromptTemplate.from_messages([("system", "Answer the question using the documents."),
+                                               ("human", "{context}\n\nQuestion: {question}")])
+    retriever = PromptCacheRetriever.from_vectorstore(store, engine=engine, k=passages)
+    cached = {"context": retriever | format_modules, "question": RunnablePassthrough()} | prompt | ChatPromptCache(
+        engine=engine, max_new_tokens=tokens)
+    pasted = {"context": store.as_retriever(search_kwargs={"k": passages}) | (lambda docs: "\n\n".join(d.page_content for d in docs)),
+              "question": RunnablePassthrough()} | prompt | ChatLlamaCpp(
+        model_path=str(gguf_path()), n_ctx=4096, n_threads=torch.get_num_threads(), n_batch=512, max_tokens=tokens,
+        temperature=0.0, top_k=1, verbose=False)
+    out: dict[str, Any] = {}
+    for name, chain in (("ChatPromptCache", cached), ("ChatLlamaCpp", pasted)):
+        for question, _ in asked:  # warm: pc-rag encodes what the retriever found
+            chain.invoke(question)
+        engine.wait_for_documents()
+        seconds, answers = [], []
+        for question, _ in asked:
+            started = time.perf_counter()
+            message = chain.invoke(question)
+            seconds.append(time.perf_counter() - started)
+            answers.append(len(tokenizer.encode(message.content, add_special_tokens=False)))
+        out[name] = {"invoke_s": statistics.median(seconds), "answer_tokens": statistics.median(answers)}
+        print(name, json.dumps(out[name]), flush=True)
+    out["speedup"] = out["ChatLlamaCpp"]["invoke_s"] / out["ChatPromptCache"]["invoke_s"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
@@ -128,8 +176,17 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--callers", type=int, default=8)
     parser.add_argument("--weights", nargs="+", default=["float32", "int4"], help="pc-rag's weights= settings to measure")
+    parser.add_argument("--chains", action="store_true", help="also the README chain: ChatPromptCache against ChatLlamaCpp")
+    parser.add_argument("--chain-tokens", type=int, default=32, help="the chains' max_new_tokens / max_tokens")
+    parser.add_argument("--no-series", action="store_true", help="only the chains")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_anchor.json")
     args = parser.parse_args()
+    if args.no_series:
+        asked = records(args.data, args.prompts, args.passages)
+        result = {"prompts": len(asked), "passages": args.passages, "chains": chains(args.weights[-1], asked, args.passages, args.chain_tokens)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        return
 
     asked = records(args.data, args.prompts, args.passages)
     result: dict[str, Any] = {"prompts": len(asked), "passages": args.passages, "gguf": DEFAULT_GGUF, "series": {}}
@@ -158,6 +215,9 @@ def main() -> None:
     result["series"]["llama.cpp"] = series(llama.answer, ids, args.lengths)
     result["series"]["llama.cpp"]["concurrent"] = concurrent(llama.answer, ids, args.callers, 32)
     print("llama.cpp", json.dumps(result["series"]["llama.cpp"]), flush=True)
+    del llama
+    if args.chains:
+        result["chains"] = chains(args.weights[-1], asked, args.passages, args.chain_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 
