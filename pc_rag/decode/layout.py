@@ -3,13 +3,14 @@
 :mod:`pc_rag.decode.loop` steps a :class:`RunningBatch`; this module changes which requests its
 rows hold, between two steps:
 
+- :func:`merge`, the scheduler's one call: newcomers into the running batch (in place, else
+  rebuilt), saying which buffer it made and which it let go of;
 - :func:`admit`: newcomers written in place, into finished rows' slots or rows the buffer reserves
   (only the new rows' KV is written; the running rows stay where they are);
 - :func:`combine`: several batches' rows rebuilt as one buffer, each row's live entries packed to
   the front, finished rows dropped, with reserved rows (:func:`reserved_rows`) or, under
   ``compile``, vacant rows (:class:`VacantRow`, :func:`vacant_rows`) for later arrivals;
-  :func:`merge` newcomers into the running batch (in place, else rebuilt), :func:`padded` a freshly
-  prefilled batch as the running batch;
+  :func:`padded` a freshly prefilled batch as the running batch;
 - :func:`held` and :func:`promote`: the shared parts and copied modules the live rows read, that a
   newcomer reads with them, and running rows that stop reading their copy to share a newcomer's part.
 """
@@ -30,7 +31,7 @@ from .request import RequestState
 
 def reserved_rows(device: torch.device, compiled: bool, max_running: int, rows: int) -> int:
     """Rows a rebuilt batch of ``rows`` allocates beyond them, for newcomers to join in place
-    (:meth:`RunningBatch.admit`, no rebuild). On a CPU only: there a row nobody has written
+    (:func:`admit`, no rebuild). On a CPU only: there a row nobody has written
     holds no memory, while a GPU's allocator commits every row at once, which the buffer budget
     (it counts rows in use) would not see; and not under ``compile``, whose step runs only over
     buffers its views span (:attr:`KVBuffer.spans_storage`)."""
@@ -67,7 +68,7 @@ class VacantRow:
 
 
 def admit(batch: RunningBatch, fresh: RunningBatch) -> list[int] | None:
-    """``fresh``'s rows written into this batch in place: into finished rows' slots first, then
+    """``fresh``'s rows written into ``batch`` in place: into finished rows' slots first, then
     into rows its buffer reserves (:meth:`KVBuffer.widen`). Only the new rows' entries are
     copied; the running rows' caches stay where they are. Returns the rows taken (one per fresh
     row, in order), or None where the rows do not fit that way (too few free rows, too little
@@ -136,7 +137,7 @@ def _widen(batch: RunningBatch, count: int, placeholder: RequestState) -> None:
     batch.alive += [False] * count
 
 def _write_row(batch: RunningBatch, slot: int, fresh: RunningBatch, new: int, end: int) -> None:
-    """Row ``new`` of ``fresh`` (its cache, positions, request) as this batch's row ``slot``,
+    """Row ``new`` of ``fresh`` (its cache, positions, request) as ``batch``'s row ``slot``,
     aligned to end at the write column (its entries and what it decodes are one range:
     :mod:`pc_rag.model.row_extents`)."""
     rows, filled = batch.rows, fresh.length
