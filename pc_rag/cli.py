@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share module KV and documents through Redis/Valkey (redis://HOST:PORT/DB)")
     common.add_argument("--kv-quantization", choices=("int8", "int4"), default=None,
                         help="store module KV in 8 or 4 bits in every tier (default: the model's precision)")
-    common.add_argument("--weights", choices=("float32", "int4"), default=None,
-                        help="int4: linear layers in 4 bits on a CPU, the LM head in 8 (decode reads ~1/6 of the bytes; default: as loaded)")
+    common.add_argument("--weights", choices=("float32", "float16", "int4"), default=None,
+                        help="a CPU model's linear layers in fp16 (half the bytes, float32 arithmetic) or 4 bits (the LM head in 8); "
+                             "default: float16 for the embedded model, as loaded for others")
     common.add_argument("-v", "--verbose", action="store_true", help="log progress")
 
     decoding = argparse.ArgumentParser(add_help=False)  # commands that generate

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -30,7 +29,8 @@ from .engine_parts import open_kv
 from .errors import PromptCacheError
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
-from .model import int4, small_batch
+from .model import small_batch
+from .model import weights as model_weights
 from .model.forward import Forward, compile_mode
 from .model.loading import load_model
 from .model.rope import RopeRotator
@@ -47,8 +47,6 @@ from .registry_snapshot import Schema
 from .registry_sync import RegistrySync
 from .scheduler import Scheduler
 from .serving import Serving
-
-logger = logging.getLogger(__name__)
 
 # shared_prefix: every module sees the schema's system prompt, as in full prefill (no first token becomes a
 # spurious attention sink); scaffold: a PML schema encoded jointly along its paths, as the reference implementation does
@@ -114,8 +112,8 @@ class PromptCache(Registration, Serving):
         small_batch_linear: linear layers compute inputs of 2-16 rows (decode steps of several requests) as
             ``W @ x^T``, streaming the weights once on a CPU (:mod:`pc_rag.model.small_batch`). None: for a float32
             CPU model with over 32 MB of linear weights. Set on the model's layers (for every user of that model object).
-        weights: ``"int4"``: a CPU model's linear layers in 4 bits (its LM head in 8), decode steps reading ~1/6 of
-            float32's weight bytes (:mod:`pc_rag.model.int4`; the model object is changed); None/"float32": as loaded.
+        weights: a CPU model's linear layers in ``"float16"`` (float32 arithmetic) or ``"int4"`` (the LM head in 8 bits); None:
+            as loaded (the model object is changed: :mod:`pc_rag.model.weights`; the embedded model: float16 on a CPU).
         encode_share: the share of the model's time documents queued with ``background=True`` are
             encoded in while requests run (all of it when none do; :mod:`pc_rag.model.turns`).
     """
@@ -155,13 +153,12 @@ class PromptCache(Registration, Serving):
         compile: bool | str = False,
         small_batch_linear: bool | None = None,
         encode_share: float = DEFAULT_ENCODE_SHARE,
-        weights: Literal["float32", "int4"] | None = None,
+        weights: Literal["float32", "float16", "int4"] | None = None,
     ) -> None:
         self.encoding: Encoding = _checked(encoding or DEFAULT_ENCODING, memory_budget, kv_location, remote_sync_interval_s)
-        compile_mode(compile)  # a mode torch.compile does not know is refused before anything is built
         turns = ModelTurns(encode_share)  # background encoding's share of the model while requests run (refused if not a share)
         self.model, self.tokenizer = model, tokenizer
-        self.int4_layers = int4.install(model, weights)  # before anything runs the model (and before it is fingerprinted)
+        self.weights, self.quantized_layers = weights or "float32", model_weights.install(model, weights, compiled=compile_mode(compile) is not None)
         self.small_batch_linear = small_batch.install(model, small_batch_linear)
         self.spec: ModelSpec = inspect_model(model, tokenizer, separator=SEPARATOR)
         self.recovery = configure_recovery(self.spec, strategy=recovery, budget=recovery_budget, recompute=recompute,
@@ -223,6 +220,8 @@ class PromptCache(Registration, Serving):
         ``cache_dir`` (the download cache), ...).
         """
         engine_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name in _ENGINE_ARGUMENTS}
+        engine_kwargs["weights"] = model_weights.chosen(engine_kwargs.get("weights"), embedded=model is None and dtype is None,
+                                                        device=device, compile=engine_kwargs.get("compile", False))
         lm, tokenizer = load_model(model, device=device, dtype=dtype, **kwargs)
         return cls(lm, tokenizer, **engine_kwargs)
 

@@ -36,7 +36,7 @@ def test_q4_1_blocks_are_read_back_as_their_own_values():
 def test_an_int4_engine_is_exact_on_every_path(make_tiny, tokenizer):
     model = make_tiny("llama")
     engine = PromptCache(model, tokenizer, weights="int4")
-    assert engine.int4_layers == 2 * 7 + 1 and isinstance(model.lm_head, Int8Linear)  # 7 projections a layer in 4 bits, the head in 8
+    assert engine.quantized_layers == 2 * 7 + 1 and isinstance(model.lm_head, Int8Linear)  # 7 projections a layer in 4 bits, the head in 8
     report = engine.check(fidelity=False)  # cached against full prefill, batches, joins: all on the same 4-bit weights
     assert report.exact, str(report)
 
@@ -68,7 +68,7 @@ def test_an_int4_engine_that_prefills_in_float32_is_exact_on_every_path(make_tin
 
 
 def test_weights_that_are_not_offered_are_refused(make_tiny, tokenizer):
-    with pytest.raises(PromptCacheError, match="weights must be one of float32, int4"):
+    with pytest.raises(PromptCacheError, match="weights must be one of float32, float16, int4"):
         PromptCache(make_tiny("llama"), tokenizer, weights="int3")
 
 

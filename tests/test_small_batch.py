@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pc_rag.model import small_batch
+from pc_rag.model.loading import load_model
 
 from .test_scheduler import check_same, mixed_requests
 
@@ -45,8 +46,10 @@ def test_install_routes_plain_linear_layers_and_undoes_it():
 
 def test_the_default_takes_it_for_large_float32_cpu_models_only(make_tiny, smollm):
     assert small_batch.wanted(make_tiny("llama")) is False  # weights that stay in cache
-    assert smollm.small_batch_linear is True  # SmolLM2-135M in float32 on a CPU: 538 MB of linear weights
-    assert smollm.model.lm_head.forward.__func__ is small_batch.linear
+    model, _ = load_model(None)  # SmolLM2-135M in float32 on a CPU: 538 MB of linear weights
+    assert small_batch.wanted(model) is True and small_batch.install(model) is True
+    assert model.lm_head.forward.__func__ is small_batch.linear
+    assert smollm.weights == "float16" and smollm.small_batch_linear is False  # the default: FBGEMM's fp16 kernel at every width
     assert small_batch.wanted(make_tiny("llama").to(torch.bfloat16)) is False
 
 

@@ -41,7 +41,6 @@ from . import small_batch
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # input features per scale and zero (GGUF Q4_1's block)
-WEIGHTS = ("float32", "int4")
 # inputs this wide multiply the float weights where kept: the 4-bit kernel is compute-bound on AVX2, and
 # over the embedded model's MLP layers (weights not in cache) it takes 13, 14, 17 and 22 ms for 1-4 rows
 # and 33 for 8, where float32 takes 18.5 ms for one row and about as long for 2-16 as W @ x^T
@@ -203,12 +202,10 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def install(model: Any, weights: str | None, *, keep_float: bool | None = None) -> int:
     """Replace ``model``'s linear layers by :class:`Int4Linear` for ``weights="int4"`` (its output
-    projection by :class:`Int8Linear`); returns how many were replaced (0 for ``"float32"``/None).
+    projection by :class:`Int8Linear`); returns how many were replaced (0 for any other ``weights``: :mod:`pc_rag.model.weights` checks them).
     A CPU model only (the kernels are torch's CPU ones), and only layers whose inputs come in whole
     groups of 32. ``keep_float``: wide inputs multiply the float weights (None: where
     :func:`float_is_faster` measures it so)."""
-    if weights not in (None, *WEIGHTS):
-        raise PromptCacheError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}", param="weights")
     if weights != "int4":
         return 0
     if torch.device(model.device).type != "cpu":

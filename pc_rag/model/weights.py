@@ -1,0 +1,44 @@
+"""The precision a CPU model's linear layers compute in (``PromptCache(..., weights=...)``).
+
+- ``"float32"`` (or None): as loaded.
+- ``"float16"``: each weight packed in fp16, float32 arithmetic (:mod:`pc_rag.model.float16`):
+  half the bytes, the fastest kernel at every width on an AVX2 CPU, first-token KL ~1e-6.
+- ``"int4"``: groups of 32 in 4 bits, the LM head in 8 (:mod:`pc_rag.model.int4`): a quarter of
+  fp16's bytes, bf16 activations; fastest where the CPU has bf16 instructions.
+
+The embedded model is served in float16 on a CPU by default (:func:`chosen`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import PromptCacheError
+from . import float16, int4
+from .loading import default_device
+
+WEIGHTS = ("float32", "float16", "int4")
+
+
+def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
+    """Put ``model``'s linear layers in ``weights``; returns how many were replaced (0 as loaded).
+    ``compiled``: the decode step runs through ``torch.compile``."""
+    if weights not in (None, *WEIGHTS):
+        raise PromptCacheError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}", param="weights")
+    if weights == "float16":
+        if compiled:  # dynamo guards on each layer's packed weight object: it recompiles per layer, then gives up
+            raise PromptCacheError('weights="float16" runs eagerly (torch.compile recompiles for every layer\'s packed weight); '
+                                   'pass compile=False, or weights="float32" or "int4"', param="weights")
+        return float16.install(model)
+    return int4.install(model, weights)
+
+
+def chosen(asked: str | None, *, embedded: bool, device: str | torch.device | None, compile: bool | str = False) -> str | None:
+    """The weights :meth:`~pc_rag.PromptCache.from_pretrained` builds with: those ``asked`` for, or for
+    the embedded model (at its own dtype) float16 on a CPU that runs FBGEMM, eagerly; else as loaded."""
+    if asked is not None or not embedded:
+        return asked
+    on_cpu = torch.device(device if device is not None else default_device()).type == "cpu"
+    return "float16" if on_cpu and not compile and float16.available() else None

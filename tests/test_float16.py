@@ -1,0 +1,83 @@
+"""``weights="float16"``: linear layers packed in fp16 with float32 arithmetic (FBGEMM), exact on
+every path, fingerprinted apart from float32, and the embedded model's default on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pc_rag import PromptCache, PromptCacheError
+from pc_rag.model import weights
+from pc_rag.model.float16 import Float16Linear
+from pc_rag.prompt.documents import build_prompt
+
+
+def test_a_float16_layer_multiplies_its_weight_rounded_to_fp16_in_float32():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=True)
+    layer = Float16Linear(linear)
+    rounded = linear.weight.detach().half().float()
+    assert torch.equal(layer.dequantized(), rounded) and not torch.equal(rounded, linear.weight)
+    for x in (torch.randn(1, 96), torch.randn(3, 7, 96), torch.randn(0, 96)):
+        expected = torch.nn.functional.linear(x, rounded, linear.bias)
+        out = layer(x)
+        assert out.dtype == torch.float32 and out.shape == expected.shape
+        assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(PromptCacheError, match="float32 inputs"):
+        layer(torch.randn(2, 96, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_float16_engine_is_exact_on_every_path(make_tiny, tokenizer, arch):
+    model = make_tiny(arch)
+    engine = PromptCache(model, tokenizer, weights="float16")
+    assert engine.weights == "float16" and engine.quantized_layers == 2 * 7 + 1  # 7 projections a layer and the head
+    assert isinstance(model.lm_head, Float16Linear) and not any(type(m) is torch.nn.Linear for m in model.modules())
+    report = engine.check(fidelity=False)  # cached against full prefill, batches, joins: all on the same fp16 weights
+    assert report.exact, str(report)
+
+
+def test_float16_weights_are_fingerprinted_apart_from_float32_and_alike_between_copies(make_tiny, tokenizer):
+    """Module KV computed in fp16 is never served to a float32 engine of the same checkpoint (the
+    fingerprint hashes the fp16 values' digest), and two fp16 engines of it share KV."""
+    as_loaded = PromptCache(make_tiny("llama"), tokenizer).fingerprint
+    first = PromptCache(make_tiny("llama"), tokenizer, weights="float16").fingerprint
+    second = PromptCache(make_tiny("llama"), tokenizer, weights="float16").fingerprint
+    other = PromptCache(make_tiny("llama", seed=1), tokenizer, weights="float16").fingerprint
+    assert first == second and first != as_loaded and first != other
+
+
+def test_float16_refuses_what_it_cannot_run(make_tiny, tokenizer):
+    with pytest.raises(PromptCacheError, match="runs eagerly"):
+        PromptCache(make_tiny("llama"), tokenizer, weights="float16", compile=True)
+    with pytest.raises(PromptCacheError, match="float32 model on a CPU; this one is torch.bfloat16"):
+        PromptCache(make_tiny("llama").to(torch.bfloat16), tokenizer, weights="float16")
+    with pytest.raises(PromptCacheError, match="weights must be one of float32, float16, int4, got 'fp8'"):
+        PromptCache(make_tiny("llama"), tokenizer, weights="fp8")
+
+
+def test_only_the_embedded_model_defaults_to_float16_and_only_eagerly_on_a_cpu():
+    assert weights.chosen(None, embedded=True, device="cpu") == "float16"
+    assert weights.chosen(None, embedded=True, device="cpu", compile=True) is None
+    assert weights.chosen(None, embedded=True, device="meta") is None
+    assert weights.chosen(None, embedded=False, device="cpu") is None  # a user's checkpoint: as loaded
+    assert weights.chosen("int4", embedded=True, device="cpu") == "int4"
+    assert weights.chosen("float32", embedded=True, device="cpu") == "float32"
+
+
+def test_the_embedded_model_in_float16_answers_as_in_float32(smollm):
+    """The default (fp16 weights) against the checkpoint as loaded: the same greedy answer and a
+    first-token KL near zero, cached and by full prefill."""
+    assert smollm.weights == "float16" and isinstance(smollm.model.lm_head, Float16Linear)
+    as_loaded = PromptCache.from_pretrained(weights="float32")
+    documents = ["Super Bowl 50 was won by the Denver Broncos, who beat the Carolina Panthers 24-10.",
+                 "Super Bowl 50 was played at Levi's Stadium in Santa Clara, California."]
+    prompts = [build_prompt("Who won Super Bowl 50, and where was it played?", engine.add_documents(documents, progress=False))
+               for engine in (smollm, as_loaded)]
+    for use_cache in (True, False):
+        half, full = (engine.next_token_logits(prompt, use_cache=use_cache).log_softmax(-1)
+                      for engine, prompt in zip((smollm, as_loaded), prompts))
+        assert float((full.exp() * (full - half)).sum()) < 1e-4
+        answers = [engine.generate(prompt, max_new_tokens=12, use_cache=use_cache).token_ids
+                   for engine, prompt in zip((smollm, as_loaded), prompts)]
+        assert answers[0] == answers[1]
