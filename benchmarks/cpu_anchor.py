@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--passages", type=int, default=6)
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--callers", type=int, default=8)
-    parser.add_argument("--weights", nargs="+", default=["float32", "int4"], help="pc-rag's weights= settings to measure")
+    parser.add_argument("--weights", nargs="+", default=["float32", "float16", "int4"], help="pc-rag's weights= settings to measure")
     parser.add_argument("--chains", action="store_true", help="also the README chain: ChatPromptCache against ChatLlamaCpp")
     parser.add_argument("--chain-tokens", type=int, default=32, help="the chains' max_new_tokens / max_tokens")
     parser.add_argument("--no-series", action="store_true", help="only the chains")
