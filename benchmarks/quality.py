@@ -52,6 +52,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pc_rag import PromptCache, build_prompt
+from pc_rag.model.weights import WEIGHTS
 from pc_rag.prefill.recovery import Recovery
 from pc_rag.prompt.documents import module_name
 
@@ -472,7 +473,8 @@ def main() -> None:
     parser.add_argument("--squad-questions", type=int, default=100, help="SQuAD questions spread over the article")
     parser.add_argument("--variants", nargs="+", default=["head_tail:0:0", "head_tail:4:1", "default"])
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--weights", choices=("float32", "int4"), default=None, help="the engine's weights= (cached and full alike)")
+    parser.add_argument("--weights", choices=WEIGHTS, default=None,
+                        help="the engine's weights=, cached and full alike (default: from_pretrained's: float16 for the embedded model on a CPU)")
     parser.add_argument("--plot", action="store_true", help="also draw the frontier plot")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                         help="merge earlier runs (variants per set) into --out and its tables (and the plot with --plot), then exit")
@@ -516,9 +518,9 @@ def main() -> None:
         "model": str(getattr(engine.model.config, "_name_or_path", "")),
         "device": str(engine.model.device),
         "dtype": str(engine.model.dtype),
+        "weights": engine.weights,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "greedy_max_new_tokens": args.max_new_tokens,
-        "weights": args.weights or "float32",
         "first": args.first,
         "skip": args.skip,
         "variants": args.variants,

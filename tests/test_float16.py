@@ -25,6 +25,9 @@ def test_a_float16_layer_multiplies_its_weight_rounded_to_fp16_in_float32():
         assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(PromptCacheError, match="float32 inputs"):
         layer(torch.randn(2, 96, dtype=torch.bfloat16))
+    with torch.no_grad():
+        linear.bias[0] += 1.0
+    assert not torch.equal(Float16Linear(linear).digest, layer.digest)  # the bias is part of what is fingerprinted
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -4,19 +4,18 @@ of float32, float32 arithmetic.
 FBGEMM's fp16 GEMM (``quantized.linear_dynamic_fp16``, shipped with every x86 build of torch) keeps
 each weight matrix packed in fp16 and widens it in registers: activations, accumulation and
 outputs stay float32, so the only change to the model is each weight rounded to the nearest fp16
-(relative error ~2e-4; for the embedded model, whose weights are its GGUF's Q4_1 values
-``q * d + m`` with ``d`` and ``m`` stored in fp16, most are exact).
+(relative error ~2e-4; first-token KL against float32 1.8e-6 on the embedded model).
 
-Why it is the CPU default for the embedded model: on the AVX2 development CPU it is the fastest
-kernel at every width a decode step or a prefill has, measured on a scheduler-like thread with the
-model's own layer shapes (``docs/performance.md``, "Weights"): one row through the MLP's joined
-gate/up projection took 109 us against 256 for torch's 4-bit kernel and 176 for float32, and 512
-rows 11.4 ms against 39.7 and 20.9 with two threads. torch's 4-bit kernel reads a quarter of the
-bytes but is bound by its arithmetic on a CPU without bf16 instructions.
+Why it is the CPU default for the embedded model, measured through the engine on the AVX2
+development CPU (``benchmarks/cpu_anchor.py``; ``docs/performance.md``, "Weights"): decode at 61.8
+ms/token against float32's 82.2 (the weights stream at half the bytes), 8 concurrent callers at
+32.9 tokens/s against 24.6 in float32 and 21.7 in 4 bits (torch's 4-bit kernel, 55.7 ms/token for
+one caller, is bound by its arithmetic on a CPU without bf16 instructions, so wider batches cost
+it nearly in proportion), prefill as fast as float32, and float32's fidelity.
 
 One copy of the weights: the packed matrix. The float32 weight it was made from is let go; a
-32-byte SHA-256 of the fp16 values stays as a buffer, so the engine's fingerprint (which hashes
-every buffer) still tells these weights apart.
+32-byte SHA-256 of the fp16 values and the bias stays as a buffer, so the engine's fingerprint
+(which hashes every buffer) still tells these weights apart.
 """
 
 from __future__ import annotations
@@ -46,8 +45,10 @@ class Float16Linear(torch.nn.Module):
         weight = linear.weight.detach().float()
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
-        digest = hashlib.sha256(weight.half().contiguous().view(torch.uint8).numpy().data).digest()
-        self.register_buffer("digest", torch.frombuffer(bytearray(digest), dtype=torch.uint8))
+        digest = hashlib.sha256(weight.half().contiguous().view(torch.uint8).numpy().data)
+        if bias is not None:
+            digest.update(bias.contiguous().view(torch.uint8).numpy().data)
+        self.register_buffer("digest", torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
