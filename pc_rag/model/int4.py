@@ -202,7 +202,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def install(model: Any, weights: str | None, *, keep_float: bool | None = None) -> int:
     """Replace ``model``'s linear layers by :class:`Int4Linear` for ``weights="int4"`` (its output
-    projection by :class:`Int8Linear`); returns how many were replaced (0 for any other ``weights``: :mod:`pc_rag.model.weights` checks them).
+    projection by :class:`Int8Linear`); returns how many were replaced (0 for any other ``weights``,
+    which :mod:`pc_rag.model.weights` checks).
     A CPU model only (the kernels are torch's CPU ones), and only layers whose inputs come in whole
     groups of 32. ``keep_float``: wide inputs multiply the float weights (None: where
     :func:`float_is_faster` measures it so)."""
