@@ -17,7 +17,7 @@ def run_info(engine: PromptCache, model: str) -> dict[str, Any]:
         "model": model,
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads",
         "dtype": str(engine.dtype),
-        "weights": engine.weights,
+        "weights": getattr(engine, "weights", "float32"),  # commits before weights= read "float32"
         "encoding": engine.encoding,
         "recompute": engine.recompute,
         "recompute_tail": engine.recompute_tail,

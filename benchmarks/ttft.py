@@ -32,7 +32,6 @@ import torch
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
 
 from pc_rag import PromptCache
-from pc_rag.model.weights import WEIGHTS, chosen
 from pc_rag.prompt.documents import DEFAULT_SYSTEM
 
 QUESTION = "Which team won the game, and what was the final score?"
@@ -126,11 +125,16 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 7680])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--no-chains", action="store_true", help="skip the LangChain series")
-    parser.add_argument("--weights", choices=WEIGHTS, default=None,
+    parser.add_argument("--weights", choices=("float32", "float16", "int4"), default=None,
                         help="the engine's weights= (default: what from_pretrained gives: float16 for the embedded model on a CPU)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ttft.json")
     args = parser.parse_args()
-    weights = chosen(args.weights, embedded=args.model is None and not args.synthetic_7b, device=args.device)
+    try:  # imported here: before_after.py runs this script against commits before pc_rag.model.weights
+        from pc_rag.model.weights import chosen
+    except ImportError:
+        chosen = None
+    embedded = args.model is None and not args.synthetic_7b
+    weights = chosen(args.weights, embedded=embedded, device=args.device) if chosen is not None else args.weights
 
     if args.synthetic_7b:
         model, tokenizer = synthetic_7b(args.device or "cuda")
@@ -140,7 +144,8 @@ def main() -> None:
         model, tokenizer = load_model(args.model, device=args.device)
     kv_dir = Path(tempfile.mkdtemp(prefix="pc-rag-ttft-"))
     # one model object: the first engine puts its linear layers in `weights`, the others find them so
-    engines = {where: PromptCache(model, tokenizer, kv_location=where, kv_dir=kv_dir / where, weights=weights) for where in args.kv_location}
+    options = {"weights": weights} if weights is not None else {}  # commits before weights= was an option
+    engines = {where: PromptCache(model, tokenizer, kv_location=where, kv_dir=kv_dir / where, **options) for where in args.kv_location}
     engine = engines[args.kv_location[0]]
     texts, budget = [], max(args.lengths) + 64
     for text in paragraphs(args.data):  # as many paragraphs as the longest context needs
