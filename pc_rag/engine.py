@@ -183,7 +183,7 @@ class PromptCache(Registration, Serving):
         model = self.model
         # load or recompute (pc_rag.kv.load_or_compute): rates measured from this engine's own loads and prefills
         self.costs = self.store.costs = CostModel()
-        self.forward = Forward(model, compile=compile, turns=turns)
+        self.forward = Forward(model, compile=compile, turns=turns, written=True)
         if self.store.disk is not None or self.remote is not None:  # a prefill rate before the first load-or-compute choice
             self.costs.observe_prefill(CALIBRATION_TOKENS, self.forward.time_prefill(CALIBRATION_TOKENS))
         self.encoder = ModuleEncoder(self.forward, self.store, self.spec, self.encoding, self.fingerprint)

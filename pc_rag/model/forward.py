@@ -14,7 +14,9 @@ import torch
 
 from ..errors import PromptCacheError
 from ..kv.buffers import KVBuffer, ModuleKV
+from .attention import ATTENTION_NAME
 from .decoder import decoder_of, language_model_of
+from .llama_step import LlamaDecodeStep, written_step
 from .packed import KWARG as PACKED_KWARG
 from .packed import PackedStep, Pass
 from .probe import PROBE_KWARG, Probe, ProbeDone
@@ -80,7 +82,7 @@ class Forward:
     forward pass and that concurrent callers encode every module once.
     """
 
-    def __init__(self, model: Any, *, compile: bool | str = False, turns: ModelTurns | None = None) -> None:
+    def __init__(self, model: Any, *, compile: bool | str = False, turns: ModelTurns | None = None, written: bool = False) -> None:
         self.model = language_model_of(model)  # a multimodal wrapper's language model: text is all pc-rag runs
         self.decoder = decoder_of(model)  # the stack under the head: KV without logits for every token
         self._cache = cache_keyword(model)
@@ -94,6 +96,12 @@ class Forward:
                              if self.compile_mode is not None else None)
         self.compiled_steps = 0  # decode steps run compiled
         self.compiled_shapes: set[tuple[int, int]] = set()  # the (rows, capacity) they ran at: a CUDA graph each
+        # eager decode steps of a Llama-family model written out, without transformers' module code
+        # (pc_rag.model.llama_step), where ``written`` asks for it and it proves equal to the model's own
+        self.written_step: LlamaDecodeStep | None = None
+        if written and self._decode_step is None:
+            split = getattr(self.model.config, "_attn_implementation", None) == ATTENTION_NAME
+            self.written_step = written_step(model, self._model_step, extents=split)
         self.decode_threads = DecodeThreads(model.device)  # a CPU's decode steps: one thread or all, measured
         # what transformers is handed as the mask of a packed pass (a 4D mask passes through as it
         # is; each pass applies its own): made once, not per step
@@ -190,6 +198,10 @@ class Forward:
                 buffer.mark_static()
                 torch.compiler.cudagraph_mark_step_begin()
                 return self._decode_step(ids, positions, mask, buffer.cache).clone()
+        if self.written_step is not None and shared is None and isinstance(mask, torch.Tensor) and not self.written_step.hooked:
+            self._count(1)
+            device = self.model.device
+            return self.written_step(ids.to(device), positions.to(device), mask, buffer.cache, extents)
         return self._step(buffer, ids, positions, mask, shared, bounds, extents)
 
     def _model_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, cache: Any, **extra: Any) -> torch.Tensor:

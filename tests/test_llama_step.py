@@ -1,0 +1,123 @@
+"""The written-out decode step of Llama-family models (``pc_rag.model.llama_step``): the logits of
+the model's own step, on every decode path, and never used where it would not be."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pc_rag import PromptCache
+from pc_rag.model.llama_step import disagreement, unsupported
+from pc_rag.prompt.documents import build_prompt
+from tests.conftest import staggered
+
+DOCUMENTS = ["The Denver Broncos won Super Bowl 50 against the Carolina Panthers.",
+             "The game was played on February 7, 2016, at Levi's Stadium.",
+             "Lady Gaga sang the national anthem before the game."]
+
+
+def drawn_away(model: torch.nn.Module) -> torch.nn.Module:
+    """Norm weights and biases moved off their defaults (ones, zeros): a norm skipped or a bias
+    dropped changes the logits."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return model
+
+
+def logprobs(generation) -> torch.Tensor:
+    """Each token's log-probability and its top two alternatives', ``[tokens, 3]``."""
+    return torch.tensor([[entry.logprob, *(p for _, p in entry.top)] for entry in generation.logprobs])
+
+
+def engine_for(make_tiny, tokenizer, arch: str, **overrides) -> PromptCache:
+    return PromptCache(drawn_away(make_tiny(arch, **overrides)), tokenizer, recompute=0, attention_temperature=1.0,
+                       attention_scale=1.0)
+
+
+def answers(engine: PromptCache, written: bool) -> list:
+    """Three requests' greedy answers with their logprobs: one alone, then two arriving while the
+    other decodes (a batch of rows at different lengths: the CPU's by-extents attention)."""
+    step = engine.forward.written_step
+    engine.forward.written_step = step if written else None
+    try:
+        ids = engine.add_documents(DOCUMENTS, progress=False)
+        prompts = [build_prompt(question, ids[i:] + ids[:i]) for i, question in
+                   enumerate(["Who won?", "When was the game played, and where?", "Who sang?"])]
+        settings = dict(max_new_tokens=12, logprobs=2)
+        alone = engine.generate(prompts[0], **settings)
+        return [alone, *staggered(engine, prompts, **settings)]
+    finally:
+        engine.forward.written_step = step
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})],
+                         ids=["llama", "qwen2-biases", "mistral-window"])
+def test_the_written_step_answers_as_the_model_does(make_tiny, tokenizer, arch, overrides):
+    engine = engine_for(make_tiny, tokenizer, arch, **overrides)
+    step = engine.forward.written_step
+    assert step is not None, "a Llama-family model decodes written out"
+    assert disagreement(step, engine.forward._model_step, engine.model, extents=engine.spec.split) == 0.0
+    steps = engine.forward.passes
+    written, own = answers(engine, True), answers(engine, False)
+    assert engine.forward.passes > steps
+    for a, b in zip(written, own):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+        assert torch.allclose(logprobs(a), logprobs(b), atol=1e-5)
+
+
+def test_the_embedded_model_decodes_written_out_as_its_own_step(smollm):
+    step = smollm.forward.written_step
+    assert step is not None and type(smollm.model).__name__ == "LlamaForCausalLM"
+    prompt = build_prompt("Who won Super Bowl 50?", smollm.add_documents(DOCUMENTS, progress=False))
+    smollm.forward.written_step = None
+    try:
+        own = smollm.generate(prompt, max_new_tokens=16)
+    finally:
+        smollm.forward.written_step = step
+    written = smollm.generate(prompt, max_new_tokens=16)
+    assert written.token_ids == own.token_ids
+
+
+def test_other_families_keep_the_models_own_step(make_tiny, tokenizer):
+    for arch in ("gemma2", "olmo2", "granite"):  # RMSNorm of 1 + weight, norms after the blocks, multipliers
+        engine = PromptCache(make_tiny(arch), tokenizer)
+        assert engine.forward.written_step is None
+        assert "not LlamaDecoderLayer or MistralDecoderLayer or Qwen2DecoderLayer" in unsupported(engine.model)
+    assert unsupported(make_tiny("gpt2")) == "its decoder has no layer list"
+    gelu = make_tiny("llama", hidden_act="gelu")
+    assert unsupported(gelu) == "its MLP activation is 'gelu', not 'silu'"
+    assert PromptCache(gelu, tokenizer).forward.written_step is None
+
+
+def test_a_hooked_model_is_run_by_its_own_forward(make_tiny, tokenizer):
+    """A forward hook on a decoder layer (a steering vector) changes what the layer returns, which a
+    written-out step would skip: present at build, the step is refused by its proof; added later,
+    steps go back to the model while it is there."""
+    steer = torch.randn(64, generator=torch.Generator().manual_seed(2))
+
+    def hook(module, args, output):
+        return output + steer
+
+    model = drawn_away(make_tiny("llama"))
+    handle = model.model.layers[1].register_forward_hook(hook)
+    assert PromptCache(model, tokenizer).forward.written_step is None  # its proof saw the hook's effect
+    handle.remove()
+
+    engine = engine_for(make_tiny, tokenizer, "llama")
+    assert engine.forward.written_step is not None and not engine.forward.written_step.hooked
+    prompt = build_prompt("Who won?", engine.add_documents(DOCUMENTS, progress=False))
+    handle = engine.model.model.layers[1].register_forward_hook(hook)
+    try:
+        assert engine.forward.written_step.hooked
+        steered = engine.generate(prompt, max_new_tokens=12, logprobs=2)
+        engine.forward.written_step, step = None, engine.forward.written_step
+        own = engine.generate(prompt, max_new_tokens=12, logprobs=2)
+        engine.forward.written_step = step
+    finally:
+        handle.remove()
+    plain = engine.generate(prompt, max_new_tokens=12, logprobs=2)
+    assert steered.token_ids == own.token_ids and torch.equal(logprobs(steered), logprobs(own))
+    assert not torch.allclose(logprobs(steered), logprobs(plain))  # the hook did change the steps it was there for
