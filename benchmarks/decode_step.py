@@ -1,0 +1,110 @@
+"""One decode step of the embedded model, part by part, on the calling thread (one OpenMP thread, as
+the scheduler's steps run on this CPU): the written-out step (``pc_rag.model.llama_step``), the
+model's own forward, and the parts every step must run: the linear layers alone (every projection
+and the LM head on one row) and attention alone (SDPA over each layer's KV). What the steps take
+beyond linears + attention is their glue: norms, RoPE, residuals, the KV write, and Python.
+
+The cache is a ``--cache``-entry buffer of random KV (decode time does not depend on the values),
+fixed for decoding as the engine fixes it; the mask is additive, as for a RAG prompt. The variants
+are interleaved ``--rounds`` times, ``--steps`` steps each, so the machine's drift hits them alike;
+medians in ms.
+
+    python benchmarks/decode_step.py                     # float16 weights (the default), ~1 min
+    python benchmarks/decode_step.py --weights int4 float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
+
+from pc_rag import PromptCache
+from pc_rag.kv.buffers import KVBuffer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def timed(run: Callable[[], object], steps: int) -> float:
+    """Median ms of ``steps`` calls."""
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+@torch.inference_mode()
+def measure(weights: str, cache: int, rounds: int, steps: int) -> dict[str, float]:
+    engine = PromptCache.from_pretrained(weights=weights)
+    step = engine.forward.written_step
+    assert step is not None, "the embedded model decodes written out"
+    buffer = KVBuffer.for_model(engine.model, cache + 32)
+    buffer.storage.normal_()
+    buffer.grow_to(cache)
+    buffer.fix(cache + 32, torch.tensor([cache]))
+    mask = torch.zeros(1, 1, 1, cache + 32)
+    mask[..., cache + 1:] = torch.finfo(torch.float32).min
+    ids, positions = torch.tensor([[42]]), torch.tensor([[cache]])
+    hidden, wide = torch.randn(1, 1, step.layers[0].q.in_features), torch.randn(1, 1, step.layers[0].down.in_features)
+    query = torch.randn(1, step.kv_heads, step.heads // step.kv_heads, hidden.shape[-1] // step.heads)
+
+    def linears() -> None:
+        for layer in step.layers:
+            for linear in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up):
+                linear(hidden)
+            layer.down(wide)
+        step.head(hidden)
+
+    def attention() -> None:
+        for index, layer in enumerate(step.layers):
+            kv = buffer.cache.layers[index]
+            F.scaled_dot_product_attention(query, kv.keys, kv.values, attn_mask=mask, scale=layer.scaling)
+
+    variants = {"written step": lambda: step(ids, positions, mask, buffer.cache),
+                "model's own step": lambda: engine.forward._model_step(ids, positions, mask, buffer.cache),
+                "linear layers": linears, "attention": attention}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for run in variants.values():  # first calls: allocations, kernel choices
+            run()
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, run in variants.items():
+                times[name].append(timed(run, steps))
+    finally:
+        torch.set_num_threads(previous)
+    out = {name: statistics.median(values) for name, values in times.items()}
+    out["glue, written"] = out["written step"] - out["linear layers"] - out["attention"]
+    out["glue, model's own"] = out["model's own step"] - out["linear layers"] - out["attention"]
+    out["run"] = run_info(engine, "SmolLM2-135M-Instruct (embedded)")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", nargs="+", default=["float16"])
+    parser.add_argument("--cache", type=int, default=1265, help="KV entries attended (a ~1.2K-token RAG prompt)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_step.json")
+    args = parser.parse_args()
+    result = {"cache": args.cache, "rounds": args.rounds, "steps": args.steps, "weights": {}}
+    for weights in args.weights:
+        result["weights"][weights] = measure(weights, args.cache, args.rounds, args.steps)
+        print(weights, json.dumps({k: round(v, 2) for k, v in result["weights"][weights].items() if k != "run"}), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
