@@ -101,7 +101,7 @@ class Forward:
         self.written_step: LlamaDecodeStep | None = None
         if written and self._decode_step is None:
             split = getattr(self.model.config, "_attn_implementation", None) == ATTENTION_NAME
-            self.written_step = written_step(model, self._model_step, extents=split)
+            self.written_step = written_step(model, self._model_step, split=split)
         self.decode_threads = DecodeThreads(model.device)  # a CPU's decode steps: one thread or all, measured
         # what transformers is handed as the mask of a packed pass (a 4D mask passes through as it
         # is; each pass applies its own): made once, not per step
@@ -198,10 +198,12 @@ class Forward:
                 buffer.mark_static()
                 torch.compiler.cudagraph_mark_step_begin()
                 return self._decode_step(ids, positions, mask, buffer.cache).clone()
-        if self.written_step is not None and shared is None and isinstance(mask, torch.Tensor) and not self.written_step.hooked:
+        if self.written_step is not None and isinstance(mask, torch.Tensor) and self.written_step.serves(shared):
             self._count(1)
             device = self.model.device
-            return self.written_step(ids.to(device), positions.to(device), mask, buffer.cache, extents)
+            positions = positions.to(device)
+            view = None if shared is None else shared.for_queries(positions, bounds)
+            return self.written_step(ids.to(device), positions, mask, buffer.cache, extents, view)
         return self._step(buffer, ids, positions, mask, shared, bounds, extents)
 
     def _model_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, cache: Any, **extra: Any) -> torch.Tensor:

@@ -1,19 +1,21 @@
 """A decode step of a Llama-family model written out as plain tensor ops, gpt-fast style.
 
-A decode step of the embedded SmolLM2-135M on the 2-core development CPU spent ~40 ms in ATen ops
-(20 in the linear layers, 11 in attention) and another ~20 ms in transformers' Python around them:
-30 layers of module calls, keyword plumbing, cache objects and attention-interface dispatch, all
-of it per token. :class:`LlamaDecodeStep` runs the same computation over the same modules (their
-weights, whatever precision they hold: float32, ``Float16Linear``, ``Int4Linear``) and the same
-KV buffer, op for op as transformers' Llama code does it (the same RMSNorm, RoPE, SDPA call with
-grouped queries packed per key head), without that Python.
+A decode step of the embedded SmolLM2-135M on the 2-core development CPU took 52 ms through
+transformers' modules, of which 27 in the linear layers, 10 in attention and ~15 in the rest: 30
+layers of module calls, keyword plumbing, cache objects, the attention interface's dispatch and
+the small ops of norms and RoPE, all of it per token (``benchmarks/decode_step.py``).
+:class:`LlamaDecodeStep` runs the same computation over the same modules (their weights in
+whatever precision they hold: float32, ``Float16Linear``, ``Int4Linear``) and the same KV buffer,
+op for op as transformers' Llama code does it (the same RMSNorm, RoPE and SDPA call with a key
+head's queries stacked), in one loop: 44 ms, the rest down to ~7.
 
 It serves only what it reproduces: the decoder layer classes in :data:`LAYER_CLASSES` (Llama,
-Mistral, Qwen2: the same layer with or without biases), a decode step (one new token per row)
-whose attention reads the row's own cache with one mask tensor (no shared KV read in place, no
-probe, no per-layer masks). Everything else runs the model as before. :func:`decode_step_for`
-proves the written-out step on the model itself before it is used: one step of each, on the
-same random cache, must give the same logits (:data:`TOLERANCE`), or the model keeps its own.
+Mistral, Qwen2: the same layer with or without biases), SiLU, SDPA, a decode step (one new token
+per row) under one mask tensor, attending by extents and over shared KV as ``pc_rag_sdpa`` does
+(shared KV only without a sliding window), and no forward hook on a module it does not call
+(:meth:`LlamaDecodeStep.serves`). Everything else runs the model as before. :func:`written_step`
+proves the step on the model itself before it is used: each case of :func:`disagreement` on the
+same random cache must give the model's logits (:data:`TOLERANCE`), or the model keeps its own.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.buffers import KVBuffer
-from . import row_extents
-from .attention import ATTENTION_NAME
+from . import row_extents, shared_attention
+from .attention import ATTENTION_NAME, CONFIG_WINDOW
 from .decoder import decoder_of, language_model_of
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class _Layer:
     up: Any
     down: Any
     scaling: float
+    attention: Any  # the layer's attention module (split attention reads its index)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,11 +100,22 @@ class LlamaDecodeStep:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.layers = [self._layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
+        self.shared_steps = 0  # steps run that read shared KV (tests read it)
+        # a layer that slides its window over keys (Mistral; Qwen2's sliding layers): shared KV, whose
+        # masks follow the window the model hands its attention, is left to the model's own step
+        self.windowed = bool(getattr(config, "sliding_window", None)) and any(
+            kind != "full_attention" for kind in getattr(config, "layer_types", None) or ("sliding_attention",)) or any(
+            getattr(layer.attention, CONFIG_WINDOW, None) for layer in self.layers)
         # the modules whose forward this step does not call (it calls the linear layers): a hook on
         # one (a steering vector, a probe added after the engine was built) sends steps back to the model
         self._unhooked = [decoder, self.embed, self.norm, self.model, *(
             part for layer in decoder.layers for part in (layer, layer.self_attn, layer.mlp, layer.input_layernorm,
                                                           layer.post_attention_layernorm))]
+
+    def serves(self, shared: Any) -> bool:
+        """Whether this step runs a decode step that reads ``shared`` KV (None: none) as the model
+        would: not where a hook would be skipped, nor shared KV through a sliding window."""
+        return not self.hooked and (shared is None or not self.windowed)
 
     @property
     def hooked(self) -> bool:
@@ -116,17 +130,19 @@ class LlamaDecodeStep:
             layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
             attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
             layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-            mlp.gate_proj, mlp.up_proj, mlp.down_proj, attn.scaling,
+            mlp.gate_proj, mlp.up_proj, mlp.down_proj, attn.scaling, attn,
         )
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
-                 extents: row_extents.RowExtents | None = None) -> torch.Tensor:
+                 extents: row_extents.RowExtents | None = None, shared: shared_attention.SharedStep | None = None) -> torch.Tensor:
         """Feed ``ids [rows, 1]`` at ``positions [rows, 1]``, their KV written into ``cache`` (a
         :class:`KVBuffer`'s, fixed for decoding) and attending over it under ``mask [rows, 1, 1,
         entries]``; ``extents``: each row attends within its own (a CPU batch, see
-        :mod:`pc_rag.model.row_extents`). The next logits, ``[rows, vocab]``."""
+        :mod:`pc_rag.model.row_extents`); ``shared``: and over KV read in place (split attention,
+        :mod:`pc_rag.model.shared_attention`; see :meth:`serves`). The next logits, ``[rows, vocab]``."""
         rows = ids.shape[0]
+        self.shared_steps += shared is not None
         hidden = self.embed(ids)  # [rows, 1, hidden]
         cos, sin = self.rotary(hidden, positions)
         cos, sin = cos[:, None], _signed(sin[:, None])  # [rows, 1, 1, dim]: every head
@@ -139,7 +155,10 @@ class LlamaDecodeStep:
             v = layer.v(x).view(rows, self.kv_heads, 1, -1)
             keys, values = cache.layers[index].update(_rotate(k, cos, sin), v)
             q = _rotate(q, cos, sin)
-            if extents is not None:
+            if shared is not None:
+                out = shared_attention.split_attention(layer.attention, q, keys, values, mask, layer.scaling, shared,
+                                                       extents=extents)
+            elif extents is not None:
                 out = row_extents.attend(q, keys, values, mask, layer.scaling, extents)
             else:  # a key head's queries stacked as its query rows (transformers' pack_gqa): no key copies
                 out = F.scaled_dot_product_attention(q.view(rows, self.kv_heads, group, -1), keys, values, attn_mask=mask,
@@ -176,11 +195,12 @@ Step = Callable[..., torch.Tensor]  # (ids, positions, mask, cache, **attention 
 
 
 @torch.inference_mode()
-def disagreement(step: LlamaDecodeStep, reference: Step, model: Any, *, extents: bool) -> float:
+def disagreement(step: LlamaDecodeStep, reference: Step, model: Any, *, split: bool) -> float:
     """The largest |logit difference| between ``step`` and the model's own decode step
     (``reference``), relative to the largest logit: one step of two rows at different positions,
-    one with masked entries, over the same random cache; ``extents``: also with the rows
-    attending by extents (the CPU batch path). Each step writes the same column of the cache."""
+    one with masked entries, over the same random cache; with ``split`` (the model's attention is
+    ``pc_rag_sdpa``) also attending by extents (a CPU batch), and over KV read in place (windowless
+    models: :meth:`LlamaDecodeStep.serves`). Each step writes the same column of the cache."""
     config = language_model_of(model).config.get_text_config(decoder=True)
     generator = torch.Generator().manual_seed(0)
     device = model.device
@@ -193,25 +213,33 @@ def disagreement(step: LlamaDecodeStep, reference: Step, model: Any, *, extents:
     mask = torch.ones(2, 1, 1, 12, dtype=torch.bool, device=device)
     mask[1, ..., :3] = False
     mask[:, ..., 11] = False  # not written yet
-    cases = [{}]
-    if extents:
-        cases.append({"extents": row_extents.RowExtents((0, 3), 11, group=1)})
+    cases: list[dict[str, Any]] = [{}]
+    if split:
+        extents = row_extents.RowExtents((0, 3), 11, group=1)
+        cases.append({"extents": extents})
+        if not step.windowed:
+            kv = torch.randn((*buffer.storage.shape[:2], buffer.storage.shape[3], 4, buffer.storage.shape[5]), generator=generator)
+            part = shared_attention.SharedPart(kv.to(device=device, dtype=buffer.storage.dtype), torch.arange(4, device=device),
+                                               slice(0, 2))
+            shared = shared_attention.SharedKV([part], heads_per_kv=step.heads // step.kv_heads, dtype=buffer.storage.dtype)
+            cases += [{"shared": shared.for_queries(positions, (10, 13))},
+                      {"shared": shared.for_queries(positions, (10, 13)), "extents": extents}]
+    keywords = {"extents": row_extents.KWARG, "shared": shared_attention.KWARG}
     worst = 0.0
     for case in cases:
-        expected = reference(ids, positions, mask, buffer.cache,
-                             **({row_extents.KWARG: case["extents"]} if case else {})).float()
+        expected = reference(ids, positions, mask, buffer.cache, **{keywords[name]: value for name, value in case.items()}).float()
         got = step(ids, positions, mask, buffer.cache, **case).float()
         worst = max(worst, ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item())
     return worst
 
 
-def written_step(model: Any, reference: Step, *, extents: bool) -> LlamaDecodeStep | None:
+def written_step(model: Any, reference: Step, *, split: bool) -> LlamaDecodeStep | None:
     """The written-out decode step for ``model``, proved against its own step (``reference``,
     see :func:`disagreement`), or None (logged why) where it does not reproduce it."""
     why = unsupported(model)
     if why is None:
         step = LlamaDecodeStep(model)
-        worst = disagreement(step, reference, model, extents=extents)
+        worst = disagreement(step, reference, model, split=split)
         if worst <= TOLERANCE:
             logger.info("decode steps run written out (%s; logits within %.1e of the model's own)", type(model).__name__, worst)
             return step
