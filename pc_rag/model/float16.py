@@ -7,11 +7,12 @@ outputs stay float32, so the only change to the model is each weight rounded to 
 (relative error ~2e-4; first-token KL against float32 1.8e-6 on the embedded model).
 
 Why it is the CPU default for the embedded model, measured through the engine on the AVX2
-development CPU (``benchmarks/cpu_anchor.py``; ``docs/performance.md``, "Weights"): decode at 61.8
-ms/token against float32's 82.2 (the weights stream at half the bytes), 8 concurrent callers at
-32.9 tokens/s against 24.6 in float32 and 21.7 in 4 bits (torch's 4-bit kernel, 55.7 ms/token for
-one caller, is bound by its arithmetic on a CPU without bf16 instructions, so wider batches cost
-it nearly in proportion), prefill as fast as float32, and float32's fidelity.
+development CPU (``benchmarks/cpu_anchor.py``; ``docs/performance.md``, "Weights"; decode steps
+written out, :mod:`pc_rag.model.llama_step`): decode at 50.9 ms/token against float32's 70.6 (the
+weights stream at half the bytes) and int4's 56.5, 8 concurrent callers at 31.3 tokens/s against
+27.6 in float32 and 22.8 in 4 bits (torch's 4-bit kernel is bound by its arithmetic on a CPU
+without bf16 instructions, so wider batches cost it nearly in proportion), prefill as fast as
+float32, and float32's fidelity.
 
 One copy of the weights: the packed matrix. The float32 weight it was made from is let go; a
 32-byte SHA-256 of the fp16 values and the bias stays as a buffer, so the engine's fingerprint

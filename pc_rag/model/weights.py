@@ -2,12 +2,12 @@
 
 - ``"float32"`` (or None): as loaded.
 - ``"float16"``: each weight packed in fp16, float32 arithmetic (:mod:`pc_rag.model.float16`):
-  half the bytes, first-token KL ~1e-6; on the AVX2 development CPU decode 1.3x float32's speed
-  and 8 concurrent callers 1.5x int4's tokens/s.
+  half the bytes, first-token KL ~1e-6; on the AVX2 development CPU decode 1.4x float32's speed
+  and 8 concurrent callers 1.4x int4's tokens/s.
 - ``"int4"``: groups of 32 in 4 bits, the LM head in 8 (:mod:`pc_rag.model.int4`): a quarter of
-  fp16's bytes, bf16 activations, first-token KL ~1e-3; one caller decodes ~10% faster than in
-  fp16 there, but its kernel is bound by arithmetic on AVX2, so wider batches cost it nearly in
-  proportion.
+  fp16's bytes, bf16 activations, first-token KL ~1e-3; its kernel is bound by arithmetic on
+  AVX2, so one caller decodes ~10% slower than in fp16 there (56.5 against 50.9 ms/token, the
+  steps written out) and wider batches cost it nearly in proportion.
 
 The embedded model is served in float16 on a CPU by default (:func:`chosen`).
 """
