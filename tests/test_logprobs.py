@@ -61,6 +61,15 @@ def test_a_stop_token_or_string_leaves_one_entry_per_generated_token(make_engine
     assert stopped.finish_reason == "stop" and len(stopped.logprobs) == len(stopped.token_ids)
 
 
+def same_tokens(first: list, second: list) -> bool:
+    """The same tokens with the same log-probabilities to float rounding: two calls of one prompt
+    (a request's first decode steps may run at another thread count while the engine measures
+    which is faster, pc_rag.model.threads, and a product summed by two threads rounds its last
+    bits otherwise: 1 in 4 runs differed by ~1e-6 at some token)."""
+    return [e.token_id for e in first] == [e.token_id for e in second] and all(
+        abs(a.logprob - b.logprob) < 1e-5 and [t for t, _ in a.top] == [t for t, _ in b.top] for a, b in zip(first, second))
+
+
 async def test_streamed_pieces_carry_the_logprobs_of_the_tokens_they_complete(make_engine, tokenizer):
     """Each piece of a stream is a str with ``.logprobs``: the entries of the tokens whose text it
     completes, in order; joined, they are the result's (a stop sequence's cut tokens excepted)."""
@@ -75,12 +84,12 @@ async def test_streamed_pieces_carry_the_logprobs_of_the_tokens_they_complete(ma
         entries = [e for piece in pieces for e in piece.logprobs]
         assert entries == result.logprobs[: len(entries)] and "".join(pieces) == result.text
         if stop is None:  # without held-back text, each piece is the text of its own tokens
-            assert len(pieces) > 1 and entries == result.logprobs == whole.logprobs
+            assert len(pieces) > 1 and entries == result.logprobs and same_tokens(entries, whole.logprobs)
             assert all(tokenizer.decode([e.token_id for e in piece.logprobs], skip_special_tokens=True) == piece for piece in pieces)
         else:
             assert result.finish_reason == "stop" and len(entries) < len(result.logprobs)
     streamed = [piece async for piece in engine.astream(prompt, max_new_tokens=24, logprobs=1)]
-    assert [e for piece in streamed for e in piece.logprobs] == whole.logprobs
+    assert same_tokens([e for piece in streamed for e in piece.logprobs], whole.logprobs)
     assert all(type(piece) is str for piece in engine.stream(prompt, max_new_tokens=8))  # not asked for: plain text
 
 
