@@ -138,6 +138,17 @@ def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+def drawn_away(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its norm weights and biases moved off their defaults (ones, zeros), in place:
+    a norm skipped, a bias dropped or a wrong rotation changes the logits."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return model
+
+
 def staggered(engine: PromptCache, prompts: list, **settings) -> list:
     """Each prompt's stream opened once the one before it has its first token (arrivals while
     the others decode), then every stream read to its end: their results, in order."""

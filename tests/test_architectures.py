@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
 
-from .conftest import staggered
+from .conftest import drawn_away, staggered
 
 # (config, what the engine logs when it serves the model without split attention, or None)
 FAMILIES = ("stablelm", "nemotron", "falcon", "exaone4", "diffllama", "doge", "jetmoe", "phimoe", "gptj", "codegen")
@@ -52,13 +52,7 @@ def family_config(name: str, vocab: int):
 
 def tiny(name: str, vocab: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config(name, vocab), dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter_name, parameter in model.named_parameters():
-            if "norm" in parameter_name or parameter_name.endswith("bias"):
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    return model
+    return drawn_away(AutoModelForCausalLM.from_config(family_config(name, vocab), dtype=torch.float32).eval())
 
 
 def _max_diff(first, second) -> float:

@@ -9,22 +9,11 @@ import torch
 from pc_rag import PromptCache
 from pc_rag.model.llama_step import disagreement, unsupported
 from pc_rag.prompt.documents import build_prompt
-from tests.conftest import staggered
+from tests.conftest import drawn_away, staggered
 
 DOCUMENTS = ["The Denver Broncos won Super Bowl 50 against the Carolina Panthers.",
              "The game was played on February 7, 2016, at Levi's Stadium.",
              "Lady Gaga sang the national anthem before the game."]
-
-
-def drawn_away(model: torch.nn.Module) -> torch.nn.Module:
-    """Norm weights and biases moved off their defaults (ones, zeros): a norm skipped or a bias
-    dropped changes the logits."""
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    return model
 
 
 def logprobs(generation) -> torch.Tensor:
