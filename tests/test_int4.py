@@ -1,5 +1,6 @@
-"""``weights="int4"``: linear layers in 4 bits on a CPU (torch's int4 kernel), read back as the GGUF
-Q4_1 values they were made from, and exact on every path like any other weights."""
+"""Linear layers in 4 bits on torch's int4 kernel (``weights="int4"`` where pc-rag's own kernels
+cannot be built: tests/test_blocks.py), read back as the GGUF Q4_1 values they were made from,
+and exact on every path like any other weights."""
 
 from __future__ import annotations
 
@@ -35,9 +36,8 @@ def test_q4_1_blocks_are_read_back_as_their_own_values():
 
 def test_an_int4_engine_is_exact_on_every_path(make_tiny, tokenizer):
     model = make_tiny("llama")
-    engine = PromptCache(model, tokenizer, weights="int4")
-    assert engine.quantized_layers == 2 * 7 + 1 and isinstance(model.lm_head, Int8Linear)  # 7 projections a layer in 4 bits, the head in 8
-    report = engine.check(fidelity=False)  # cached against full prefill, batches, joins: all on the same 4-bit weights
+    assert int4.install(model, "int4") == 2 * 7 + 1 and isinstance(model.lm_head, Int8Linear)  # 7 projections a layer in 4 bits, the head in 8
+    report = PromptCache(model, tokenizer).check(fidelity=False)  # cached against full prefill, batches, joins: all on the same 4-bit weights
     assert report.exact, str(report)
 
 

@@ -22,21 +22,20 @@ requests read 4 bits; wider batches and prefill run at float32's speed, all on t
 Whether the float32 values are kept is measured at install on the model's widest layer.
 
 Layers a model always hands the same input (q, k and v; gate and up) are joined
-(:class:`Siblings`): one kernel call for the group.
+(:mod:`pc_rag.model.siblings`): one kernel call for the group.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..errors import PromptCacheError
 from . import small_batch
+from .siblings import Siblings, join_siblings, joined_bias
 
 logger = logging.getLogger(__name__)
 
@@ -110,77 +109,22 @@ class Int4Linear(torch.nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).float().t()
 
 
-class Siblings:
-    """4-bit layers a model always hands the same input (attention's q, k and v; an MLP's gate and
-    up): the first one called multiplies the input by all their weights at once, one kernel call and
-    one conversion of the input instead of one each, and each layer returns its slice. The layers'
-    packed weights become views of the joined ones (no copy). Outputs wait per thread (a model may
-    run on several), and a layer called with another input recomputes them all."""
+def join(layers: list[Int4Linear]) -> Siblings:
+    """One :class:`~pc_rag.model.siblings.Siblings` product over ``layers``' joined 4-bit weights: the
+    layers' packed weights become views of the joined ones (no copy)."""
+    packed = torch.cat([layer.packed for layer in layers])
+    scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in layers], dim=1)
+    bias = joined_bias(layers)
+    start = 0
+    for layer in layers:
+        layer.packed = packed[start : start + layer.out_features]  # a view of the joined rows
+        start += layer.out_features
 
-    def __init__(self, layers: Sequence[Int4Linear]) -> None:
-        self.layers = list(layers)
-        self.sizes = [layer.out_features for layer in self.layers]
-        self.packed = torch.cat([layer.packed for layer in self.layers])
-        self.scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in self.layers], dim=1)
-        biases = [layer.bias for layer in self.layers]
-        self.bias = None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes)])
-        start = 0
-        for index, layer in enumerate(self.layers):
-            layer.packed = self.packed[start : start + layer.out_features]  # a view of the joined rows
-            layer.siblings, layer.sibling = self, index
-            start += layer.out_features
-        self._waiting = threading.local()
+    def detach() -> None:  # each layer on its own copy of its rows
+        for layer in layers:
+            layer.packed = layer.packed.clone()
 
-    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Layer ``index``'s output for ``x``: from the joined product of ``x``, computed at most once
-        per sibling's call."""
-        waiting = self._waiting
-        if getattr(waiting, "input", None) is not x or index not in waiting.pending:
-            out = int4_product(x, self.packed, self.scales_and_zeros, self.bias)
-            waiting.input, waiting.outputs, waiting.pending = x, out.split(self.sizes, dim=-1), set(range(len(self.layers)))
-        waiting.pending.discard(index)
-        out = waiting.outputs[index]
-        if not waiting.pending:  # every sibling served: let go of the input and the product
-            waiting.input = waiting.outputs = None
-        return out.reshape(*x.shape[:-1], self.sizes[index])
-
-    def undo(self) -> None:
-        """Each layer back on its own weights (own copies of its rows)."""
-        for layer in self.layers:
-            layer.packed, layer.siblings, layer.sibling = layer.packed.clone(), None, 0
-
-
-@torch.inference_mode()
-def join_siblings(model: Any, layers: Sequence[Int4Linear]) -> int:
-    """Join the 4-bit layers that one short pass of ``model`` shows are handed the very same input
-    tensor (:class:`Siblings`), kept only if the pass's logits stay bitwise the same; returns how
-    many groups were joined. A model whose pass fails keeps its layers apart."""
-    handed: dict[int, list[Int4Linear]] = {}
-    keep: list[torch.Tensor] = []  # the inputs stay alive during the pass, so no id is reused
-
-    def record(layer: Int4Linear, args: tuple[Any, ...]) -> None:  # returns None: the arguments go on unchanged
-        keep.append(args[0])
-        handed.setdefault(id(args[0]), []).append(layer)
-
-    hooks = [layer.register_forward_pre_hook(record) for layer in layers]
-    ids = torch.arange(4, dtype=torch.long)[None] % max(1, getattr(model.config, "vocab_size", 4))
-    try:
-        before = model(input_ids=ids).logits
-    except Exception as err:  # noqa: BLE001 - any failure: the layers simply stay apart
-        logger.info("4-bit layers not joined: a probe pass failed (%s)", err)
-        return 0
-    finally:
-        for hook in hooks:
-            hook.remove()
-    groups = [Siblings(group) for group in handed.values()
-              if len(group) > 1 and len(set(map(id, group))) == len(group) and len({layer.in_features for layer in group}) == 1]
-    if groups and not torch.equal(model(input_ids=ids).logits, before):
-        for group in groups:
-            group.undo()
-        logger.info("4-bit layers not joined: the joined product changed the logits")
-        return 0
-    return len(groups)
+    return Siblings(layers, lambda x: int4_product(x, packed, scales_and_zeros, bias), detach)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -218,7 +162,7 @@ def install(model: Any, weights: str | None, *, keep_float: bool | None = None) 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for parent, name, child in targets:
         setattr(parent, name, Int8Linear(child) if child is head else Int4Linear(child, keep_float=keep_float))
-    joined = join_siblings(model, [module for module in model.modules() if isinstance(module, Int4Linear)])
+    joined = join_siblings(model, [module for module in model.modules() if isinstance(module, Int4Linear)], join)
     logger.info("%d linear layers in 4 bits (groups of %d), %d groups of them joined%s", len(targets), GROUP, joined,
                 f"; inputs of {FLOAT_ROWS}+ rows multiply their float weights (faster here)" if keep_float else "")
     return len(targets)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
-from . import float16, int4
+from . import block_kernels, blocks, float16, int4
 from .loading import default_device
 
 WEIGHTS = ("float32", "float16", "int4")
@@ -35,6 +35,8 @@ def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
             raise PromptCacheError('weights="float16" runs eagerly (torch.compile recompiles for every layer\'s packed weight); '
                                    'pass compile=False, or weights="float32" or "int4"', param="weights")
         return float16.install(model)
+    if weights == "int4" and block_kernels.library() is not None:
+        return blocks.install(model)
     return int4.install(model, weights)
 
 

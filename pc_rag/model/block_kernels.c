@@ -1,0 +1,220 @@
+/* pc-rag's CPU kernels for weights in blocks of 32 (pc_rag/model/blocks.py builds and loads this
+   file): products of float32 activations by 4-bit (GGUF Q4_1-style: scale d and minimum m per
+   block, w = d*q + m, q in 0..15) or 8-bit (Q8_0-style: w = d*q, q in -127..127) weights, and the
+   weights dequantized. AVX2 + FMA; every product q*x is exact in float32, sums round as any float
+   dot product does.
+
+   4-bit layout: words [O][G][4] uint32, G = I/32. Word k of block g holds weights j = 8k+i
+   (i = 0..7) of the block, weight 8k+i in bits 4i..4i+3; bits 28..31 hold q ^ 8, so the lane read
+   as a signed int32 is (q - 8) * 2^28. A word broadcast to 8 lanes, masked per lane and converted
+   gives q_i * 2^(4i) without a shuffle; the activations are prepared to match:
+   xp[g][k][i] = x[32g+8k+i] * 2^-4i (exact), xs[g] = the block's sum of x, xc[g] = 8 * the sum of
+   its lane-7 x's. Then y[o] = sum_g d[o][g] * (S[o][g] + xc[g]) + m[o][g] * xs[g].
+
+   8-bit layout: int8 [O][I], scale d [O][G]: y[o] = sum_g d[o][g] * sum_j q_j x_j. */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define MAX_ROWS 4 /* input rows multiplied per pass over the weights */
+
+static const float LANE_SCALE[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f};
+
+static inline __m256i lane_masks(void) {
+    return _mm256_setr_epi32(0xF, 0xF0, 0xF00, 0xF000, 0xF0000, 0xF00000, 0xF000000, (int)0xF0000000u);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void prepare(const float *x, int64_t groups, float *xp, float *xs, float *xc) {
+    const __m256 scale = _mm256_loadu_ps(LANE_SCALE);
+    for (int64_t g = 0; g < groups; g++) {
+        float sum = 0.f, top = 0.f;
+        for (int k = 0; k < 4; k++) {
+            const float *src = x + 32 * g + 8 * k;
+            _mm256_storeu_ps(xp + 32 * g + 8 * k, _mm256_mul_ps(_mm256_loadu_ps(src), scale));
+            for (int i = 0; i < 8; i++) sum += src[i];
+            top += src[7];
+        }
+        xs[g] = sum;
+        xc[g] = 8.f * top;
+    }
+}
+
+/* one word broadcast from memory (a load, no shuffle), each lane its own nibble, as float */
+static inline __m256 nibbles(const uint32_t *word, __m256i mask) {
+    __m256i b = _mm256_castps_si256(_mm256_broadcast_ss((const float *)word));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+}
+
+static inline __m256 bytes8(const int8_t *q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
+/* sum_g a[g] * b[g] + c[g] * e[g] */
+static inline float dot2(const float *a, const float *b, const float *c, const float *e, int64_t groups) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g),
+                              _mm256_fmadd_ps(_mm256_loadu_ps(c + g), _mm256_loadu_ps(e + g), acc));
+    float t = hsum(acc);
+    for (; g < groups; g++) t += a[g] * b[g] + c[g] * e[g];
+    return t;
+}
+
+#define BLOCK_PRODUCT(q0, q1, q2, q3, xr)                                                        \
+    _mm256_fmadd_ps(q3, _mm256_loadu_ps((xr) + 24), _mm256_fmadd_ps(q2, _mm256_loadu_ps((xr) + 16), \
+    _mm256_fmadd_ps(q1, _mm256_loadu_ps((xr) + 8), _mm256_mul_ps(q0, _mm256_loadu_ps(xr)))))
+
+/* one input row, two output features a pass (two independent chains keep the FMA units busy) */
+static void q4_one_row(const uint32_t *w, const float *d, const float *m, int64_t groups, const float *xp,
+                       const float *xs, const float *xc, int64_t out_features, const float *bias, float *out) {
+    const __m256i mask = lane_masks();
+    int64_t o = 0;
+    for (; o + 2 <= out_features; o += 2) {
+        const uint32_t *wa = w + o * groups * 4, *wb = wa + groups * 4;
+        const float *da = d + o * groups, *db = da + groups;
+        __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xr = xp + 32 * g;
+            __m256 sa = BLOCK_PRODUCT(nibbles(wa + 4 * g, mask), nibbles(wa + 4 * g + 1, mask),
+                                      nibbles(wa + 4 * g + 2, mask), nibbles(wa + 4 * g + 3, mask), xr);
+            __m256 sb = BLOCK_PRODUCT(nibbles(wb + 4 * g, mask), nibbles(wb + 4 * g + 1, mask),
+                                      nibbles(wb + 4 * g + 2, mask), nibbles(wb + 4 * g + 3, mask), xr);
+            acc_a = _mm256_fmadd_ps(_mm256_broadcast_ss(da + g), sa, acc_a);
+            acc_b = _mm256_fmadd_ps(_mm256_broadcast_ss(db + g), sb, acc_b);
+        }
+        out[o] = hsum(acc_a) + dot2(da, xc, m + o * groups, xs, groups) + (bias ? bias[o] : 0.f);
+        out[o + 1] = hsum(acc_b) + dot2(db, xc, m + (o + 1) * groups, xs, groups) + (bias ? bias[o + 1] : 0.f);
+    }
+    for (; o < out_features; o++) {
+        const uint32_t *wo = w + o * groups * 4;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++)
+            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(d + o * groups + g),
+                                  BLOCK_PRODUCT(nibbles(wo + 4 * g, mask), nibbles(wo + 4 * g + 1, mask),
+                                                nibbles(wo + 4 * g + 2, mask), nibbles(wo + 4 * g + 3, mask), xp + 32 * g),
+                                  acc);
+        out[o] = hsum(acc) + dot2(d + o * groups, xc, m + o * groups, xs, groups) + (bias ? bias[o] : 0.f);
+    }
+}
+
+/* up to MAX_ROWS input rows: each block's weights converted once for all of them */
+static void q4_rows(const uint32_t *w, const float *d, const float *m, int64_t groups, const float *xp,
+                    const float *xs, const float *xc, int rows, int64_t out_features, int64_t out_stride,
+                    const float *bias, float *out) {
+    const __m256i mask = lane_masks();
+    for (int64_t o = 0; o < out_features; o++) {
+        const uint32_t *wo = w + o * groups * 4;
+        const float *dof = d + o * groups;
+        __m256 acc[MAX_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 q0 = nibbles(wo + 4 * g, mask), q1 = nibbles(wo + 4 * g + 1, mask);
+            __m256 q2 = nibbles(wo + 4 * g + 2, mask), q3 = nibbles(wo + 4 * g + 3, mask);
+            const __m256 dg = _mm256_broadcast_ss(dof + g);
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm256_fmadd_ps(dg, BLOCK_PRODUCT(q0, q1, q2, q3, xp + (int64_t)r * groups * 32 + 32 * g), acc[r]);
+        }
+        for (int r = 0; r < rows; r++)
+            out[r * out_stride + o] = hsum(acc[r]) + dot2(dof, xc + r * groups, m + o * groups, xs + r * groups, groups)
+                                        + (bias ? bias[o] : 0.f);
+    }
+}
+
+/* out[rows][O] = x[rows][I] @ W^T (+ bias) for 4-bit W, on `threads` threads (OpenMP, where built
+   with it) each taking a share of the output features. scratch: rows * (I + 2 * I / 32) floats. */
+void q4_matmul(const float *x, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
+               const float *m, int64_t out_features, const float *bias, float *out, float *scratch, int threads) {
+    const int64_t groups = in_features / 32;
+    float *xp = scratch, *xs = scratch + rows * in_features, *xc = xs + rows * groups;
+    for (int64_t r = 0; r < rows; r++)
+        prepare(x + r * in_features, groups, xp + r * in_features, xs + r * groups, xc + r * groups);
+    const int64_t chunks = threads > 1 ? threads : 1, chunk = (out_features / chunks + 1) & ~(int64_t)1;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t o0 = c * chunk < out_features ? c * chunk : out_features;
+        const int64_t n = out_features - o0 < chunk ? out_features - o0 : chunk;
+        const float *bc = bias ? bias + o0 : 0;
+        for (int64_t r = 0; r < rows; r += MAX_ROWS) {
+            const int nr = rows - r < MAX_ROWS ? (int)(rows - r) : MAX_ROWS;
+            const uint32_t *wc = w + o0 * groups * 4;
+            if (nr == 1)
+                q4_one_row(wc, d + o0 * groups, m + o0 * groups, groups, xp + r * in_features, xs + r * groups,
+                           xc + r * groups, n, bc, out + r * out_features + o0);
+            else
+                q4_rows(wc, d + o0 * groups, m + o0 * groups, groups, xp + r * in_features, xs + r * groups,
+                        xc + r * groups, nr, n, out_features, bc, out + r * out_features + o0);
+        }
+    }
+}
+
+/* rows [o0, o0 + n) of an 8-bit W times up to MAX_ROWS input rows */
+static void q8_rows(const int8_t *q, const float *d, int64_t in_features, const float *x, int rows, int64_t n,
+                    int64_t out_stride, const float *bias, float *out) {
+    const int64_t groups = in_features / 32;
+    for (int64_t o = 0; o < n; o++) {
+        const int8_t *qo = q + o * in_features;
+        __m256 acc[MAX_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256 q0 = bytes8(qo + 32 * g), q1 = bytes8(qo + 32 * g + 8);
+            const __m256 q2 = bytes8(qo + 32 * g + 16), q3 = bytes8(qo + 32 * g + 24);
+            const __m256 dg = _mm256_broadcast_ss(d + o * groups + g);
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm256_fmadd_ps(dg, BLOCK_PRODUCT(q0, q1, q2, q3, x + r * in_features + 32 * g), acc[r]);
+        }
+        for (int r = 0; r < rows; r++)
+            out[r * out_stride + o] = hsum(acc[r]) + (bias ? bias[o] : 0.f);
+    }
+}
+
+/* out[rows][O] = x[rows][I] @ W^T (+ bias) for 8-bit W, on `threads` threads */
+void q8_matmul(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
+               int64_t out_features, const float *bias, float *out, int threads) {
+    const int64_t groups = in_features / 32, chunks = threads > 1 ? threads : 1, chunk = out_features / chunks + 1;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t o0 = c * chunk < out_features ? c * chunk : out_features;
+        const int64_t n = out_features - o0 < chunk ? out_features - o0 : chunk;
+        for (int64_t r = 0; r < rows; r += MAX_ROWS)
+            q8_rows(q + o0 * in_features, d + o0 * groups, in_features, x + r * in_features,
+                    rows - r < MAX_ROWS ? (int)(rows - r) : MAX_ROWS, n, out_features, bias ? bias + o0 : 0,
+                    out + r * out_features + o0);
+    }
+}
+
+/* float32 rows [o0, o1) of a 4-bit W: fl(d*q + m), one rounding, as GGUF's dequantization gives */
+void q4_dequantize(const uint32_t *w, const float *d, const float *m, int64_t in_features, int64_t o0, int64_t o1,
+                   float *out) {
+    const int64_t groups = in_features / 32;
+    const __m256i mask = lane_masks();
+    const __m256 scale = _mm256_loadu_ps(LANE_SCALE), offset = _mm256_setr_ps(0, 0, 0, 0, 0, 0, 0, 8.f);
+    for (int64_t o = o0; o < o1; o++) {
+        const uint32_t *wo = w + o * groups * 4;
+        float *row = out + (o - o0) * in_features;
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256 dg = _mm256_broadcast_ss(d + o * groups + g), mg = _mm256_broadcast_ss(m + o * groups + g);
+            for (int k = 0; k < 4; k++) {
+                const __m256 q = _mm256_fmadd_ps(nibbles(wo + 4 * g + k, mask), scale, offset); /* q, exactly */
+                _mm256_storeu_ps(row + 32 * g + 8 * k, _mm256_fmadd_ps(q, dg, mg));
+            }
+        }
+    }
+}
+
+/* float32 rows [o0, o1) of an 8-bit W: d*q (exact for an fp16 d) */
+void q8_dequantize(const int8_t *q, const float *d, int64_t in_features, int64_t o0, int64_t o1, float *out) {
+    const int64_t groups = in_features / 32;
+    for (int64_t o = o0; o < o1; o++)
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256 dg = _mm256_broadcast_ss(d + o * groups + g);
+            for (int k = 0; k < 4; k++)
+                _mm256_storeu_ps(out + (o - o0) * in_features + 32 * g + 8 * k, _mm256_mul_ps(bytes8(q + o * in_features + 32 * g + 8 * k), dg));
+        }
+}

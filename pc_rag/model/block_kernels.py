@@ -1,0 +1,173 @@
+"""pc-rag's own CPU kernels for weights in blocks of 32 (``block_kernels.c``), built on first use.
+
+torch has no kernel that streams 4-bit weights at memory speed on an AVX2 CPU without bf16
+instructions (``aten._weight_int4pack_mm_for_cpu`` is bound by its arithmetic there, FBGEMM's fp16
+reads 16 bits a weight), and no maintained package ships one for torch's tensors: llama.cpp's
+(ggml) are built for its own graph and file format. So pc-rag carries ~200 lines of C: float32
+activations times 4-bit (Q4_1-style) or 8-bit (Q8_0-style) weights, every product exact in
+float32, and their dequantization (see the C file's header for the layout).
+
+The source is compiled once per source, flags and compiler with the system C compiler (``$CC``,
+else ``cc``/``gcc``) into pc-rag's cache folder, written to a temporary name and renamed (so a
+half-written library is never loaded), and checked on load against torch on a random product. No
+compiler, no AVX2/FMA, a failed build or a failed check: :func:`library` returns None, logs why,
+and ``weights="int4"`` uses torch's 4-bit kernel instead (:mod:`pc_rag.model.int4`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .loading import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("block_kernels.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c11", "-fopenmp")
+BLOCK = 32  # weights per scale (and minimum): GGUF's Q4_1 and Q8_0 blocks
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+SIGNATURES = {
+    "q4_matmul": [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, ctypes.c_int],
+    "q8_matmul": [_P, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int],
+    "q4_dequantize": [_P, _P, _P, _I64, _I64, _I64, _P],
+    "q8_dequantize": [_P, _P, _I64, _I64, _I64, _P],
+}
+
+
+def cpu_supported() -> bool:
+    """An x86-64 CPU with AVX2 and FMA (torch's own dispatch level says so)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels (built and checked once a process: :func:`load`), or None."""
+    return load()
+
+
+def load() -> ctypes.CDLL | None:
+    """Build (or find built) and load the kernels, checked against torch; None (logged) where they
+    cannot be built or fail their check. A cached library that fails to load or to agree is
+    deleted and built again, once."""
+    if not cpu_supported():
+        logger.info("block kernels not used: this CPU has no AVX2/FMA (%s)", torch.backends.cpu.get_cpu_capability())
+        return None
+    cc = compiler()
+    if cc is None:
+        logger.warning("block kernels not built: no C compiler (set $CC); weights=\"int4\" uses torch's 4-bit kernel")
+        return None
+    problem = ""
+    for attempt in range(2):
+        target = None
+        try:
+            target = _built(cc)
+            lib = _load(target)
+            if _agrees(lib):
+                return lib
+            problem = f"{target} disagrees with torch on a random product"
+        except (OSError, subprocess.SubprocessError) as err:
+            problem = getattr(err, "stderr", None) or str(err)
+        if attempt == 0 and target is not None:
+            logger.warning("block kernels at %s rejected (%s); building them again", target, problem)
+            target.unlink(missing_ok=True)
+    logger.warning("block kernels not used (%s); weights=\"int4\" uses torch's 4-bit kernel", problem)
+    return None
+
+
+def _built(cc: str) -> Path:
+    """The shared library for this source, flags and compiler: built once, renamed into place whole."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, cc, version)).encode()).hexdigest()[:20]
+    folder = cache_root() / "kernels"
+    target = folder / f"block_kernels-{key}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as work:
+        partial = Path(work) / target.name
+        logger.info("building %s with %s", SOURCE.name, cc)
+        subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE)], check=True, capture_output=True, text=True, timeout=300)
+        os.replace(partial, target)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, arguments in SIGNATURES.items():
+        getattr(lib, name).argtypes = arguments
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _agrees(lib: ctypes.CDLL) -> bool:
+    """A 4-bit and an 8-bit product of random values against torch's, to float rounding."""
+    generator = torch.Generator().manual_seed(0)
+    q4 = torch.randint(0, 16, (6, 64), generator=generator)
+    d, m = torch.rand(6, 2, generator=generator), torch.randn(6, 2, generator=generator)
+    x = torch.randn(3, 64, generator=generator)
+    weight = q4.float() * d.repeat_interleave(BLOCK, 1) + m.repeat_interleave(BLOCK, 1)
+    got = q4_matmul(x, pack_nibbles(q4), d, m, None, lib=lib)
+    q8 = torch.randint(-127, 128, (6, 64), generator=generator, dtype=torch.int8)
+    got8 = q8_matmul(x, q8, d, None, lib=lib)
+    weight8 = q8.float() * d.repeat_interleave(BLOCK, 1)
+    return torch.allclose(got, x @ weight.t(), rtol=1e-4, atol=1e-4) and torch.allclose(got8, x @ weight8.t(), rtol=1e-4, atol=1e-4)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values ``q [out, in]`` (0..15) as the kernels' words ``[out, in / 8]`` (int32 bits):
+    weight ``8k + i`` of a block in bits ``4i..4i+3`` of its word ``k``, the top nibble stored ``q ^ 8``."""
+    lanes = q.to(torch.int64).reshape(q.shape[0], -1, 8).clone()
+    lanes[..., 7] ^= 8
+    words = (lanes << (torch.arange(8) * 4)).sum(-1)
+    return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()  # the same 32 bits, as int32
+
+
+def q4_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+              bias: torch.Tensor | None, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x [rows, in] @ W^T (+ bias)`` for a 4-bit ``W`` (contiguous float32 inputs)."""
+    lib = lib or library()
+    rows, features = x.shape
+    out = torch.empty(rows, scales.shape[0])
+    scratch = torch.empty(rows * (features + 2 * features // BLOCK))
+    lib.q4_matmul(x.data_ptr(), rows, features, words.data_ptr(), scales.data_ptr(), minimums.data_ptr(),
+                  scales.shape[0], None if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, *,
+              lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x [rows, in] @ W^T (+ bias)`` for an 8-bit ``W`` (contiguous float32 inputs)."""
+    lib = lib or library()
+    rows, features = x.shape
+    out = torch.empty(rows, q.shape[0])
+    lib.q8_matmul(x.data_ptr(), rows, features, q.data_ptr(), scales.data_ptr(), q.shape[0],
+                  None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def dequantize_into(out: torch.Tensor, start: int, stop: int, values: torch.Tensor, scales: torch.Tensor,
+                    minimums: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a 4-bit (``minimums`` given) or 8-bit weight, float32, written into ``out``."""
+    lib = library()
+    features = scales.shape[1] * BLOCK
+    if minimums is not None:
+        lib.q4_dequantize(values.data_ptr(), scales.data_ptr(), minimums.data_ptr(), features, start, stop, out.data_ptr())
+    else:
+        lib.q8_dequantize(values.data_ptr(), scales.data_ptr(), features, start, stop, out.data_ptr())
+    return out

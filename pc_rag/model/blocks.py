@@ -1,0 +1,192 @@
+"""Linear layers over weights in blocks of 32, 4 or 8 bits a weight, with pc-rag's own kernels
+(``PromptCache(..., weights="int4")`` where :mod:`pc_rag.model.block_kernels` builds).
+
+A decode step is bound by the bytes of weights it reads. The embedded model's GGUF file holds
+them as Q4_1 blocks (32 weights: an fp16 scale ``d``, an fp16 minimum ``m`` and 4-bit ``q``,
+``w = d*q + m``) and its LM head as Q8_0 (``w = d*q``, ``q`` 8 bits); the float32 model pc-rag
+loads is those values dequantized. :func:`quantize4` and :func:`quantize8` find them again
+exactly: a block whose minimum and ``(max - min) / 15`` rounded to fp16 reproduce all of its 32
+values bit for bit holds the file's own ``d``, ``m`` and ``q``. So these layers compute with the
+very weights the float32 model does (products exact, sums rounded differently), at 4.6 bits a
+weight for the 4-bit layers. A layer none of whose blocks are exact at 4 bits but all at 8 is
+kept at 8; a user's own float checkpoint is quantized from each block's minimum to maximum (lossy,
+as asked), its LM head in 8 bits.
+
+Inputs of up to :data:`KERNEL_ROWS` rows (decode steps of up to 8 requests) go through the
+kernels, which read each weight once for up to 4 rows. Wider inputs (prefill) dequantize the
+weight a tile at a time into one reused float32 buffer and run torch's GEMM on it: one copy of
+the weights in memory, the 4-bit one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from ..errors import PromptCacheError
+from . import block_kernels
+from .block_kernels import BLOCK
+from .siblings import Siblings, join_siblings, joined_bias
+
+logger = logging.getLogger(__name__)
+
+# inputs up to this many rows take the kernels; wider ones torch's GEMM over dequantized tiles. On the
+# development CPU, a 3072x576 layer: the kernel 0.20/0.33/0.37/0.88/1.94 ms for 1/2/4/8/16 rows, dequantizing
+# and GEMM 0.49/0.77/0.79/1.06/1.40 ms (benchmarks/decode_step.py measures the whole step)
+KERNEL_ROWS = 8
+TILE_FLOATS = 4 << 20  # a wide input's dequantized tile: at most 16 MB of float32 at a time
+_TINY = torch.finfo(torch.float32).tiny
+_tiles = threading.local()  # one dequantization buffer per thread, shared by every layer
+
+
+class BlockLinear(torch.nn.Module):
+    """``nn.Linear``'s product over its weight in blocks of 32 at ``bits`` = 4 or 8 (see the module
+    docstring); float32 in and out."""
+
+    def __init__(self, linear: torch.nn.Linear, bits: int) -> None:
+        super().__init__()
+        if bits not in (4, 8) or linear.in_features % BLOCK:
+            raise PromptCacheError(f"blocks of {BLOCK} at 4 or 8 bits; got {bits} bits over {linear.in_features} inputs",
+                                   param="weights")
+        self.in_features, self.out_features, self.bits = linear.in_features, linear.out_features, bits
+        weight = linear.weight.detach().float()
+        if bits == 4:
+            values, scales, minimums, exact = quantize4(weight)
+        else:
+            (values, scales, exact), minimums = quantize8(weight), None
+        self.register_buffer("values", values)
+        self.register_buffer("scales", scales)
+        self.register_buffer("minimums", minimums)
+        self.exact = float(exact.float().mean())  # the share of blocks that hold their weights exactly
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+        self.siblings: Siblings | None = None  # layers always handed the same input: one product for all (join)
+        self.sibling = 0  # this layer's place among them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise PromptCacheError(f'weights="int4" multiplies float32 inputs; got {x.dtype}', param="weights")
+        if x.numel() > KERNEL_ROWS * self.in_features:
+            out = self.wide(x.reshape(-1, self.in_features))
+        elif self.siblings is not None:  # the same x object for every sibling: one joined product
+            return self.siblings.output(self.sibling, x)
+        else:
+            rows = x.reshape(-1, self.in_features).contiguous()
+            out = narrow_product(rows, self.bits, self.values, self.scales, self.minimums, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def wide(self, rows: torch.Tensor) -> torch.Tensor:
+        """Many rows: the weight dequantized a tile of output features at a time, torch's GEMM on each."""
+        tile = max(1, min(self.out_features, TILE_FLOATS // self.in_features))
+        buffer = getattr(_tiles, "buffer", None)
+        if buffer is None or buffer.numel() < tile * self.in_features:
+            buffer = _tiles.buffer = torch.empty(tile * self.in_features)
+        pieces = []
+        for start in range(0, self.out_features, tile):
+            stop = min(self.out_features, start + tile)
+            weight = block_kernels.dequantize_into(buffer, start, stop, self.values, self.scales, self.minimums)
+            pieces.append(rows @ weight[: (stop - start) * self.in_features].view(stop - start, self.in_features).t())
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        return out if self.bias is None else out + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this layer computes with (for tests and fidelity reports)."""
+        out = torch.empty(self.out_features * self.in_features)
+        block_kernels.dequantize_into(out, 0, self.out_features, self.values, self.scales, self.minimums)
+        return out.view(self.out_features, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, exact={self.exact:.0%}"
+
+
+def narrow_product(rows: torch.Tensor, bits: int, values: torch.Tensor, scales: torch.Tensor,
+                   minimums: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """``rows @ W^T (+ bias)`` through the kernel for ``bits``."""
+    if bits == 4:
+        return block_kernels.q4_matmul(rows, values, scales, minimums, bias)
+    return block_kernels.q8_matmul(rows, values, scales, bias)
+
+
+def join(layers: list[BlockLinear]) -> Siblings:
+    """One :class:`~pc_rag.model.siblings.Siblings` product over ``layers``' joined weights (narrow
+    inputs; wide ones stay per layer): each layer's buffers become views of the joined ones."""
+    names = ("values", "scales") if layers[0].minimums is None else ("values", "scales", "minimums")
+    joined = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in names}
+    start = 0
+    for layer in layers:
+        for name in names:
+            setattr(layer, name, joined[name][start : start + layer.out_features])  # views of the joined rows
+        start += layer.out_features
+    bias = joined_bias(layers)
+
+    def detach() -> None:  # each layer on its own copy of its rows
+        for layer in layers:
+            for name in names:
+                setattr(layer, name, getattr(layer, name).clone())
+
+    return Siblings(layers, lambda x: narrow_product(x.reshape(-1, x.shape[-1]).contiguous(), layers[0].bits, joined["values"],
+                                                     joined["scales"], joined.get("minimums"), bias), detach)
+
+
+def quantize4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [out, in]`` as 4-bit words (:func:`~pc_rag.model.block_kernels.pack_nibbles`), float32
+    scales and minimums ``[out, in / 32]``, and which blocks hold their values exactly (fp16 ``d`` and
+    ``m`` that reproduce every value, as a GGUF Q4_1 block's do)."""
+    out_features, in_features = weight.shape
+    blocks = weight.reshape(out_features, in_features // BLOCK, BLOCK)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    scale = (high - low) / 15
+    scale16, low16 = scale.half().float(), low.half().float()
+    q16 = ((blocks - low16[..., None]) / scale16.clamp_min(_TINY)[..., None]).round().clamp(0, 15)
+    exact = (torch.addcmul(low16[..., None], q16, scale16[..., None]) == blocks).all(-1)
+    scales, minimums = torch.where(exact, scale16, scale), torch.where(exact, low16, low)
+    q = ((blocks - minimums[..., None]) / scales.clamp_min(_TINY)[..., None]).round().clamp(0, 15)
+    words = block_kernels.pack_nibbles(q.reshape(out_features, in_features))
+    return words, scales.contiguous(), minimums.contiguous(), exact
+
+
+def quantize8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [out, in]`` as int8 values, float32 scales ``[out, in / 32]`` and which blocks hold
+    their values exactly (an fp16 ``d = max|w| / 127`` that reproduces every value, as Q8_0's does)."""
+    out_features, in_features = weight.shape
+    blocks = weight.reshape(out_features, in_features // BLOCK, BLOCK)
+    scale = blocks.abs().amax(-1) / 127
+    scale16 = scale.half().float()
+    q16 = (blocks / scale16.clamp_min(_TINY)[..., None]).round().clamp(-127, 127)
+    exact = (q16 * scale16[..., None] == blocks).all(-1)
+    scales = torch.where(exact, scale16, scale)
+    q = (blocks / scales.clamp_min(_TINY)[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.reshape(out_features, in_features).contiguous(), scales.contiguous(), exact
+
+
+def bits_for(linear: torch.nn.Linear, *, head: bool) -> int:
+    """4, unless the layer's blocks are exact at 8 bits and not at 4 (a GGUF Q8_0 tensor), or it is
+    the LM head of a float checkpoint (4 bits there moved the first token's KL by 0.033)."""
+    weight = linear.weight.detach().float()
+    if bool(quantize4(weight)[3].all()):
+        return 4
+    return 8 if head or bool(quantize8(weight)[2].all()) else 4
+
+
+def install(model: Any) -> int:
+    """Replace ``model``'s linear layers (inputs in whole blocks of 32) by :class:`BlockLinear`;
+    returns how many were replaced. A float32 CPU model only."""
+    if torch.device(model.device).type != "cpu" or model.dtype != torch.float32:
+        raise PromptCacheError(f'weights="int4" runs a float32 model on a CPU; this one is {model.dtype} on {model.device}',
+                               param="weights")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if type(child) is torch.nn.Linear and child.in_features % BLOCK == 0]
+    layers = []
+    for parent, name, child in targets:
+        layer = BlockLinear(child, bits_for(child, head=child is head))
+        setattr(parent, name, layer)
+        layers.append(layer)
+    joined = join_siblings(model, layers, join, kind=lambda layer: (layer.in_features, layer.bits))
+    exact = sum(layer.exact * layer.out_features * layer.in_features for layer in layers)
+    total = sum(layer.out_features * layer.in_features for layer in layers)
+    logger.info("%d linear layers in blocks of %d (%d at 8 bits, %d groups joined); %.1f%% of their weights held exactly",
+                len(layers), BLOCK, sum(layer.bits == 8 for layer in layers), joined, 100 * exact / max(1, total))
+    return len(layers)

@@ -1,0 +1,162 @@
+"""``weights="int4"`` on pc-rag's own kernels (:mod:`pc_rag.model.blocks`): GGUF's Q4_1 and Q8_0
+blocks found again bit for bit in a float32 model, products against torch's on the same weights,
+one copy of the weights (4-bit) for decode and prefill, the kernels built once and rebuilt when
+their cached copy is damaged, and torch's 4-bit kernel where they cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pc_rag import PromptCache
+from pc_rag.model import block_kernels, blocks
+from pc_rag.model.block_kernels import BLOCK
+from pc_rag.model.blocks import KERNEL_ROWS, BlockLinear
+from pc_rag.model.int4 import Int4Linear
+
+
+def test_the_kernels_build_and_load_here():
+    """The machines pc-rag is tested on (x86-64, AVX2, a C compiler) run its kernels: no test here is
+    skipped for want of them."""
+    assert block_kernels.cpu_supported() and block_kernels.compiler() is not None
+    assert block_kernels.library() is not None
+
+
+def gguf_like(out_features: int, in_features: int, bits: int, seed: int = 0) -> torch.nn.Linear:
+    """A linear layer whose weight is what a GGUF file's Q4_1 (``d*q + m``, fp16 ``d`` and ``m``, every
+    block spanning q = 0..15) or Q8_0 (``d*q``, fp16 ``d``, |q| up to 127) blocks dequantize to."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (out_features, in_features // BLOCK, BLOCK)
+    d = (torch.rand(*shape[:2], 1, generator=generator) * 0.02 + 1e-3).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, shape, generator=generator)
+        q[..., 0], q[..., 1] = 0, 15
+        m = ((torch.rand(*shape[:2], 1, generator=generator) - 0.5) * 0.2).half().float()
+        weight = torch.addcmul(m, q.float(), d)
+    else:
+        q = torch.randint(-127, 128, shape, generator=generator)
+        q[..., 0] = 127
+        weight = q.float() * d
+    linear = torch.nn.Linear(in_features, out_features, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(weight.reshape(out_features, in_features))
+        linear.bias.normal_(generator=generator)
+    return linear
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gguf_blocks_are_found_again_bit_for_bit_and_multiplied_as_torch_does(bits):
+    linear = gguf_like(96, 4 * BLOCK, bits)
+    layer = BlockLinear(linear, bits)
+    assert layer.exact == 1.0 and torch.equal(layer.dequantized(), linear.weight)
+    generator = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 3, 5, KERNEL_ROWS):  # the kernel: products exact, sums in its own order
+        x = torch.randn(rows, 4 * BLOCK, generator=generator)
+        expected = F.linear(x, linear.weight, linear.bias).detach()
+        assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())), rows
+    wide = torch.randn(2, KERNEL_ROWS + 3, 4 * BLOCK, generator=generator)  # dequantized, torch's GEMM: bit for bit
+    assert torch.equal(layer(wide), wide @ linear.weight.detach().t() + linear.bias)
+
+
+def test_a_wide_input_over_a_large_layer_is_multiplied_a_tile_at_a_time(monkeypatch):
+    linear = gguf_like(100, 2 * BLOCK, 4)
+    layer = BlockLinear(linear, 4)
+    monkeypatch.setattr(blocks, "TILE_FLOATS", 30 * 2 * BLOCK)  # tiles of 30 output features: 4 of them
+    x = torch.randn(KERNEL_ROWS + 1, 2 * BLOCK)
+    assert torch.allclose(layer(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_float_checkpoint_is_quantized_within_half_a_step_of_each_block():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4 * BLOCK, 64)
+    for bits in (4, 8):
+        layer = BlockLinear(linear, bits)
+        assert layer.exact == 0.0
+        error = (layer.dequantized() - linear.weight).abs().reshape(64, 4, BLOCK).amax(-1)
+        assert (error <= layer.scales * 0.5001 + 1e-7).all()
+    assert blocks.bits_for(linear, head=False) == 4 and blocks.bits_for(linear, head=True) == 8
+    assert blocks.bits_for(gguf_like(64, 4 * BLOCK, 8), head=False) == 8  # a Q8_0 tensor stays in 8 bits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k and v, joined
+def test_an_int4_engine_on_the_kernels_is_exact_on_every_path(make_tiny, tokenizer, arch):
+    model = make_tiny(arch)
+    engine = PromptCache(model, tokenizer, weights="int4")
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert engine.quantized_layers == len(layers) == 2 * 7 + 1 and not any(isinstance(m, Int4Linear) for m in model.modules())
+    assert model.lm_head.bits == 8 and {layer.bits for layer in layers if layer is not model.lm_head} == {4}
+    report = engine.check(fidelity=False)  # cached against full prefill, batches, joins: all on the same weights
+    assert report.exact, str(report)
+
+
+def test_layers_handed_the_same_input_share_one_product_bit_for_bit(make_tiny, tokenizer):
+    apart, joined = make_tiny("qwen2"), make_tiny("qwen2")
+    blocks.install(apart)
+    for layer in apart.modules():
+        if isinstance(layer, BlockLinear) and layer.siblings is not None:
+            layer.siblings.undo()
+    blocks.install(joined)
+    attention, mlp = joined.model.layers[0].self_attn, joined.model.layers[0].mlp
+    assert attention.q_proj.siblings is attention.k_proj.siblings is attention.v_proj.siblings is not None
+    assert mlp.gate_proj.siblings is mlp.up_proj.siblings is not None and mlp.down_proj.siblings is None
+    assert attention.k_proj.values.data_ptr() > attention.q_proj.values.data_ptr()  # views of the joined rows
+    ids = torch.tensor([tokenizer("The tower stands in Paris and was finished in")["input_ids"]])
+    with torch.inference_mode():
+        assert torch.equal(joined(ids).logits, apart(ids).logits)
+        first, second = joined(ids, use_cache=True), apart(ids, use_cache=True)
+        step = ids[:, -1:]
+        assert torch.equal(joined(step, cache=first.past_key_values).logits, apart(step, cache=second.past_key_values).logits)
+
+
+def test_the_embedded_model_holds_its_gguf_values_exactly(model_dir):
+    """Every projection of SmolLM2-135M's GGUF file is Q4_1 and its LM head Q8_0: each layer holds
+    the float32 model's very weights, so prefill is bitwise float32's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    as_loaded = {name: module.weight.detach().clone() for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    ids = torch.arange(100, 140)[None]
+    with torch.inference_mode():
+        before = model(ids).logits
+    assert blocks.install(model) == len(as_loaded) == 30 * 7 + 1
+    layers = dict((name, module) for name, module in model.named_modules() if isinstance(module, BlockLinear))
+    assert all(layer.exact == 1.0 for layer in layers.values())
+    assert [name for name, layer in layers.items() if layer.bits == 8] == ["lm_head"]
+    assert all(torch.equal(layer.dequantized(), as_loaded[name]) for name, layer in layers.items())
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, before)  # 40 rows: dequantized tiles, float32's GEMM
+
+
+def test_a_damaged_kernel_library_is_built_again(tmp_path):
+    """Each in a fresh process (a process keeps the library it loaded mapped: the loader hands the
+    same one back by path): build; find the cached copy damaged; build it again."""
+    env = {**os.environ, "PC_RAG_HOME": str(tmp_path)}
+    loads = [sys.executable, "-c", "from pc_rag.model import block_kernels; assert block_kernels.load() is not None"]
+    subprocess.run(loads, env=env, check=True, timeout=300)
+    (built,) = (tmp_path / "kernels").glob("block_kernels-*.so")
+    damaged = tmp_path / "damaged"
+    damaged.write_bytes(b"\x7fELF and then nothing")  # a half-written or corrupted file
+    os.replace(damaged, built)
+    finished = subprocess.run(loads, env=env, timeout=300, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    assert "rejected" in finished.stderr and "building them again" in finished.stderr
+    assert built.stat().st_size > 1000 and built.read_bytes()[:4] == b"\x7fELF"
+    assert list((tmp_path / "kernels").iterdir()) == [built]  # no temporary left behind
+
+
+def test_without_a_compiler_int4_runs_on_torchs_kernel(make_tiny, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("PC_RAG_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    block_kernels.library.cache_clear()
+    try:
+        assert block_kernels.library() is None
+        model = make_tiny("llama")
+        PromptCache(model, tokenizer, weights="int4")
+        assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
+    finally:
+        block_kernels.library.cache_clear()
