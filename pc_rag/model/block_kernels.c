@@ -15,7 +15,10 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define MAX_ROWS 4 /* input rows multiplied per pass over the weights */
+#define MAX_ROWS 8 /* input rows multiplied per pass over 4-bit weights */
+#define Q8_ROWS 4  /* and over 8-bit ones */
+#define CHUNK 64 /* output features whose weights every input row passes over while they are in cache */
+#define PARALLEL_MACS (1 << 20) /* products this large (rows x out x in) run on several threads */
 
 static const float LANE_SCALE[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f};
 
@@ -104,63 +107,93 @@ static void q4_one_row(const uint32_t *w, const float *d, const float *m, int64_
     }
 }
 
-/* up to MAX_ROWS input rows: each block's weights converted once for all of them */
-static void q4_rows(const uint32_t *w, const float *d, const float *m, int64_t groups, const float *xp,
-                    const float *xs, const float *xc, int rows, int64_t out_features, int64_t out_stride,
-                    const float *bias, float *out) {
+/* up to 8 input rows: each block's weights converted (and scaled by d: q*d is exact for an fp16 d)
+   once for all of them; one named accumulator a row, so they stay in registers, and each block's
+   product summed apart before it is added (the blocks' FMA chains overlap) */
+#define ROW_PRODUCT(r)                                                                          \
+    if (rows > r) {                                                                             \
+        const float *xr = xp + (int64_t)r * groups * 32 + 32 * g;                               \
+        acc##r = _mm256_add_ps(acc##r, BLOCK_PRODUCT(q0, q1, q2, q3, xr));                     \
+    }
+#define ROW_OUT(r)                                                                              \
+    if (rows > r)                                                                               \
+        out[r * out_stride + o] = hsum(acc##r) + dot2(dof, xc + r * groups, m + o * groups, xs + r * groups, groups) \
+                                  + (bias ? bias[o] : 0.f);
+
+static inline __attribute__((always_inline)) void
+q4_rows_n(const uint32_t *w, const float *d, const float *m, int64_t groups, const float *xp, const float *xs,
+          const float *xc, const int rows, int64_t out_features, int64_t out_stride, const float *bias, float *out) {
     const __m256i mask = lane_masks();
     for (int64_t o = 0; o < out_features; o++) {
         const uint32_t *wo = w + o * groups * 4;
         const float *dof = d + o * groups;
-        __m256 acc[MAX_ROWS];
-        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
         for (int64_t g = 0; g < groups; g++) {
-            __m256 q0 = nibbles(wo + 4 * g, mask), q1 = nibbles(wo + 4 * g + 1, mask);
-            __m256 q2 = nibbles(wo + 4 * g + 2, mask), q3 = nibbles(wo + 4 * g + 3, mask);
             const __m256 dg = _mm256_broadcast_ss(dof + g);
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm256_fmadd_ps(dg, BLOCK_PRODUCT(q0, q1, q2, q3, xp + (int64_t)r * groups * 32 + 32 * g), acc[r]);
+            const __m256 q0 = _mm256_mul_ps(nibbles(wo + 4 * g, mask), dg), q1 = _mm256_mul_ps(nibbles(wo + 4 * g + 1, mask), dg);
+            const __m256 q2 = _mm256_mul_ps(nibbles(wo + 4 * g + 2, mask), dg), q3 = _mm256_mul_ps(nibbles(wo + 4 * g + 3, mask), dg);
+            ROW_PRODUCT(0) ROW_PRODUCT(1) ROW_PRODUCT(2) ROW_PRODUCT(3)
+            ROW_PRODUCT(4) ROW_PRODUCT(5) ROW_PRODUCT(6) ROW_PRODUCT(7)
         }
-        for (int r = 0; r < rows; r++)
-            out[r * out_stride + o] = hsum(acc[r]) + dot2(dof, xc + r * groups, m + o * groups, xs + r * groups, groups)
-                                        + (bias ? bias[o] : 0.f);
+        ROW_OUT(0) ROW_OUT(1) ROW_OUT(2) ROW_OUT(3) ROW_OUT(4) ROW_OUT(5) ROW_OUT(6) ROW_OUT(7)
     }
 }
 
-/* out[rows][O] = x[rows][I] @ W^T (+ bias) for 4-bit W, on `threads` threads (OpenMP, where built
-   with it) each taking a share of the output features. scratch: rows * (I + 2 * I / 32) floats. */
+/* q4_rows_n with the row count a constant in each copy: the compiler keeps the accumulators in registers */
+static void q4_rows(const uint32_t *w, const float *d, const float *m, int64_t groups, const float *xp,
+                    const float *xs, const float *xc, int rows, int64_t out_features, int64_t out_stride,
+                    const float *bias, float *out) {
+    switch (rows) {
+    case 2: q4_rows_n(w, d, m, groups, xp, xs, xc, 2, out_features, out_stride, bias, out); break;
+    case 3: q4_rows_n(w, d, m, groups, xp, xs, xc, 3, out_features, out_stride, bias, out); break;
+    case 4: q4_rows_n(w, d, m, groups, xp, xs, xc, 4, out_features, out_stride, bias, out); break;
+    case 5: q4_rows_n(w, d, m, groups, xp, xs, xc, 5, out_features, out_stride, bias, out); break;
+    case 6: q4_rows_n(w, d, m, groups, xp, xs, xc, 6, out_features, out_stride, bias, out); break;
+    case 7: q4_rows_n(w, d, m, groups, xp, xs, xc, 7, out_features, out_stride, bias, out); break;
+    default: q4_rows_n(w, d, m, groups, xp, xs, xc, 8, out_features, out_stride, bias, out); break;
+    }
+}
+
+/* how a product is shared out: output features in chunks of CHUNK (their weights stay in cache
+   while every input row passes over them), chunks across `threads` OpenMP threads where the product
+   is large enough to pay for waking them */
+static inline int64_t chunk_count(int64_t out_features) { return (out_features + CHUNK - 1) / CHUNK; }
+static inline int parallel(int threads, int64_t rows, int64_t out_features, int64_t in_features) {
+    return threads > 1 && rows * out_features * in_features >= PARALLEL_MACS;
+}
+
+/* out[rows][O] = x[rows][I] @ W^T (+ bias) for 4-bit W. scratch: rows * (I + 2 * I / 32) floats. */
 void q4_matmul(const float *x, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
                const float *m, int64_t out_features, const float *bias, float *out, float *scratch, int threads) {
-    const int64_t groups = in_features / 32;
+    const int64_t groups = in_features / 32, chunks = chunk_count(out_features);
     float *xp = scratch, *xs = scratch + rows * in_features, *xc = xs + rows * groups;
     for (int64_t r = 0; r < rows; r++)
         prepare(x + r * in_features, groups, xp + r * in_features, xs + r * groups, xc + r * groups);
-    const int64_t chunks = threads > 1 ? threads : 1, chunk = (out_features / chunks + 1) & ~(int64_t)1;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel(threads, rows, out_features, in_features))
     for (int64_t c = 0; c < chunks; c++) {
-        const int64_t o0 = c * chunk < out_features ? c * chunk : out_features;
-        const int64_t n = out_features - o0 < chunk ? out_features - o0 : chunk;
-        const float *bc = bias ? bias + o0 : 0;
+        const int64_t o0 = c * CHUNK, n = out_features - o0 < CHUNK ? out_features - o0 : CHUNK;
+        const uint32_t *wc = w + o0 * groups * 4;
+        const float *dc = d + o0 * groups, *mc = m + o0 * groups, *bc = bias ? bias + o0 : 0;
         for (int64_t r = 0; r < rows; r += MAX_ROWS) {
             const int nr = rows - r < MAX_ROWS ? (int)(rows - r) : MAX_ROWS;
-            const uint32_t *wc = w + o0 * groups * 4;
             if (nr == 1)
-                q4_one_row(wc, d + o0 * groups, m + o0 * groups, groups, xp + r * in_features, xs + r * groups,
-                           xc + r * groups, n, bc, out + r * out_features + o0);
+                q4_one_row(wc, dc, mc, groups, xp + r * in_features, xs + r * groups, xc + r * groups, n, bc,
+                           out + r * out_features + o0);
             else
-                q4_rows(wc, d + o0 * groups, m + o0 * groups, groups, xp + r * in_features, xs + r * groups,
-                        xc + r * groups, nr, n, out_features, bc, out + r * out_features + o0);
+                q4_rows(wc, dc, mc, groups, xp + r * in_features, xs + r * groups, xc + r * groups, nr, n,
+                        out_features, bc, out + r * out_features + o0);
         }
     }
 }
 
-/* rows [o0, o0 + n) of an 8-bit W times up to MAX_ROWS input rows */
-static void q8_rows(const int8_t *q, const float *d, int64_t in_features, const float *x, int rows, int64_t n,
-                    int64_t out_stride, const float *bias, float *out) {
+/* rows [o0, o0 + n) of an 8-bit W times up to Q8_ROWS input rows */
+static inline __attribute__((always_inline)) void
+q8_rows_n(const int8_t *q, const float *d, int64_t in_features, const float *x, const int rows, int64_t n,
+          int64_t out_stride, const float *bias, float *out) {
     const int64_t groups = in_features / 32;
     for (int64_t o = 0; o < n; o++) {
         const int8_t *qo = q + o * in_features;
-        __m256 acc[MAX_ROWS];
+        __m256 acc[Q8_ROWS];
         for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const __m256 q0 = bytes8(qo + 32 * g), q1 = bytes8(qo + 32 * g + 8);
@@ -174,27 +207,37 @@ static void q8_rows(const int8_t *q, const float *d, int64_t in_features, const 
     }
 }
 
+static void q8_rows(const int8_t *q, const float *d, int64_t in_features, const float *x, int rows, int64_t n,
+                    int64_t out_stride, const float *bias, float *out) {
+    switch (rows) {
+    case 1: q8_rows_n(q, d, in_features, x, 1, n, out_stride, bias, out); break;
+    case 2: q8_rows_n(q, d, in_features, x, 2, n, out_stride, bias, out); break;
+    case 3: q8_rows_n(q, d, in_features, x, 3, n, out_stride, bias, out); break;
+    default: q8_rows_n(q, d, in_features, x, 4, n, out_stride, bias, out); break;
+    }
+}
+
 /* out[rows][O] = x[rows][I] @ W^T (+ bias) for 8-bit W, on `threads` threads */
 void q8_matmul(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
                int64_t out_features, const float *bias, float *out, int threads) {
-    const int64_t groups = in_features / 32, chunks = threads > 1 ? threads : 1, chunk = out_features / chunks + 1;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
+    const int64_t groups = in_features / 32, chunks = chunk_count(out_features);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel(threads, rows, out_features, in_features))
     for (int64_t c = 0; c < chunks; c++) {
-        const int64_t o0 = c * chunk < out_features ? c * chunk : out_features;
-        const int64_t n = out_features - o0 < chunk ? out_features - o0 : chunk;
-        for (int64_t r = 0; r < rows; r += MAX_ROWS)
+        const int64_t o0 = c * CHUNK, n = out_features - o0 < CHUNK ? out_features - o0 : CHUNK;
+        for (int64_t r = 0; r < rows; r += Q8_ROWS)
             q8_rows(q + o0 * in_features, d + o0 * groups, in_features, x + r * in_features,
-                    rows - r < MAX_ROWS ? (int)(rows - r) : MAX_ROWS, n, out_features, bias ? bias + o0 : 0,
+                    rows - r < Q8_ROWS ? (int)(rows - r) : Q8_ROWS, n, out_features, bias ? bias + o0 : 0,
                     out + r * out_features + o0);
     }
 }
 
 /* float32 rows [o0, o1) of a 4-bit W: fl(d*q + m), one rounding, as GGUF's dequantization gives */
 void q4_dequantize(const uint32_t *w, const float *d, const float *m, int64_t in_features, int64_t o0, int64_t o1,
-                   float *out) {
+                   float *out, int threads) {
     const int64_t groups = in_features / 32;
     const __m256i mask = lane_masks();
     const __m256 scale = _mm256_loadu_ps(LANE_SCALE), offset = _mm256_setr_ps(0, 0, 0, 0, 0, 0, 0, 8.f);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel(threads, 1, o1 - o0, in_features))
     for (int64_t o = o0; o < o1; o++) {
         const uint32_t *wo = w + o * groups * 4;
         float *row = out + (o - o0) * in_features;
@@ -209,8 +252,10 @@ void q4_dequantize(const uint32_t *w, const float *d, const float *m, int64_t in
 }
 
 /* float32 rows [o0, o1) of an 8-bit W: d*q (exact for an fp16 d) */
-void q8_dequantize(const int8_t *q, const float *d, int64_t in_features, int64_t o0, int64_t o1, float *out) {
+void q8_dequantize(const int8_t *q, const float *d, int64_t in_features, int64_t o0, int64_t o1, float *out,
+                   int threads) {
     const int64_t groups = in_features / 32;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel(threads, 1, o1 - o0, in_features))
     for (int64_t o = o0; o < o1; o++)
         for (int64_t g = 0; g < groups; g++) {
             const __m256 dg = _mm256_broadcast_ss(d + o * groups + g);

@@ -40,8 +40,8 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
     "q4_matmul": [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, ctypes.c_int],
     "q8_matmul": [_P, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int],
-    "q4_dequantize": [_P, _P, _P, _I64, _I64, _I64, _P],
-    "q8_dequantize": [_P, _P, _I64, _I64, _I64, _P],
+    "q4_dequantize": [_P, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
+    "q8_dequantize": [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
 }
 
 
@@ -167,7 +167,8 @@ def dequantize_into(out: torch.Tensor, start: int, stop: int, values: torch.Tens
     lib = library()
     features = scales.shape[1] * BLOCK
     if minimums is not None:
-        lib.q4_dequantize(values.data_ptr(), scales.data_ptr(), minimums.data_ptr(), features, start, stop, out.data_ptr())
+        lib.q4_dequantize(values.data_ptr(), scales.data_ptr(), minimums.data_ptr(), features, start, stop, out.data_ptr(),
+                          torch.get_num_threads())
     else:
-        lib.q8_dequantize(values.data_ptr(), scales.data_ptr(), features, start, stop, out.data_ptr())
+        lib.q8_dequantize(values.data_ptr(), scales.data_ptr(), features, start, stop, out.data_ptr(), torch.get_num_threads())
     return out

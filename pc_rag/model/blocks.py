@@ -12,10 +12,12 @@ weight for the 4-bit layers. A layer none of whose blocks are exact at 4 bits bu
 kept at 8; a user's own float checkpoint is quantized from each block's minimum to maximum (lossy,
 as asked), its LM head in 8 bits.
 
-Inputs of up to :data:`KERNEL_ROWS` rows (decode steps of up to 8 requests) go through the
-kernels, which read each weight once for up to 4 rows. Wider inputs (prefill) dequantize the
+Inputs of up to :data:`KERNEL_ROWS` rows (decode steps, a short question) go through the
+kernels, which read each weight once for up to 8 rows. Wider inputs (prefill) dequantize the
 weight a tile at a time into one reused float32 buffer and run torch's GEMM on it: one copy of
-the weights in memory, the 4-bit one.
+the weights in memory, the 4-bit one. Both are bound by arithmetic on an AVX2 CPU beyond a few
+rows, so prompts prefill up to ~1.7x slower than with FBGEMM's fp16 weights (see KERNEL_ROWS);
+decode, which reads every weight for a handful of rows, is where 4 bits pay.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ from .siblings import Siblings, join_siblings, joined_bias
 
 logger = logging.getLogger(__name__)
 
-# inputs up to this many rows take the kernels; wider ones torch's GEMM over dequantized tiles. On the
-# development CPU, a 3072x576 layer: the kernel 0.20/0.33/0.37/0.88/1.94 ms for 1/2/4/8/16 rows, dequantizing
-# and GEMM 0.49/0.77/0.79/1.06/1.40 ms (benchmarks/decode_step.py measures the whole step)
-KERNEL_ROWS = 8
+# inputs up to this many rows take the kernels (decode batches, short prompts); wider ones torch's GEMM over
+# dequantized tiles. A forward of the embedded model (2 threads; ms, min of 3): 16 rows 83 here against 231
+# dequantizing (fp16 weights: 68); 38 rows 129-180 either way (fp16: 96-112); 128 rows 414-516 against 446-472
+# (fp16: 271-310); 512 rows 1785-2073 against 981-1245 (fp16: 1029-1108)
+KERNEL_ROWS = 32
 TILE_FLOATS = 4 << 20  # a wide input's dequantized tile: at most 16 MB of float32 at a time
 _TINY = torch.finfo(torch.float32).tiny
 _tiles = threading.local()  # one dequantization buffer per thread, shared by every layer
