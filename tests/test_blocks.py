@@ -18,6 +18,7 @@ from pc_rag.model import block_kernels, blocks
 from pc_rag.model.block_kernels import BLOCK
 from pc_rag.model.blocks import KERNEL_ROWS, BlockLinear
 from pc_rag.model.int4 import Int4Linear
+from pc_rag.prompt.documents import build_prompt
 
 
 def test_the_kernels_build_and_load_here():
@@ -160,3 +161,22 @@ def test_without_a_compiler_int4_runs_on_torchs_kernel(make_tiny, tokenizer, tmp
         assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
     finally:
         block_kernels.library.cache_clear()
+
+
+def test_the_embedded_model_answers_by_default_as_its_float32_checkpoint(smollm):
+    """The default (the GGUF's own blocks on pc-rag's kernels) against the float32 checkpoint they
+    dequantize to: the same greedy answer, and a first-token KL of float rounding (the kernels sum in
+    their own order), cached and by full prefill."""
+    assert smollm.weights == "int4" and isinstance(smollm.model.lm_head, BlockLinear)
+    as_loaded = PromptCache.from_pretrained(weights="float32")
+    documents = ["Super Bowl 50 was won by the Denver Broncos, who beat the Carolina Panthers 24-10.",
+                 "Super Bowl 50 was played at Levi's Stadium in Santa Clara, California."]
+    prompts = [build_prompt("Who won Super Bowl 50, and where was it played?", engine.add_documents(documents, progress=False))
+               for engine in (smollm, as_loaded)]
+    for use_cache in (True, False):
+        blocked, full = (engine.next_token_logits(prompt, use_cache=use_cache).log_softmax(-1)
+                         for engine, prompt in zip((smollm, as_loaded), prompts))
+        assert float((full.exp() * (full - blocked)).sum()) < 1e-5  # summation order only (3e-7 measured)
+        answers = [engine.generate(prompt, max_new_tokens=24, use_cache=use_cache).token_ids
+                   for engine, prompt in zip((smollm, as_loaded), prompts)]
+        assert answers[0] == answers[1]

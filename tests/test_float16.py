@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pc_rag import PromptCache, PromptCacheError
-from pc_rag.model import weights
+from pc_rag.model import block_kernels, weights
 from pc_rag.model.float16 import Float16Linear
 from pc_rag.prompt.documents import build_prompt
 
@@ -59,28 +59,36 @@ def test_float16_refuses_what_it_cannot_run(make_tiny, tokenizer):
         PromptCache(make_tiny("llama"), tokenizer, weights="fp8")
 
 
-def test_only_the_embedded_model_defaults_to_float16_and_only_eagerly_on_a_cpu():
-    assert weights.chosen(None, embedded=True, device="cpu") == "float16"
+def test_only_the_embedded_model_defaults_to_4_bits_and_only_eagerly_on_a_cpu(tmp_path, monkeypatch):
+    assert weights.chosen(None, embedded=True, device="cpu") == "int4"  # its GGUF's own blocks, on pc-rag's kernels
     assert weights.chosen(None, embedded=True, device="cpu", compile=True) is None
     assert weights.chosen(None, embedded=True, device="meta") is None
     assert weights.chosen(None, embedded=False, device="cpu") is None  # a user's checkpoint: as loaded
     assert weights.chosen("int4", embedded=True, device="cpu") == "int4"
     assert weights.chosen("float32", embedded=True, device="cpu") == "float32"
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))  # where pc-rag's kernels cannot be built: fp16
+    monkeypatch.setenv("PC_RAG_HOME", str(tmp_path))
+    block_kernels.library.cache_clear()
+    try:
+        assert weights.chosen(None, embedded=True, device="cpu") == "float16"
+    finally:
+        block_kernels.library.cache_clear()
 
 
-def test_the_embedded_model_in_float16_answers_as_in_float32(smollm):
-    """The default (fp16 weights) against the checkpoint as loaded: the same greedy answer and a
-    first-token KL near zero, cached and by full prefill."""
-    assert smollm.weights == "float16" and isinstance(smollm.model.lm_head, Float16Linear)
+def test_the_embedded_model_in_float16_answers_as_in_float32():
+    """fp16 weights against the checkpoint as loaded: the same greedy answer and a first-token KL
+    near zero, cached and by full prefill."""
+    fp16 = PromptCache.from_pretrained(weights="float16")
+    assert fp16.weights == "float16" and isinstance(fp16.model.lm_head, Float16Linear)
     as_loaded = PromptCache.from_pretrained(weights="float32")
     documents = ["Super Bowl 50 was won by the Denver Broncos, who beat the Carolina Panthers 24-10.",
                  "Super Bowl 50 was played at Levi's Stadium in Santa Clara, California."]
     prompts = [build_prompt("Who won Super Bowl 50, and where was it played?", engine.add_documents(documents, progress=False))
-               for engine in (smollm, as_loaded)]
+               for engine in (fp16, as_loaded)]
     for use_cache in (True, False):
         half, full = (engine.next_token_logits(prompt, use_cache=use_cache).log_softmax(-1)
-                      for engine, prompt in zip((smollm, as_loaded), prompts))
+                      for engine, prompt in zip((fp16, as_loaded), prompts))
         assert float((full.exp() * (full - half)).sum()) < 1e-4
         answers = [engine.generate(prompt, max_new_tokens=12, use_cache=use_cache).token_ids
-                   for engine, prompt in zip((smollm, as_loaded), prompts)]
+                   for engine, prompt in zip((fp16, as_loaded), prompts)]
         assert answers[0] == answers[1]

@@ -49,7 +49,7 @@ def test_the_default_takes_it_for_large_float32_cpu_models_only(make_tiny, smoll
     model, _ = load_model(None)  # SmolLM2-135M in float32 on a CPU: 538 MB of linear weights
     assert small_batch.wanted(model) is True and small_batch.install(model) is True
     assert model.lm_head.forward.__func__ is small_batch.linear
-    assert smollm.weights == "float16" and smollm.small_batch_linear is False  # the default: FBGEMM's fp16 kernel at every width
+    assert smollm.weights == "int4" and smollm.small_batch_linear is False  # the default: pc-rag's 4-bit kernels, no nn.Linear left
     assert small_batch.wanted(make_tiny("llama").to(torch.bfloat16)) is False
 
 

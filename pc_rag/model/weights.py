@@ -42,8 +42,12 @@ def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
 
 def chosen(asked: str | None, *, embedded: bool, device: str | torch.device | None, compile: bool | str = False) -> str | None:
     """The weights :meth:`~pc_rag.PromptCache.from_pretrained` builds with: those ``asked`` for, or for
-    the embedded model (at its own dtype) float16 on a CPU that runs FBGEMM, eagerly; else as loaded."""
+    the embedded model (at its own dtype) on a CPU, eagerly: int4 where pc-rag's kernels build (its
+    GGUF's own 4-bit blocks), else float16 where FBGEMM runs; else as loaded."""
     if asked is not None or not embedded:
         return asked
-    on_cpu = torch.device(device if device is not None else default_device()).type == "cpu"
-    return "float16" if on_cpu and not compile and float16.available() else None
+    if torch.device(device if device is not None else default_device()).type != "cpu" or compile:
+        return None
+    if block_kernels.library() is not None:
+        return "int4"
+    return "float16" if float16.available() else None
