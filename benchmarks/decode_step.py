@@ -9,7 +9,7 @@ fixed for decoding as the engine fixes it; the mask is additive, as for a RAG pr
 are interleaved ``--rounds`` times, ``--steps`` steps each, so the machine's drift hits them alike;
 medians in ms.
 
-    python benchmarks/decode_step.py                     # float16 weights (the default), ~1 min
+    python benchmarks/decode_step.py                     # int4 (the default) and float16 weights, ~2 min
     python benchmarks/decode_step.py --weights int4 float32
 """
 
@@ -92,7 +92,7 @@ def measure(weights: str, cache: int, rounds: int, steps: int) -> dict[str, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", nargs="+", default=["float16"])
+    parser.add_argument("--weights", nargs="+", default=["int4", "float16"])
     parser.add_argument("--cache", type=int, default=1265, help="KV entries attended (a ~1.2K-token RAG prompt)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)

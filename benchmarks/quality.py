@@ -474,7 +474,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["head_tail:0:0", "head_tail:4:1", "default"])
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--weights", choices=WEIGHTS, default=None,
-                        help="the engine's weights=, cached and full alike (default: from_pretrained's: float16 for the embedded model on a CPU)")
+                        help="the engine's weights=, cached and full alike (default: from_pretrained's: int4 for the embedded model on a CPU)")
     parser.add_argument("--plot", action="store_true", help="also draw the frontier plot")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                         help="merge earlier runs (variants per set) into --out and its tables (and the plot with --plot), then exit")

@@ -113,7 +113,7 @@ class PromptCache(Registration, Serving):
             ``W @ x^T``, streaming the weights once on a CPU (:mod:`pc_rag.model.small_batch`). None: for a float32
             CPU model with over 32 MB of linear weights. Set on the model's layers (for every user of that model object).
         weights: a CPU model's linear layers in ``"float16"`` (float32 arithmetic) or ``"int4"`` (the LM head in 8 bits); None:
-            as loaded (the model object is changed: :mod:`pc_rag.model.weights`; the embedded model: float16 on a CPU).
+            as loaded (the model object is changed: :mod:`pc_rag.model.weights`; the embedded model: int4 on a CPU).
         encode_share: the share of the model's time documents queued with ``background=True`` are
             encoded in while requests run (all of it when none do; :mod:`pc_rag.model.turns`).
     """

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pc_rag import PromptCache
+from pc_rag import PromptCache, PromptCacheError
 from pc_rag.model import block_kernels, blocks
 from pc_rag.model.block_kernels import BLOCK
 from pc_rag.model.blocks import KERNEL_ROWS, BlockLinear
@@ -64,6 +64,16 @@ def test_gguf_blocks_are_found_again_bit_for_bit_and_multiplied_as_torch_does(bi
     assert torch.equal(layer(wide), wide @ linear.weight.detach().t() + linear.bias)
 
 
+def test_a_layer_refuses_what_its_kernels_cannot_read():
+    """The kernels read raw float32 CPU memory: a model cast or moved after install is refused, not misread."""
+    layer = BlockLinear(gguf_like(32, BLOCK, 4), 4)
+    with pytest.raises(PromptCacheError, match="got torch.bfloat16 inputs"):
+        layer(torch.randn(1, BLOCK, dtype=torch.bfloat16))
+    layer.half()
+    with pytest.raises(PromptCacheError, match="torch.float16 scales"):
+        layer(torch.randn(1, BLOCK))
+
+
 def test_a_wide_input_over_a_large_layer_is_multiplied_a_tile_at_a_time(monkeypatch):
     linear = gguf_like(100, 2 * BLOCK, 4)
     layer = BlockLinear(linear, 4)
@@ -93,6 +103,11 @@ def test_an_int4_engine_on_the_kernels_is_exact_on_every_path(make_tiny, tokeniz
     assert model.lm_head.bits == 8 and {layer.bits for layer in layers if layer is not model.lm_head} == {4}
     report = engine.check(fidelity=False)  # cached against full prefill, batches, joins: all on the same weights
     assert report.exact, str(report)
+
+
+def test_int4_on_the_kernels_refuses_compile(make_tiny, tokenizer):
+    with pytest.raises(PromptCacheError, match="runs pc-rag's kernels eagerly"):
+        PromptCache(make_tiny("llama"), tokenizer, weights="int4", compile=True)
 
 
 def test_layers_handed_the_same_input_share_one_product_bit_for_bit(make_tiny, tokenizer):

@@ -69,8 +69,10 @@ class BlockLinear(torch.nn.Module):
         self.sibling = 0  # this layer's place among them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            raise PromptCacheError(f'weights="int4" multiplies float32 inputs; got {x.dtype}', param="weights")
+        if x.dtype != torch.float32 or x.device.type != "cpu" or self.scales.dtype != torch.float32 or self.scales.device.type != "cpu":
+            raise PromptCacheError(f'weights="int4" multiplies float32 inputs on a CPU by float32 scales there; got {x.dtype} inputs on '
+                                   f'{x.device} and {self.scales.dtype} scales on {self.scales.device} (the model was moved or cast '
+                                   'after its layers were quantized)', param="weights")
         if x.numel() > KERNEL_ROWS * self.in_features:
             out = self.wide(x.reshape(-1, self.in_features))
         elif self.siblings is not None:  # the same x object for every sibling: one joined product

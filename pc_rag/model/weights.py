@@ -36,6 +36,9 @@ def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
                                    'pass compile=False, or weights="float32" or "int4"', param="weights")
         return float16.install(model)
     if weights == "int4" and block_kernels.library() is not None:
+        if compiled:  # dynamo breaks the graph at every call into the kernels: hundreds of fragments a step
+            raise PromptCacheError('weights="int4" runs pc-rag\'s kernels eagerly (a compiled step breaks at every call into them); '
+                                   'pass compile=False, or weights="float32"', param="weights")
         return blocks.install(model)
     return int4.install(model, weights)
 
