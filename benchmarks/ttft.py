@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--no-chains", action="store_true", help="skip the LangChain series")
     parser.add_argument("--weights", choices=("float32", "float16", "int4"), default=None,
-                        help="the engine's weights= (default: what from_pretrained gives: float16 for the embedded model on a CPU)")
+                        help="the engine's weights= (default: what from_pretrained gives: int4 for the embedded model on a CPU)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ttft.json")
     args = parser.parse_args()
     try:  # imported here: before_after.py runs this script against commits before pc_rag.model.weights

@@ -356,3 +356,33 @@ def pcrag_server(tmp_path_factory):
     server = ServerProcess(tmp_path_factory.mktemp("server"), "--body-timeout-s", "2", "--buffer-budget-mb", "320")
     yield server
     server.close()
+
+
+def assert_same_logits_joined_and_apart(joined, apart, tokenizer) -> None:
+    """Two copies of a model, one with its sibling layers joined: bitwise the same logits over a
+    prompt and over the decode step after it."""
+    ids = torch.tensor([tokenizer("The tower stands in Paris and was finished in")["input_ids"]])
+    with torch.inference_mode():
+        assert torch.equal(joined(ids).logits, apart(ids).logits)
+        first, second = joined(ids, use_cache=True), apart(ids, use_cache=True)
+        step = ids[:, -1:]
+        assert torch.equal(joined(step, cache=first.past_key_values).logits, apart(step, cache=second.past_key_values).logits)
+
+
+def assert_answers_as_float32(engine, kl_bound: float, max_new_tokens: int) -> None:
+    """``engine`` (the embedded model at other weights) against the float32 checkpoint as loaded:
+    a first-token KL under ``kl_bound`` and the same greedy answer, cached and by full prefill."""
+    from pc_rag.prompt.documents import build_prompt
+
+    as_loaded = PromptCache.from_pretrained(weights="float32")
+    documents = ["Super Bowl 50 was won by the Denver Broncos, who beat the Carolina Panthers 24-10.",
+                 "Super Bowl 50 was played at Levi's Stadium in Santa Clara, California."]
+    engines = (engine, as_loaded)
+    prompts = [build_prompt("Who won Super Bowl 50, and where was it played?", each.add_documents(documents, progress=False))
+               for each in engines]
+    for use_cache in (True, False):
+        other, full = (each.next_token_logits(prompt, use_cache=use_cache).log_softmax(-1) for each, prompt in zip(engines, prompts))
+        assert float((full.exp() * (full - other)).sum()) < kl_bound
+        answers = [each.generate(prompt, max_new_tokens=max_new_tokens, use_cache=use_cache).token_ids
+                   for each, prompt in zip(engines, prompts)]
+        assert answers[0] == answers[1]

@@ -18,7 +18,8 @@ from pc_rag.model import block_kernels, blocks
 from pc_rag.model.block_kernels import BLOCK
 from pc_rag.model.blocks import KERNEL_ROWS, BlockLinear
 from pc_rag.model.int4 import Int4Linear
-from pc_rag.prompt.documents import build_prompt
+
+from .conftest import assert_answers_as_float32, assert_same_logits_joined_and_apart
 
 
 def test_the_kernels_build_and_load_here():
@@ -121,12 +122,7 @@ def test_layers_handed_the_same_input_share_one_product_bit_for_bit(make_tiny, t
     assert attention.q_proj.siblings is attention.k_proj.siblings is attention.v_proj.siblings is not None
     assert mlp.gate_proj.siblings is mlp.up_proj.siblings is not None and mlp.down_proj.siblings is None
     assert attention.k_proj.values.data_ptr() > attention.q_proj.values.data_ptr()  # views of the joined rows
-    ids = torch.tensor([tokenizer("The tower stands in Paris and was finished in")["input_ids"]])
-    with torch.inference_mode():
-        assert torch.equal(joined(ids).logits, apart(ids).logits)
-        first, second = joined(ids, use_cache=True), apart(ids, use_cache=True)
-        step = ids[:, -1:]
-        assert torch.equal(joined(step, cache=first.past_key_values).logits, apart(step, cache=second.past_key_values).logits)
+    assert_same_logits_joined_and_apart(joined, apart, tokenizer)
 
 
 def test_the_embedded_model_holds_its_gguf_values_exactly(model_dir):
@@ -183,15 +179,4 @@ def test_the_embedded_model_answers_by_default_as_its_float32_checkpoint(smollm)
     dequantize to: the same greedy answer, and a first-token KL of float rounding (the kernels sum in
     their own order), cached and by full prefill."""
     assert smollm.weights == "int4" and isinstance(smollm.model.lm_head, BlockLinear)
-    as_loaded = PromptCache.from_pretrained(weights="float32")
-    documents = ["Super Bowl 50 was won by the Denver Broncos, who beat the Carolina Panthers 24-10.",
-                 "Super Bowl 50 was played at Levi's Stadium in Santa Clara, California."]
-    prompts = [build_prompt("Who won Super Bowl 50, and where was it played?", engine.add_documents(documents, progress=False))
-               for engine in (smollm, as_loaded)]
-    for use_cache in (True, False):
-        blocked, full = (engine.next_token_logits(prompt, use_cache=use_cache).log_softmax(-1)
-                         for engine, prompt in zip((smollm, as_loaded), prompts))
-        assert float((full.exp() * (full - blocked)).sum()) < 1e-5  # summation order only (3e-7 measured)
-        answers = [engine.generate(prompt, max_new_tokens=24, use_cache=use_cache).token_ids
-                   for engine, prompt in zip((smollm, as_loaded), prompts)]
-        assert answers[0] == answers[1]
+    assert_answers_as_float32(smollm, 1e-5, 24)  # summation order only (3e-7 measured)

@@ -9,7 +9,8 @@ import torch
 from pc_rag import PromptCache, PromptCacheError
 from pc_rag.model import block_kernels, weights
 from pc_rag.model.float16 import Float16Linear
-from pc_rag.prompt.documents import build_prompt
+
+from .conftest import assert_answers_as_float32
 
 
 def test_a_float16_layer_multiplies_its_weight_rounded_to_fp16_in_float32():
@@ -80,15 +81,4 @@ def test_the_embedded_model_in_float16_answers_as_in_float32():
     near zero, cached and by full prefill."""
     fp16 = PromptCache.from_pretrained(weights="float16")
     assert fp16.weights == "float16" and isinstance(fp16.model.lm_head, Float16Linear)
-    as_loaded = PromptCache.from_pretrained(weights="float32")
-    documents = ["Super Bowl 50 was won by the Denver Broncos, who beat the Carolina Panthers 24-10.",
-                 "Super Bowl 50 was played at Levi's Stadium in Santa Clara, California."]
-    prompts = [build_prompt("Who won Super Bowl 50, and where was it played?", engine.add_documents(documents, progress=False))
-               for engine in (fp16, as_loaded)]
-    for use_cache in (True, False):
-        half, full = (engine.next_token_logits(prompt, use_cache=use_cache).log_softmax(-1)
-                      for engine, prompt in zip((fp16, as_loaded), prompts))
-        assert float((full.exp() * (full - half)).sum()) < 1e-4
-        answers = [engine.generate(prompt, max_new_tokens=12, use_cache=use_cache).token_ids
-                   for engine, prompt in zip((fp16, as_loaded), prompts)]
-        assert answers[0] == answers[1]
+    assert_answers_as_float32(fp16, 1e-4, 12)

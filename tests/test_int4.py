@@ -11,6 +11,8 @@ from pc_rag import PromptCache, PromptCacheError
 from pc_rag.model import int4
 from pc_rag.model.int4 import FLOAT_ROWS, GROUP, Int4Linear, Int8Linear
 
+from .conftest import assert_same_logits_joined_and_apart
+
 
 def test_q4_1_blocks_are_read_back_as_their_own_values():
     """A Q4_1 block is d * q + m with q from 0 to 15 (its minimum and maximum): quantized again, each
@@ -87,12 +89,7 @@ def test_layers_handed_the_same_input_share_one_product(make_tiny, tokenizer):
     assert attention.o_proj.siblings is None and mlp.down_proj.siblings is None and isinstance(joined.lm_head, Int8Linear)
     assert attention.k_proj.packed.data_ptr() > attention.q_proj.packed.data_ptr()  # views of the joined rows
     assert all(layer.siblings is None for layer in apart.modules() if isinstance(layer, Int4Linear))
-    ids = torch.tensor([tokenizer("The tower stands in Paris and was finished in")["input_ids"]])
-    with torch.inference_mode():
-        assert torch.equal(joined(ids).logits, apart(ids).logits)
-        first, second = joined(ids, use_cache=True), apart(ids, use_cache=True)
-        step = ids[:, -1:]
-        assert torch.equal(joined(step, cache=first.past_key_values).logits, apart(step, cache=second.past_key_values).logits)
+    assert_same_logits_joined_and_apart(joined, apart, tokenizer)
 
 
 def test_the_output_projection_is_held_in_8_bits_a_row():

@@ -43,23 +43,21 @@ KERNEL_ROWS = 32
 TILE_FLOATS = 4 << 20  # a wide input's dequantized tile: at most 16 MB of float32 at a time
 _TINY = torch.finfo(torch.float32).tiny
 _tiles = threading.local()  # one dequantization buffer per thread, shared by every layer
+# a weight in blocks: values (4-bit words or int8), scales, minimums (4 bits; None at 8) and which blocks are exact
+Quantized = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor]
 
 
 class BlockLinear(torch.nn.Module):
     """``nn.Linear``'s product over its weight in blocks of 32 at ``bits`` = 4 or 8 (see the module
     docstring); float32 in and out."""
 
-    def __init__(self, linear: torch.nn.Linear, bits: int) -> None:
+    def __init__(self, linear: torch.nn.Linear, bits: int, quantized: Quantized | None = None) -> None:
         super().__init__()
         if bits not in (4, 8) or linear.in_features % BLOCK:
             raise PromptCacheError(f"blocks of {BLOCK} at 4 or 8 bits; got {bits} bits over {linear.in_features} inputs",
                                    param="weights")
         self.in_features, self.out_features, self.bits = linear.in_features, linear.out_features, bits
-        weight = linear.weight.detach().float()
-        if bits == 4:
-            values, scales, minimums, exact = quantize4(weight)
-        else:
-            (values, scales, exact), minimums = quantize8(weight), None
+        values, scales, minimums, exact = quantized or (quantize4 if bits == 4 else quantize8)(linear.weight.detach().float())
         self.register_buffer("values", values)
         self.register_buffer("scales", scales)
         self.register_buffer("minimums", minimums)
@@ -135,7 +133,7 @@ def join(layers: list[BlockLinear]) -> Siblings:
                                                      joined["scales"], joined.get("minimums"), bias), detach)
 
 
-def quantize4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize4(weight: torch.Tensor) -> Quantized:
     """``weight [out, in]`` as 4-bit words (:func:`~pc_rag.model.block_kernels.pack_nibbles`), float32
     scales and minimums ``[out, in / 32]``, and which blocks hold their values exactly (fp16 ``d`` and
     ``m`` that reproduce every value, as a GGUF Q4_1 block's do)."""
@@ -152,9 +150,10 @@ def quantize4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return words, scales.contiguous(), minimums.contiguous(), exact
 
 
-def quantize8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight [out, in]`` as int8 values, float32 scales ``[out, in / 32]`` and which blocks hold
-    their values exactly (an fp16 ``d = max|w| / 127`` that reproduces every value, as Q8_0's does)."""
+def quantize8(weight: torch.Tensor) -> Quantized:
+    """``weight [out, in]`` as int8 values, float32 scales ``[out, in / 32]``, no minimums, and which
+    blocks hold their values exactly (an fp16 ``d = max|w| / 127`` that reproduces every value, as
+    Q8_0's does)."""
     out_features, in_features = weight.shape
     blocks = weight.reshape(out_features, in_features // BLOCK, BLOCK)
     scale = blocks.abs().amax(-1) / 127
@@ -163,16 +162,24 @@ def quantize8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     exact = (q16 * scale16[..., None] == blocks).all(-1)
     scales = torch.where(exact, scale16, scale)
     q = (blocks / scales.clamp_min(_TINY)[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return q.reshape(out_features, in_features).contiguous(), scales.contiguous(), exact
+    return q.reshape(out_features, in_features).contiguous(), scales.contiguous(), None, exact
+
+
+def chosen_blocks(linear: torch.nn.Linear, *, head: bool) -> tuple[int, Quantized]:
+    """The layer at 4 bits, unless its blocks are exact at 8 bits and not at 4 (a GGUF Q8_0 tensor)
+    or it is the LM head of a float checkpoint (4 bits there moved the first token's KL by 0.033):
+    the bits and the quantized weight."""
+    weight = linear.weight.detach().float()
+    four = quantize4(weight)
+    if bool(four[3].all()):
+        return 4, four
+    eight = quantize8(weight)
+    return (8, eight) if head or bool(eight[3].all()) else (4, four)
 
 
 def bits_for(linear: torch.nn.Linear, *, head: bool) -> int:
-    """4, unless the layer's blocks are exact at 8 bits and not at 4 (a GGUF Q8_0 tensor), or it is
-    the LM head of a float checkpoint (4 bits there moved the first token's KL by 0.033)."""
-    weight = linear.weight.detach().float()
-    if bool(quantize4(weight)[3].all()):
-        return 4
-    return 8 if head or bool(quantize8(weight)[2].all()) else 4
+    """The bits :func:`chosen_blocks` holds ``linear`` in."""
+    return chosen_blocks(linear, head=head)[0]
 
 
 def install(model: Any) -> int:
@@ -186,7 +193,7 @@ def install(model: Any) -> int:
                if type(child) is torch.nn.Linear and child.in_features % BLOCK == 0]
     layers = []
     for parent, name, child in targets:
-        layer = BlockLinear(child, bits_for(child, head=child is head))
+        layer = BlockLinear(child, *chosen_blocks(child, head=child is head))
         setattr(parent, name, layer)
         layers.append(layer)
     joined = join_siblings(model, layers, join, kind=lambda layer: (layer.in_features, layer.bits))

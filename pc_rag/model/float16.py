@@ -6,13 +6,11 @@ each weight matrix packed in fp16 and widens it in registers: activations, accum
 outputs stay float32, so the only change to the model is each weight rounded to the nearest fp16
 (relative error ~2e-4; first-token KL against float32 1.8e-6 on the embedded model).
 
-Why it is the CPU default for the embedded model, measured through the engine on the AVX2
-development CPU (``benchmarks/cpu_anchor.py``; ``docs/performance.md``, "Weights"; decode steps
-written out, :mod:`pc_rag.model.llama_step`): decode at 50.9 ms/token against float32's 70.6 (the
-weights stream at half the bytes) and int4's 56.5, 8 concurrent callers at 31.3 tokens/s against
-27.6 in float32 and 22.8 in 4 bits (torch's 4-bit kernel is bound by its arithmetic on a CPU
-without bf16 instructions, so wider batches cost it nearly in proportion), prefill as fast as
-float32, and float32's fidelity.
+It was the embedded model's CPU default until pc-rag's 4-bit kernels (:mod:`pc_rag.model.blocks`),
+and still is where they cannot be built. Measured through the engine on the AVX2 development CPU
+(``benchmarks/cpu_anchor.py``; ``docs/performance.md``, "Weights"): decode at 50.5 ms/token against
+float32's 72.5 (the weights stream at half the bytes) and int4's 42.9 on pc-rag's kernels; prefill
+as fast as float32 and faster than those kernels' (the first token 0.25 against 0.36 s).
 
 One copy of the weights: the packed matrix. The float32 weight it was made from is let go; a
 32-byte SHA-256 of the fp16 values and the bias stays as a buffer, so the engine's fingerprint

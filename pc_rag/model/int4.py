@@ -1,5 +1,6 @@
-"""Linear layers in 4 bits on a CPU (``PromptCache(..., weights="int4")``): decode reads a quarter of
-the bytes.
+"""Linear layers in 4 bits on torch's CPU kernel: ``PromptCache(..., weights="int4")`` where
+pc-rag's own kernels (:mod:`pc_rag.model.blocks`) cannot be built. Decode reads a quarter of the
+bytes.
 
 A decode step is bound by the bytes of weights it reads: SmolLM2-135M's linear layers are 538 MB in
 float32, ~47 ms a step at this machine's ~11 GB/s. torch's own CPU kernel

@@ -2,14 +2,17 @@
 
 - ``"float32"`` (or None): as loaded.
 - ``"float16"``: each weight packed in fp16, float32 arithmetic (:mod:`pc_rag.model.float16`):
-  half the bytes, first-token KL ~1e-6; on the AVX2 development CPU decode 1.4x float32's speed
-  and 8 concurrent callers 1.4x int4's tokens/s.
-- ``"int4"``: groups of 32 in 4 bits, the LM head in 8 (:mod:`pc_rag.model.int4`): a quarter of
-  fp16's bytes, bf16 activations, first-token KL ~1e-3; its kernel is bound by arithmetic on
-  AVX2, so one caller decodes ~10% slower than in fp16 there (56.5 against 50.9 ms/token, the
-  steps written out) and wider batches cost it nearly in proportion.
+  half the bytes, first-token KL ~1e-6.
+- ``"int4"``: blocks of 32 in 4 bits, the LM head in 8, on pc-rag's own AVX2 kernels
+  (:mod:`pc_rag.model.blocks`): the embedded model's GGUF blocks held bit for bit (its float32
+  weights, at 0.75 bytes a weight), float32 activations. On the AVX2 development CPU, through the
+  engine: decode 42.9 ms/token against fp16's 50.5, 8 concurrent callers 43.1 tokens/s against
+  33.7, the first token 0.36 against 0.25 s (prefill dequantizes). Where the kernels cannot be built
+  (no C compiler, no AVX2): torch's 4-bit kernel (:mod:`pc_rag.model.int4`; bf16 activations,
+  first-token KL ~1e-3).
 
-The embedded model is served in float16 on a CPU by default (:func:`chosen`).
+The embedded model is served in int4 on a CPU by default, float16 where the kernels cannot be
+built (:func:`chosen`).
 """
 
 from __future__ import annotations
