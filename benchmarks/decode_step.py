@@ -1,8 +1,9 @@
 """One decode step of the embedded model, part by part, on the calling thread (one OpenMP thread, as
-the scheduler's steps run on this CPU): the written-out step (``pc_rag.model.llama_step``), the
-model's own forward, and the parts every step must run: the linear layers alone (every projection
+the scheduler's steps run on this CPU): the written-out step (``pc_rag.model.llama_step``: in one C
+call where the weights are pc-rag's blocks, ``pc_rag.model.fused_step``), the same step as tensor
+ops, the model's own forward, and the parts every step must run: the linear layers alone (every projection
 and the LM head on one row) and attention alone (SDPA over each layer's KV). What the steps take
-beyond linears + attention is their glue: norms, RoPE, residuals, the KV write, and Python.
+beyond linears + attention (the tensor ops') is their glue: norms, RoPE, residuals, the KV write, and Python.
 
 The cache is a ``--cache``-entry buffer of random KV (decode time does not depend on the values),
 fixed for decoding as the engine fixes it; the mask is additive, as for a RAG prompt. The variants
@@ -69,7 +70,17 @@ def measure(weights: str, cache: int, rounds: int, steps: int) -> dict[str, floa
             kv = buffer.cache.layers[index]
             F.scaled_dot_product_attention(query, kv.keys, kv.values, attn_mask=mask, scale=layer.scaling)
 
+    fused = step.fused  # the whole step in one C call (blocks on pc-rag's kernels), else None
+
+    def tensor_ops() -> torch.Tensor:
+        step.fused = None
+        try:
+            return step(ids, positions, mask, buffer.cache)
+        finally:
+            step.fused = fused
+
     variants = {"written step": lambda: step(ids, positions, mask, buffer.cache),
+                "written step, tensor ops": tensor_ops,
                 "model's own step": lambda: engine.forward._model_step(ids, positions, mask, buffer.cache),
                 "linear layers": linears, "attention": attention}
     previous = torch.get_num_threads()
@@ -84,7 +95,8 @@ def measure(weights: str, cache: int, rounds: int, steps: int) -> dict[str, floa
     finally:
         torch.set_num_threads(previous)
     out = {name: statistics.median(values) for name, values in times.items()}
-    out["glue, written"] = out["written step"] - out["linear layers"] - out["attention"]
+    out["in C"] = fused is not None
+    out["glue, written"] = out["written step, tensor ops"] - out["linear layers"] - out["attention"]
     out["glue, model's own"] = out["model's own step"] - out["linear layers"] - out["attention"]
     out["run"] = run_info(engine, "SmolLM2-135M-Instruct (embedded)")
     return out

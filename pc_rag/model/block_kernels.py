@@ -33,8 +33,10 @@ from .loading import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("block_kernels.c")
+# the products (and their dequantization), and the Llama decode step built on them (pc_rag.model.fused_step)
+SOURCES = (Path(__file__).with_name("block_kernels.c"), Path(__file__).with_name("llama_step.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c11", "-fopenmp")
+LIBRARIES = ("-lm",)  # after the sources: expf and sqrtf of the decode step
 BLOCK = 32  # weights per scale (and minimum): GGUF's Q4_1 and Q8_0 blocks
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
@@ -42,7 +44,10 @@ SIGNATURES = {
     "q8_matmul": [_P, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int],
     "q4_dequantize": [_P, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
     "q8_dequantize": [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
+    "llama_step": [_P],
+    "llama_step_work": [_P],
 }
+RESULTS = {"llama_step": ctypes.c_int, "llama_step_work": _I64}
 
 
 def cpu_supported() -> bool:
@@ -93,7 +98,7 @@ def load() -> ctypes.CDLL | None:
 def _built(cc: str) -> Path:
     """The shared library for this source, flags and compiler: built once, renamed into place whole."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, cc, version)).encode()).hexdigest()[:20]
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + repr((FLAGS, LIBRARIES, cc, version)).encode()).hexdigest()[:20]
     folder = cache_root() / "kernels"
     target = folder / f"block_kernels-{key}.so"
     if target.is_file():
@@ -101,8 +106,8 @@ def _built(cc: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as work:
         partial = Path(work) / target.name
-        logger.info("building %s with %s", SOURCE.name, cc)
-        subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE)], check=True, capture_output=True, text=True, timeout=300)
+        logger.info("building %s with %s", ", ".join(source.name for source in SOURCES), cc)
+        subprocess.run([cc, *FLAGS, "-o", str(partial), *map(str, SOURCES), *LIBRARIES], check=True, capture_output=True, text=True, timeout=300)
         os.replace(partial, target)
     return target
 
@@ -111,7 +116,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name, arguments in SIGNATURES.items():
         getattr(lib, name).argtypes = arguments
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = RESULTS.get(name)
     return lib
 
 

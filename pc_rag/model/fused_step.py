@@ -1,0 +1,169 @@
+"""A Llama-family decode step in one C call (``llama_step.c``), for a model whose linear layers are
+pc-rag's blocks (``weights="int4"`` where :mod:`pc_rag.model.block_kernels` builds).
+
+:class:`~pc_rag.model.llama_step.LlamaDecodeStep` runs a step as tensor ops: on the embedded
+SmolLM2-135M (2-core CPU, one thread, 1,265 cached entries) 37 ms, of which 18 in the products,
+10 in SDPA and ~9 in ~30 small ops a layer and the kernels' Python calls
+(``benchmarks/decode_step.py``). The C step runs the same computation: RMSNorm, the products
+through the same block kernels, rotate-half RoPE, the new key and value written into the
+:class:`~pc_rag.kv.buffers.KVBuffer`, softmax attention of each key head's query heads over its
+entries, SiLU-gated MLP and residuals, in one call for all layers; the final norm's output goes to
+the model's own LM head.
+
+It serves the steps the tensor ops serve except over shared KV (split attention stays in torch):
+rows of one new token each, over a float32 ``KVBuffer`` cache whose batch is the rows, under a
+boolean or additive mask or none, attending by extents or not. Anything else returns None and the
+tensor ops run. :func:`~pc_rag.model.llama_step.written_step` proves the step on the model itself
+before it is used, this path included: the step it proves calls it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_float, c_int, c_int64, c_void_p
+from typing import Any
+
+import torch
+
+from ..errors import PromptCacheError
+from . import block_kernels
+from .blocks import BlockLinear
+from .row_extents import RowExtents
+
+LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("values", c_void_p), ("scales", c_void_p), ("minimums", c_void_p), ("bias", c_void_p),
+                ("out_features", c_int64), ("in_features", c_int64), ("bits", c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attention_norm", c_void_p), ("mlp_norm", c_void_p), ("attention_eps", c_float), ("mlp_eps", c_float),
+                ("scaling", c_float), *((name, _Product) for name in LINEARS), ("keys", c_void_p), ("values", c_void_p)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("layers", c_void_p), *((name, c_int64) for name in ("n_layers", "rows", "hidden", "heads", "kv_heads", "head_dim",
+                                                                   "intermediate")),
+                ("state", c_void_p), ("final_norm", c_void_p), ("final_eps", c_float), ("cos", c_void_p), ("sin", c_void_p),
+                *((name, c_int64) for name in ("column", "entries", "row_stride", "head_stride", "entry_stride")),
+                ("mask_add", c_void_p), ("mask_keep", c_void_p), ("lo", c_void_p), ("hi", c_void_p), ("work", c_void_p),
+                ("work_floats", c_int64), ("threads", c_int)]
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _product(linear: BlockLinear) -> _Product:
+    return _Product(linear.values.data_ptr(), linear.scales.data_ptr(), _pointer(linear.minimums), _pointer(linear.bias),
+                    linear.out_features, linear.in_features, linear.bits)
+
+
+def unfused(step: Any) -> str | None:
+    """Why ``step`` (a :class:`~pc_rag.model.llama_step.LlamaDecodeStep`) cannot run in C (None: it can)."""
+    if block_kernels.library() is None:
+        return "pc-rag's kernels are not built"
+    if any(type(getattr(layer, name)) is not BlockLinear for layer in step.layers for name in LINEARS):
+        return "its linear layers are not all in blocks"
+    first = step.layers[0]
+    head_dim = first.q.out_features // step.heads
+    if step.heads % step.kv_heads or head_dim % 8 or head_dim > 512 or first.o.in_features != step.heads * head_dim:
+        return f"{step.heads} heads over {step.kv_heads} key heads of {head_dim}: not whole groups of a multiple of 8 up to 512"
+    tensors = [step.norm.weight, *(t for layer in step.layers for t in (layer.attention_norm, layer.mlp_norm))]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return "its norms are not contiguous float32 on a CPU"
+    return None
+
+
+class FusedStep:
+    """``(ids, positions, mask, cache, extents) -> logits [rows, vocab]`` for a
+    :class:`~pc_rag.model.llama_step.LlamaDecodeStep` ``step``, or None where the step is not
+    one it serves (see the module docstring)."""
+
+    def __init__(self, step: Any) -> None:
+        self.step = step
+        self.lib = block_kernels.library()
+        first = step.layers[0]
+        self.hidden, self.head_dim = first.q.in_features, first.q.out_features // step.heads
+        self.intermediate = first.gate.out_features
+        self.linears = [getattr(layer, name) for layer in step.layers for name in LINEARS]
+        self.steps = 0  # steps run in C (tests read it)
+        self._build()
+
+    @classmethod
+    def build(cls, step: Any) -> FusedStep | None:
+        """The C step for ``step``, or None where it cannot run one (:func:`unfused`)."""
+        return None if unfused(step) is not None else cls(step)
+
+    def _build(self) -> None:
+        """The layers' weights as the C step reads them (again when a weight was replaced: a model moved or cast)."""
+        self.scales = [linear.scales for linear in self.linears]
+        layers = (_Layer * len(self.step.layers))()
+        for into, layer in zip(layers, self.step.layers):
+            into.attention_norm, into.mlp_norm = layer.attention_norm.data_ptr(), layer.mlp_norm.data_ptr()
+            into.attention_eps, into.mlp_eps, into.scaling = layer.attention_eps, layer.mlp_eps, layer.scaling
+            for name in LINEARS:
+                setattr(into, name, _product(getattr(layer, name)))
+        self.layers = layers
+
+    def _weights_current(self) -> bool:
+        if all(linear.scales is scales for linear, scales in zip(self.linears, self.scales)):
+            return True
+        if unfused(self.step) is not None or any(linear.scales.dtype != torch.float32 or linear.scales.device.type != "cpu"
+                                                  for linear in self.linears):
+            return False
+        self._build()
+        return True
+
+    def _mask(self, mask: torch.Tensor | None, rows: int, entries: int) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """``mask`` as the C step reads it: (additive, kept), each ``[rows, entries]`` or None; None: not one it reads."""
+        if mask is None:
+            return None, None
+        if mask.dim() != 4 or mask.shape[1:3] != (1, 1) or mask.shape[0] not in (1, rows) or mask.shape[3] != entries:
+            return None
+        flat = mask.expand(rows, 1, 1, entries).reshape(rows, entries).contiguous()
+        if mask.dtype == torch.bool:
+            return None, flat.view(torch.uint8)
+        return (flat, None) if mask.dtype == torch.float32 else None
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Any,
+                 extents: RowExtents | None = None) -> torch.Tensor | None:
+        rows = ids.shape[0]
+        layers = getattr(cache, "layers", ())
+        if ids.dim() != 2 or ids.shape[1] != 1 or len(layers) != len(self.layers) or not hasattr(layers[0], "step_storage"):
+            return None
+        keys = layers[0].keys
+        if keys.dtype != torch.float32 or keys.device.type != "cpu" or keys.shape[0] != rows or keys.stride(-1) != 1:
+            return None
+        masks = self._mask(mask, rows, keys.shape[-2] + (layers[0].column is None))
+        if masks is None or not self._weights_current() or any(
+                linear._forward_hooks or linear._forward_pre_hooks for linear in self.linears):  # a hook on a layer C skips
+            return None
+        hidden = self.step.embed(ids)
+        cos, sin = self.step.rotary(hidden, positions)
+        cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1)
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=1)  # rotate_half's negated half, as llama_step's _rotate takes it
+        state = hidden.reshape(rows, self.hidden).contiguous()
+        for into, layer in zip(self.layers, layers):  # past every refusal: claiming an entry grows a growing cache
+            layer_keys, layer_values, column = layer.step_storage()
+            into.keys, into.values = layer_keys.data_ptr(), layer_values.data_ptr()
+        lo = hi = None
+        if extents is not None:
+            lo, hi = torch.full((rows,), -1, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
+            for taken, span in extents.spans():
+                lo[taken], hi[taken] = span.start, span.stop
+        args = _Step(ctypes.addressof(self.layers), len(self.layers), rows, self.hidden, self.step.heads, self.step.kv_heads,
+                     self.head_dim, self.intermediate, state.data_ptr(), self.step.norm.weight.data_ptr(),
+                     self.step.norm.variance_epsilon, cos.data_ptr(), sin.data_ptr(), column, layers[0].keys.shape[-2],
+                     *layer_keys.stride()[:3], _pointer(masks[0]), _pointer(masks[1]), _pointer(lo), _pointer(hi), None, 0,
+                     torch.get_num_threads())
+        work = torch.empty(self.lib.llama_step_work(ctypes.byref(args)))
+        args.work, args.work_floats = work.data_ptr(), work.numel()
+        if self.lib.llama_step(ctypes.byref(args)) != 0:
+            raise PromptCacheError(f"the C decode step refused its arguments ({work.numel()} work floats, head dim {self.head_dim})")
+        self.steps += 1
+        return self.step.head(state.view(rows, 1, self.hidden))[:, -1]

@@ -1,0 +1,100 @@
+"""The decode step in one C call (``pc_rag.model.fused_step``) for models on pc-rag's block
+kernels: the tensor ops' answers on every path it serves, the KV written where the model writes it,
+and never used where it would skip something (a hook) or read stale weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pc_rag import PromptCache
+from pc_rag.errors import PromptCacheError
+from pc_rag.kv.buffers import KVBuffer
+from pc_rag.model.llama_step import disagreement
+from tests.conftest import drawn_away
+from tests.test_llama_step import answers, logprobs
+
+
+def int4_engine(make_tiny, tokenizer, arch: str = "llama") -> PromptCache:
+    return PromptCache(drawn_away(make_tiny(arch)), tokenizer, weights="int4", recompute=0, attention_temperature=1.0,
+                       attention_scale=1.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k and v
+def test_the_c_step_answers_as_the_tensor_ops_do(make_tiny, tokenizer, arch):
+    engine = int4_engine(make_tiny, tokenizer, arch)
+    step = engine.forward.written_step
+    fused = step.fused
+    assert fused is not None, "blocks on the kernels decode in C"
+    assert disagreement(step, engine.forward._model_step, engine.model, split=True) < 1e-5
+    in_c = answers(engine, True)  # alone, staggered (by extents), and three rows reading shared KV (tensor ops)
+    assert fused.steps > 0
+    step.fused = None
+    try:
+        in_ops = answers(engine, True)
+    finally:
+        step.fused = fused
+    for a, b in zip(in_c, in_ops):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+        assert torch.allclose(logprobs(a), logprobs(b), atol=1e-4)
+
+
+def random_cache(model, entries: int, *, fixed: bool) -> KVBuffer:
+    buffer = KVBuffer.for_model(model, entries + 4)
+    buffer.storage.copy_(torch.randn(buffer.storage.shape, generator=torch.Generator().manual_seed(3)))
+    buffer.grow_to(entries)
+    if fixed:
+        buffer.fix(entries + 4, torch.tensor([entries]))
+    return buffer
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "additive"])
+def test_a_growing_cache_gets_the_new_entry_where_the_model_puts_it(make_tiny, tokenizer, mask):
+    engine = int4_engine(make_tiny, tokenizer)
+    step, model = engine.forward.written_step, engine.model
+    ids, positions = torch.tensor([[7]]), torch.tensor([[9]])
+    attend = torch.ones(1, 1, 1, 10, dtype=torch.bool)
+    attend[..., 2:4] = False
+    masks = {"none": None, "bool": attend, "additive": torch.zeros(1, 1, 1, 10).masked_fill(~attend, torch.finfo(torch.float32).min)}
+    mine, theirs = random_cache(model, 9, fixed=False), random_cache(model, 9, fixed=False)
+    before = step.fused.steps
+    got = step(ids, positions, masks[mask], mine.cache)
+    expected = engine.forward._model_step(ids, positions, masks[mask], theirs.cache)
+    assert step.fused.steps == before + 1
+    assert len(mine) == len(theirs) == 10
+    assert torch.allclose(mine.storage, theirs.storage, atol=1e-5)  # the new column (rotated key, value) and nothing else
+    assert torch.allclose(got, expected, atol=1e-4 * expected.abs().max().item())
+
+
+def test_a_hook_on_a_linear_layer_sends_steps_to_the_tensor_ops(make_tiny, tokenizer):
+    engine = int4_engine(make_tiny, tokenizer)
+    step, model = engine.forward.written_step, engine.model
+    ids, positions = torch.tensor([[7]]), torch.tensor([[9]])
+    handle = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda module, args, output: output + 1.0)
+    try:
+        before = step.fused.steps
+        got = step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+        expected = engine.forward._model_step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    finally:
+        handle.remove()
+    assert step.fused.steps == before  # C would have skipped the hook
+    unhooked = step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    assert step.fused.steps == before + 1
+    scale = expected.abs().max().item()
+    assert torch.allclose(got, expected, atol=1e-5 * scale) and not torch.allclose(unhooked, expected, atol=1e-2 * scale)
+
+
+def test_weights_changed_in_place_are_read_as_they_are_and_replaced_ones_are_not_read(make_tiny, tokenizer):
+    engine = int4_engine(make_tiny, tokenizer)
+    step, model = engine.forward.written_step, engine.model
+    ids, positions = torch.tensor([[7]]), torch.tensor([[9]])
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.scales.mul_(3.0)  # as load_state_dict copies into place
+    got = step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    expected = engine.forward._model_step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    assert torch.allclose(got, expected, atol=1e-4 * expected.abs().max().item())
+    before = step.fused.steps
+    model.to(torch.float64)  # new tensors: the C step's pointers are stale, and the layers refuse the cast
+    with pytest.raises(PromptCacheError, match="moved or cast"):
+        step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    assert step.fused.steps == before
