@@ -25,6 +25,7 @@ each chain warmed once (pc-rag's documents encoded, llama.cpp's system turn in i
     python benchmarks/cpu_anchor.py --prompts 4 --lengths 32 128
     python benchmarks/cpu_anchor.py --weights int4 --lengths 32 --chains   # needs langchain-community
     python benchmarks/cpu_anchor.py --weights float16 float16/own          # written-out decode step or not
+    python benchmarks/cpu_anchor.py --weights int4/ops int4                # the written step as tensor ops or in C
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def main() -> None:
     parser.add_argument("--callers", type=int, default=8)
     parser.add_argument("--weights", nargs="+", default=["float32", "float16", "int4"],
                         help="pc-rag's weights= settings to measure; SETTING/own: decoding through the model's own forward "
-                             "instead of the written-out step (pc_rag.model.llama_step)")
+                             "instead of the written-out step (pc_rag.model.llama_step); SETTING/ops: the written step as "
+                             "tensor ops, not in one C call (pc_rag.model.fused_step)")
     parser.add_argument("--chains", action="store_true", help="also the README chain: ChatPromptCache against ChatLlamaCpp")
     parser.add_argument("--chain-tokens", type=int, default=32, help="the chains' max_new_tokens / max_tokens")
     parser.add_argument("--no-series", action="store_true", help="only the chains")
@@ -200,6 +202,8 @@ def main() -> None:
         engine = PromptCache(model, tokenizer, weights=setting)
         if step == "own":
             engine.forward.written_step = None
+        elif step == "ops":
+            engine.forward.written_step.fused = None
         engine.stop_token_ids = set()
         prompts = []
         for n, (question, passages) in enumerate(asked):

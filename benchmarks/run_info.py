@@ -11,6 +11,15 @@ import torch
 from pc_rag import PromptCache
 
 
+def cpu_name() -> str:
+    """The CPU's model name and torch's instruction level on it (results from two hosts differ by both)."""
+    try:
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor() or platform.machine()}, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def run_info(engine: PromptCache, model: str) -> dict[str, Any]:
     """The header of a result file (``model`` names the model as the result should show it)."""
     return {
@@ -22,6 +31,7 @@ def run_info(engine: PromptCache, model: str) -> dict[str, Any]:
         "recompute": engine.recompute,
         "recompute_tail": engine.recompute_tail,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu": cpu_name(),
         "torch": torch.__version__,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
