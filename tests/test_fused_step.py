@@ -48,14 +48,15 @@ def random_cache(model, entries: int, *, fixed: bool) -> KVBuffer:
     return buffer
 
 
-@pytest.mark.parametrize("mask", ["none", "bool", "additive"])
+@pytest.mark.parametrize("mask", ["none", "bool", "additive", "nothing attended"])
 def test_a_growing_cache_gets_the_new_entry_where_the_model_puts_it(make_tiny, tokenizer, mask):
     engine = int4_engine(make_tiny, tokenizer)
     step, model = engine.forward.written_step, engine.model
     ids, positions = torch.tensor([[7]]), torch.tensor([[9]])
     attend = torch.ones(1, 1, 1, 10, dtype=torch.bool)
     attend[..., 2:4] = False
-    masks = {"none": None, "bool": attend, "additive": torch.zeros(1, 1, 1, 10).masked_fill(~attend, torch.finfo(torch.float32).min)}
+    masks = {"none": None, "bool": attend, "additive": torch.zeros(1, 1, 1, 10).masked_fill(~attend, torch.finfo(torch.float32).min),
+             "nothing attended": torch.zeros(1, 1, 1, 10, dtype=torch.bool)}  # SDPA: zeros, not NaN
     mine, theirs = random_cache(model, 9, fixed=False), random_cache(model, 9, fixed=False)
     before = step.fused.steps
     got = step(ids, positions, masks[mask], mine.cache)
@@ -63,7 +64,7 @@ def test_a_growing_cache_gets_the_new_entry_where_the_model_puts_it(make_tiny, t
     assert step.fused.steps == before + 1
     assert len(mine) == len(theirs) == 10
     assert torch.allclose(mine.storage, theirs.storage, atol=1e-5)  # the new column (rotated key, value) and nothing else
-    assert torch.allclose(got, expected, atol=1e-4 * expected.abs().max().item())
+    assert got.isfinite().all() and torch.allclose(got, expected, atol=1e-4 * expected.abs().max().item())
 
 
 def test_a_hook_on_a_linear_layer_sends_steps_to_the_tensor_ops(make_tiny, tokenizer):

@@ -148,18 +148,24 @@ class FusedStep:
         half = self.head_dim // 2
         sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=1)  # rotate_half's negated half, as llama_step's _rotate takes it
         state = hidden.reshape(rows, self.hidden).contiguous()
-        for into, layer in zip(self.layers, layers):  # past every refusal: claiming an entry grows a growing cache
+        # this call's copy of the layers (another thread may step another cache), each pointed at its KV
+        step_layers = type(self.layers).from_buffer_copy(self.layers)
+        strides = None
+        for into, layer in zip(step_layers, layers):  # past every refusal: claiming an entry grows a growing cache
             layer_keys, layer_values, column = layer.step_storage()
             into.keys, into.values = layer_keys.data_ptr(), layer_values.data_ptr()
+            strides = strides or layer_keys.stride()
+            if layer_keys.stride() != strides or layer_values.stride() != strides:
+                raise PromptCacheError(f"a KV buffer's layers differ in layout ({strides} against {layer_values.stride()})")
         lo = hi = None
         if extents is not None:
             lo, hi = torch.full((rows,), -1, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
             for taken, span in extents.spans():
                 lo[taken], hi[taken] = span.start, span.stop
-        args = _Step(ctypes.addressof(self.layers), len(self.layers), rows, self.hidden, self.step.heads, self.step.kv_heads,
+        args = _Step(ctypes.addressof(step_layers), len(step_layers), rows, self.hidden, self.step.heads, self.step.kv_heads,
                      self.head_dim, self.intermediate, state.data_ptr(), self.step.norm.weight.data_ptr(),
                      self.step.norm.variance_epsilon, cos.data_ptr(), sin.data_ptr(), column, layers[0].keys.shape[-2],
-                     *layer_keys.stride()[:3], _pointer(masks[0]), _pointer(masks[1]), _pointer(lo), _pointer(hi), None, 0,
+                     *strides[:3], _pointer(masks[0]), _pointer(masks[1]), _pointer(lo), _pointer(hi), None, 0,
                      torch.get_num_threads())
         work = torch.empty(self.lib.llama_step_work(ctypes.byref(args)))
         args.work, args.work_floats = work.data_ptr(), work.numel()

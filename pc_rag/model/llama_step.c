@@ -123,7 +123,10 @@ static void attend(const float *q, int group, int64_t dim, const float *keys, co
     for (int g = 0; g < group; g++) {
         float *sg = scores + g * n, top = -INFINITY, total = 0.f;
         for (int64_t j = 0; j < n; j++) top = sg[j] > top ? sg[j] : top;
-        if (top == -INFINITY) continue; /* nothing attended: zeros */
+        if (top == -INFINITY) { /* nothing attended: zeros, as SDPA gives */
+            memset(sg, 0, sizeof(float) * n);
+            continue;
+        }
         const __m256 shift = _mm256_set1_ps(top);
         __m256 sum = _mm256_setzero_ps();
         int64_t j = 0;
