@@ -39,9 +39,11 @@ from .prompt.pml import PML, escape
 logger = logging.getLogger(__name__)
 
 TOLERANCE = 1e-3
-# weights="int4" multiplies bf16 activations (8 bits of mantissa), in kernels whose summation order
-# follows the number of rows: the same logits differ by a few 1e-3 from one batch shape to another
-BF16_TOLERANCE = 2e-2
+# weights="int4" on torch's kernel multiplies bf16 activations (8 bits of mantissa), in kernels whose
+# summation order follows the number of rows: the same logits differ by a few 1e-3 from one batch shape
+# to another on an AVX2 CPU, and by up to 3.2e-2 on an AVX-512 BF16 one (a tiny Llama's module decoded
+# in place, its prefill in float32 and its encoding in bf16), whose kernel rounds bf16 pairs itself
+BF16_TOLERANCE = 5e-2
 EXACT = dict(recompute=0, recompute_tail=0, attention_temperature=1.0, attention_scale=1.0)
 AGREEMENT_BAR, KL_BAR = 7 / 8, 0.05
 

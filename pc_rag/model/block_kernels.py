@@ -5,7 +5,8 @@ instructions (``aten._weight_int4pack_mm_for_cpu`` is bound by its arithmetic th
 reads 16 bits a weight), and no maintained package ships one for torch's tensors: llama.cpp's
 (ggml) are built for its own graph and file format. So pc-rag carries ~200 lines of C: float32
 activations times 4-bit (Q4_1-style) or 8-bit (Q8_0-style) weights, every product exact in
-float32, and their dequantization (see the C file's header for the layout).
+float32, and their dequantization (see the C file's header for the layout); and ~200 more
+(``llama_step.c``): a Llama-family decode step over them in one call (:mod:`pc_rag.model.fused_step`).
 
 The source is compiled once per source, flags and compiler with the system C compiler (``$CC``,
 else ``cc``/``gcc``) into pc-rag's cache folder, written to a temporary name and renamed (so a

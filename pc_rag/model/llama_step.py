@@ -7,7 +7,9 @@ the small ops of norms and RoPE, all of it per token (``benchmarks/decode_step.p
 :class:`LlamaDecodeStep` runs the same computation over the same modules (their weights in
 whatever precision they hold: float32, ``Float16Linear``, ``Int4Linear``) and the same KV buffer,
 op for op as transformers' Llama code does it (the same RMSNorm, RoPE and SDPA call with a key
-head's queries stacked), in one loop: 44 ms, the rest down to ~7.
+head's queries stacked), in one loop: 44 ms, the rest down to ~7. Where the linear layers are
+pc-rag's blocks (``weights="int4"``), the same step runs in one C call instead
+(:mod:`pc_rag.model.fused_step`), proved here alike.
 
 It serves only what it reproduces: the decoder layer classes in :data:`LAYER_CLASSES` (Llama,
 Mistral, Qwen2: the same layer with or without biases), SiLU, SDPA, a decode step (one new token
