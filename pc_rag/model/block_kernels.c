@@ -162,15 +162,24 @@ static inline int parallel(int threads, int64_t rows, int64_t out_features, int6
     return threads > 1 && rows * out_features * in_features >= PARALLEL_MACS;
 }
 
-/* out[rows][O] = x[rows][I] @ W^T (+ bias) for 4-bit W. scratch: rows * (I + 2 * I / 32) floats. */
-void q4_matmul(const float *x, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
-               const float *m, int64_t out_features, const float *bias, float *out, float *scratch, int threads) {
-    const int64_t groups = in_features / 32, chunks = chunk_count(out_features);
+/* how many chunks q4_chunks and q8_chunks split `out_features` into */
+int64_t block_chunks(int64_t out_features) { return chunk_count(out_features); }
+
+/* x's rows prepared for q4_chunks: rows * (I + 2 * I / 32) floats of scratch */
+void q4_prepare(const float *x, int64_t rows, int64_t in_features, float *scratch) {
+    const int64_t groups = in_features / 32;
     float *xp = scratch, *xs = scratch + rows * in_features, *xc = xs + rows * groups;
     for (int64_t r = 0; r < rows; r++)
         prepare(x + r * in_features, groups, xp + r * in_features, xs + r * groups, xc + r * groups);
-    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel(threads, rows, out_features, in_features))
-    for (int64_t c = 0; c < chunks; c++) {
+}
+
+/* chunks [c0, c1) of CHUNK output features of out[rows][O] = x[rows][I] @ W^T (+ bias), 4-bit W, from
+   q4_prepare's scratch: each output summed by one call in one order, however chunks are shared out */
+void q4_chunks(const float *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
+               const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1) {
+    const int64_t groups = in_features / 32;
+    const float *xp = scratch, *xs = scratch + rows * in_features, *xc = xs + rows * groups;
+    for (int64_t c = c0; c < c1; c++) {
         const int64_t o0 = c * CHUNK, n = out_features - o0 < CHUNK ? out_features - o0 : CHUNK;
         const uint32_t *wc = w + o0 * groups * 4;
         const float *dc = d + o0 * groups, *mc = m + o0 * groups, *bc = bias ? bias + o0 : 0;
@@ -184,6 +193,16 @@ void q4_matmul(const float *x, int64_t rows, int64_t in_features, const uint32_t
                         out_features, bc, out + r * out_features + o0);
         }
     }
+}
+
+/* out[rows][O] = x[rows][I] @ W^T (+ bias) for 4-bit W. scratch: rows * (I + 2 * I / 32) floats. */
+void q4_matmul(const float *x, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
+               const float *m, int64_t out_features, const float *bias, float *out, float *scratch, int threads) {
+    const int64_t chunks = chunk_count(out_features);
+    q4_prepare(x, rows, in_features, scratch);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel(threads, rows, out_features, in_features))
+    for (int64_t c = 0; c < chunks; c++)
+        q4_chunks(scratch, rows, in_features, w, d, m, out_features, bias, out, c, c + 1);
 }
 
 /* rows [o0, o0 + n) of an 8-bit W times up to Q8_ROWS input rows */
@@ -217,18 +236,26 @@ static void q8_rows(const int8_t *q, const float *d, int64_t in_features, const 
     }
 }
 
-/* out[rows][O] = x[rows][I] @ W^T (+ bias) for 8-bit W, on `threads` threads */
-void q8_matmul(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
-               int64_t out_features, const float *bias, float *out, int threads) {
-    const int64_t groups = in_features / 32, chunks = chunk_count(out_features);
-    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel(threads, rows, out_features, in_features))
-    for (int64_t c = 0; c < chunks; c++) {
+/* chunks [c0, c1) of CHUNK output features of out[rows][O] = x[rows][I] @ W^T (+ bias), 8-bit W */
+void q8_chunks(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
+               int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1) {
+    const int64_t groups = in_features / 32;
+    for (int64_t c = c0; c < c1; c++) {
         const int64_t o0 = c * CHUNK, n = out_features - o0 < CHUNK ? out_features - o0 : CHUNK;
         for (int64_t r = 0; r < rows; r += Q8_ROWS)
             q8_rows(q + o0 * in_features, d + o0 * groups, in_features, x + r * in_features,
                     rows - r < Q8_ROWS ? (int)(rows - r) : Q8_ROWS, n, out_features, bias ? bias + o0 : 0,
                     out + r * out_features + o0);
     }
+}
+
+/* out[rows][O] = x[rows][I] @ W^T (+ bias) for 8-bit W, on `threads` threads */
+void q8_matmul(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
+               int64_t out_features, const float *bias, float *out, int threads) {
+    const int64_t chunks = chunk_count(out_features);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel(threads, rows, out_features, in_features))
+    for (int64_t c = 0; c < chunks; c++)
+        q8_chunks(x, rows, in_features, q, d, out_features, bias, out, c, c + 1);
 }
 
 /* float32 rows [o0, o1) of a 4-bit W: fl(d*q + m), one rounding, as GGUF's dequantization gives */

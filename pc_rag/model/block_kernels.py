@@ -34,9 +34,10 @@ from .loading import cache_root
 
 logger = logging.getLogger(__name__)
 
-# the products (and their dequantization), and the Llama decode step built on them (pc_rag.model.fused_step)
-SOURCES = (Path(__file__).with_name("block_kernels.c"), Path(__file__).with_name("llama_step.c"))
-FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c11", "-fopenmp")
+# the products (and their dequantization), the Llama decode step built on them (pc_rag.model.fused_step)
+# and the step's threads
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_kernels.c", "llama_step.c", "thread_pool.c"))
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c11", "-fopenmp", "-pthread")
 LIBRARIES = ("-lm",)  # after the sources: expf and sqrtf of the decode step
 BLOCK = 32  # weights per scale (and minimum): GGUF's Q4_1 and Q8_0 blocks
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

@@ -49,7 +49,7 @@ class _Step(ctypes.Structure):
                 ("state", c_void_p), ("final_norm", c_void_p), ("final_eps", c_float), ("cos", c_void_p), ("sin", c_void_p),
                 *((name, c_int64) for name in ("column", "entries", "row_stride", "head_stride", "entry_stride")),
                 ("mask_add", c_void_p), ("mask_keep", c_void_p), ("lo", c_void_p), ("hi", c_void_p), ("work", c_void_p),
-                ("work_floats", c_int64), ("threads", c_int)]
+                ("work_floats", c_int64), ("threads", c_int), ("head", _Product), ("logits", c_void_p)]
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -88,7 +88,9 @@ class FusedStep:
         first = step.layers[0]
         self.hidden, self.head_dim = first.q.in_features, first.q.out_features // step.heads
         self.intermediate = first.gate.out_features
-        self.linears = [getattr(layer, name) for layer in step.layers for name in LINEARS]
+        # the LM head too where it is in blocks (then the step returns logits; else the model's head runs)
+        self.head_in_c = type(step.head) is BlockLinear and step.head.in_features == self.hidden
+        self.linears = [getattr(layer, name) for layer in step.layers for name in LINEARS] + [step.head] * self.head_in_c
         self.steps = 0  # steps run in C (tests read it)
         self._build()
 
@@ -107,6 +109,7 @@ class FusedStep:
             for name in LINEARS:
                 setattr(into, name, _product(getattr(layer, name)))
         self.layers = layers
+        self.head = _product(self.step.head) if self.head_in_c else _Product()
 
     def _weights_current(self) -> bool:
         if all(linear.scales is scales for linear, scales in zip(self.linears, self.scales)):
@@ -169,7 +172,9 @@ class FusedStep:
                      torch.get_num_threads())
         work = torch.empty(self.lib.llama_step_work(ctypes.byref(args)))
         args.work, args.work_floats = work.data_ptr(), work.numel()
+        logits = torch.empty(rows, self.step.head.out_features) if self.head_in_c else None
+        args.head, args.logits = self.head, _pointer(logits)
         if self.lib.llama_step(ctypes.byref(args)) != 0:
             raise PromptCacheError(f"the C decode step refused its arguments ({work.numel()} work floats, head dim {self.head_dim})")
         self.steps += 1
-        return self.step.head(state.view(rows, 1, self.hidden))[:, -1]
+        return logits if logits is not None else self.step.head(state.view(rows, 1, self.hidden))[:, -1]

@@ -12,10 +12,18 @@
 #include <stdint.h>
 #include <string.h>
 
-void q4_matmul(const float *x, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
-               const float *m, int64_t out_features, const float *bias, float *out, float *scratch, int threads);
-void q8_matmul(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
-               int64_t out_features, const float *bias, float *out, int threads);
+/* block_kernels.c */
+int64_t block_chunks(int64_t out_features);
+void q4_prepare(const float *x, int64_t rows, int64_t in_features, float *scratch);
+void q4_chunks(const float *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
+               const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
+void q8_chunks(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
+               int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
+/* thread_pool.c */
+typedef void (*part_fn)(void *context, int64_t start, int64_t stop);
+int pool_begin(int threads);
+void pool_end(void);
+void pool_run(int team, int64_t items, part_fn fn, void *context);
 
 typedef struct { /* one linear layer in blocks (pc_rag.model.blocks.BlockLinear) */
     const void *values;
@@ -46,6 +54,8 @@ typedef struct {
     float *work;
     int64_t work_floats;
     int threads;
+    product_t head;                /* the LM head in blocks (values null: the caller runs its own) */
+    float *logits;                 /* [rows, head.out_features] */
 } step_t;
 
 static inline float hsum8(__m256 v) {
@@ -72,11 +82,28 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
-static void product(const product_t *p, const float *x, int64_t rows, float *out, float *scratch, int threads) {
+typedef struct {
+    const product_t *p;
+    const float *x, *scratch; /* the input, and as q4_prepare left it */
+    int64_t rows;
+    float *out;
+} product_job;
+
+static void product_part(void *context, int64_t start, int64_t stop) {
+    const product_job *j = context;
+    const product_t *p = j->p;
     if (p->bits == 4)
-        q4_matmul(x, rows, p->in_features, p->values, p->scales, p->minimums, p->out_features, p->bias, out, scratch, threads);
+        q4_chunks(j->scratch, j->rows, p->in_features, p->values, p->scales, p->minimums, p->out_features, p->bias, j->out,
+                  start, stop);
     else
-        q8_matmul(x, rows, p->in_features, p->values, p->scales, p->out_features, p->bias, out, threads);
+        q8_chunks(j->x, j->rows, p->in_features, p->values, p->scales, p->out_features, p->bias, j->out, start, stop);
+}
+
+/* out = x @ W^T (+ bias), its chunks of output features shared among the step's team */
+static void product(const product_t *p, const float *x, int64_t rows, float *out, float *scratch, int team) {
+    if (p->bits == 4) q4_prepare(x, rows, p->in_features, scratch);
+    product_job job = {p, x, scratch, rows, out};
+    pool_run(team, block_chunks(p->out_features), product_part, &job);
 }
 
 /* out = weight * (x * rsqrt(mean(x^2) + eps)) */
@@ -151,6 +178,34 @@ static void attend(const float *q, int group, int64_t dim, const float *keys, co
     }
 }
 
+typedef struct {
+    const step_t *s;
+    const layer_t *L;
+    const float *q;
+    float *att, *scores;
+} attention_job;
+
+/* attention of (row, key head) pairs [start, stop) */
+static void attention_part(void *context, int64_t start, int64_t stop) {
+    const attention_job *j = context;
+    const step_t *s = j->s;
+    const int64_t D = s->head_dim, qw = s->heads * D, E = s->entries;
+    const int group = (int)(s->heads / s->kv_heads);
+    for (int64_t pair = start; pair < stop; pair++) {
+        const int64_t r = pair / s->kv_heads, kh = pair % s->kv_heads;
+        const int64_t lo = s->lo ? s->lo[r] : 0, hi = s->hi ? s->hi[r] : E;
+        const int64_t base = r * s->row_stride + kh * s->head_stride;
+        float *out = j->att + r * qw + kh * group * D;
+        if (lo < 0) {
+            memset(out, 0, sizeof(float) * group * D);
+            continue;
+        }
+        attend(j->q + r * qw + kh * group * D, group, D, j->L->keys + base, j->L->values + base, s->entry_stride, lo, hi,
+               s->mask_add ? s->mask_add + r * E : 0, s->mask_keep ? s->mask_keep + r * E : 0, j->L->scaling,
+               j->scores + (r * s->kv_heads + kh) * group * E, out);
+    }
+}
+
 static inline float silu(float x) { return x / (1.f + expf(-x)); }
 
 static inline int64_t widest_input(const step_t *s) { /* of the step's products: hidden, intermediate, heads x dim */
@@ -169,19 +224,19 @@ int64_t llama_step_work(const step_t *s) {
 int llama_step(const step_t *s) {
     if (s->work_floats < llama_step_work(s) || s->head_dim % 8 || s->head_dim > 512) return -1;
     const int64_t R = s->rows, H = s->hidden, D = s->head_dim, F = s->intermediate;
-    const int64_t qw = s->heads * D, kvw = s->kv_heads * D, E = s->entries;
-    const int group = (int)(s->heads / s->kv_heads);
+    const int64_t qw = s->heads * D, kvw = s->kv_heads * D;
     const int64_t widest = widest_input(s);
     float *x = s->work, *q = x + R * (H + qw), *k = q + R * qw, *v = k + R * kvw, *att = v + R * kvw;
     float *tmp = att + R * qw, *gate = tmp + R * H, *up = gate + R * F;
     float *scratch = up + R * F, *scores = scratch + R * (widest + 2 * widest / 32);
     float *h = s->state;
+    const int team = pool_begin(s->threads);
     for (int64_t l = 0; l < s->n_layers; l++) {
         const layer_t *L = s->layers + l;
         for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, L->attention_norm, L->attention_eps, H, x + r * H);
-        product(&L->q, x, R, q, scratch, s->threads);
-        product(&L->k, x, R, k, scratch, s->threads);
-        product(&L->v, x, R, v, scratch, s->threads);
+        product(&L->q, x, R, q, scratch, team);
+        product(&L->k, x, R, k, scratch, team);
+        product(&L->v, x, R, v, scratch, team);
         for (int64_t r = 0; r < R; r++) {
             rotate(q + r * qw, s->heads, D, s->cos + r * D, s->sin + r * D);
             rotate(k + r * kvw, s->kv_heads, D, s->cos + r * D, s->sin + r * D);
@@ -191,28 +246,20 @@ int llama_step(const step_t *s) {
                 memcpy(L->values + at, v + r * kvw + kh * D, sizeof(float) * D);
             }
         }
-        const int64_t pairs = R * s->kv_heads;
-        #pragma omp parallel for num_threads(s->threads) schedule(static) if (s->threads > 1 && pairs > 1)
-        for (int64_t pair = 0; pair < pairs; pair++) {
-            const int64_t r = pair / s->kv_heads, kh = pair % s->kv_heads;
-            const int64_t lo = s->lo ? s->lo[r] : 0, hi = s->hi ? s->hi[r] : E;
-            const int64_t base = r * s->row_stride + kh * s->head_stride;
-            float *out = att + r * qw + kh * group * D;
-            if (lo < 0) { memset(out, 0, sizeof(float) * group * D); continue; }
-            attend(q + r * qw + kh * group * D, group, D, L->keys + base, L->values + base, s->entry_stride, lo, hi,
-                   s->mask_add ? s->mask_add + r * E : 0, s->mask_keep ? s->mask_keep + r * E : 0, L->scaling,
-                   scores + (r * s->kv_heads + kh) * group * E, out);
-        }
-        product(&L->o, att, R, tmp, scratch, s->threads);
+        attention_job job = {s, L, q, att, scores};
+        pool_run(team, R * s->kv_heads, attention_part, &job);
+        product(&L->o, att, R, tmp, scratch, team);
         for (int64_t i = 0; i < R * H; i++) h[i] += tmp[i];
         for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, L->mlp_norm, L->mlp_eps, H, x + r * H);
-        product(&L->gate, x, R, gate, scratch, s->threads);
-        product(&L->up, x, R, up, scratch, s->threads);
+        product(&L->gate, x, R, gate, scratch, team);
+        product(&L->up, x, R, up, scratch, team);
         for (int64_t i = 0; i < R * F; i++) gate[i] = silu(gate[i]) * up[i];
-        product(&L->down, gate, R, tmp, scratch, s->threads);
+        product(&L->down, gate, R, tmp, scratch, team);
         for (int64_t i = 0; i < R * H; i++) h[i] += tmp[i];
     }
     for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, s->final_norm, s->final_eps, H, x + r * H);
     memcpy(h, x, sizeof(float) * R * H);
+    if (s->head.values) product(&s->head, h, R, s->logits, scratch, team);
+    if (team > 1) pool_end();
     return 0;
 }
