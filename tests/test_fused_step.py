@@ -99,3 +99,27 @@ def test_weights_changed_in_place_are_read_as_they_are_and_replaced_ones_are_not
     with pytest.raises(PromptCacheError, match="moved or cast"):
         step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
     assert step.fused.steps == before
+
+
+def test_the_c_steps_logits_do_not_depend_on_its_thread_count(make_tiny, tokenizer):
+    """Its threads take fixed shares of output features and of (row, key head) pairs, each summed by
+    one thread in one order: the engine's measurement of one thread against two changes no token."""
+    engine = int4_engine(make_tiny, tokenizer, "qwen2")
+    step, model = engine.forward.written_step, engine.model
+    ids, positions = torch.tensor([[7], [11]]), torch.tensor([[9], [6]])
+    attend = torch.ones(2, 1, 1, 13, dtype=torch.bool)
+    attend[1, ..., 7:] = False
+    previous = torch.get_num_threads()
+    logits = {}
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            buffer = KVBuffer.for_model(model, 13, batch=2)
+            buffer.storage.copy_(torch.randn(buffer.storage.shape, generator=torch.Generator().manual_seed(4)))
+            buffer.grow_to(12)
+            buffer.fix(13, torch.tensor([12]))
+            logits[threads] = step(ids, positions, attend, buffer.cache)
+    finally:
+        torch.set_num_threads(previous)
+    assert step.fused.steps >= 3
+    assert torch.equal(logits[1], logits[2]) and torch.equal(logits[1], logits[3])
