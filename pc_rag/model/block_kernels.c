@@ -12,8 +12,7 @@
    its lane-7 x's. Then y[o] = sum_g d[o][g] * (S[o][g] + xc[g]) + m[o][g] * xs[g].
 
    8-bit layout: int8 [O][I], scale d [O][G]: y[o] = sum_g d[o][g] * sum_j q_j x_j. */
-#include <immintrin.h>
-#include <stdint.h>
+#include "block_kernels.h"
 
 #define MAX_ROWS 8 /* input rows multiplied per pass over 4-bit weights */
 #define Q8_ROWS 4  /* and over 8-bit ones */
@@ -24,13 +23,6 @@ static const float LANE_SCALE[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0
 
 static inline __m256i lane_masks(void) {
     return _mm256_setr_epi32(0xF, 0xF0, 0xF00, 0xF000, 0xF0000, 0xF00000, 0xF000000, (int)0xF0000000u);
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 static void prepare(const float *x, int64_t groups, float *xp, float *xs, float *xc) {

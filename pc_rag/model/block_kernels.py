@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 # the products (and their dequantization), the Llama decode step built on them (pc_rag.model.fused_step)
 # and the step's threads
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_kernels.c", "llama_step.c", "thread_pool.c"))
+HEADER = Path(__file__).with_name("block_kernels.h")  # what they call of each other
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c11", "-fopenmp", "-pthread")
 LIBRARIES = ("-lm",)  # after the sources: expf and sqrtf of the decode step
 BLOCK = 32  # weights per scale (and minimum): GGUF's Q4_1 and Q8_0 blocks
@@ -100,7 +101,7 @@ def load() -> ctypes.CDLL | None:
 def _built(cc: str) -> Path:
     """The shared library for this source, flags and compiler: built once, renamed into place whole."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + repr((FLAGS, LIBRARIES, cc, version)).encode()).hexdigest()[:20]
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, HEADER)) + repr((FLAGS, LIBRARIES, cc, version)).encode()).hexdigest()[:20]
     folder = cache_root() / "kernels"
     target = folder / f"block_kernels-{key}.so"
     if target.is_file():

@@ -28,6 +28,7 @@ import torch
 from ..errors import PromptCacheError
 from . import block_kernels
 from .blocks import BlockLinear
+from .rope import signed_sin
 from .row_extents import RowExtents
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -147,9 +148,7 @@ class FusedStep:
             return None
         hidden = self.step.embed(ids)
         cos, sin = self.step.rotary(hidden, positions)
-        cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1)
-        half = self.head_dim // 2
-        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=1)  # rotate_half's negated half, as llama_step's _rotate takes it
+        cos, sin = cos.reshape(rows, -1).contiguous(), signed_sin(sin.reshape(rows, -1))
         state = hidden.reshape(rows, self.hidden).contiguous()
         # this call's copy of the layers (another thread may step another cache), each pointed at its KV
         step_layers = type(self.layers).from_buffer_copy(self.layers)

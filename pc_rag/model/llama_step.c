@@ -7,23 +7,10 @@
 
    Why in C: a step of the embedded SmolLM2-135M ran ~2,000 small ATen ops and ~120 kernel calls
    from Python, ~9 ms of a 37 ms step besides the products, and SDPA read the KV at ~6 GB/s. */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <string.h>
 
-/* block_kernels.c */
-int64_t block_chunks(int64_t out_features);
-void q4_prepare(const float *x, int64_t rows, int64_t in_features, float *scratch);
-void q4_chunks(const float *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
-               const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
-void q8_chunks(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
-               int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
-/* thread_pool.c */
-typedef void (*part_fn)(void *context, int64_t start, int64_t stop);
-int pool_begin(int threads);
-void pool_end(void);
-void pool_run(int team, int64_t items, part_fn fn, void *context);
+#include "block_kernels.h"
 
 typedef struct { /* one linear layer in blocks (pc_rag.model.blocks.BlockLinear) */
     const void *values;
@@ -57,13 +44,6 @@ typedef struct {
     product_t head;                /* the LM head in blocks (values null: the caller runs its own) */
     float *logits;                 /* [rows, head.out_features] */
 } step_t;
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* e^x, 8 lanes (Cephes' polynomial: ~1 ulp over [-87, 88]; below, ~0 as a masked score must be) */
 static inline __m256 exp8(__m256 x) {
@@ -111,7 +91,7 @@ static void rms_norm(const float *x, const float *weight, float eps, int64_t n, 
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
-    float sum = hsum8(acc);
+    float sum = hsum(acc);
     for (; i < n; i++) sum += x[i] * x[i];
     const float inv = 1.f / sqrtf(sum / (float)n + eps);
     for (i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
@@ -141,7 +121,7 @@ static void attend(const float *q, int group, int64_t dim, const float *keys, co
             const float *qg = q + g * dim;
             __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k));
             for (int64_t i = 8; i < dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), acc);
-            float s = hsum8(acc) * scale;
+            float s = hsum(acc) * scale;
             if (mask_add) s += mask_add[lo + j];
             else if (mask_keep && !mask_keep[lo + j]) s = -INFINITY;
             scores[g * n + j] = s;
@@ -162,7 +142,7 @@ static void attend(const float *q, int group, int64_t dim, const float *keys, co
             _mm256_storeu_ps(sg + j, p);
             sum = _mm256_add_ps(sum, p);
         }
-        total = hsum8(sum);
+        total = hsum(sum);
         for (; j < n; j++) total += (sg[j] = expf(sg[j] - top));
         const float norm = 1.f / total;
         for (j = 0; j < n; j++) sg[j] *= norm;

@@ -35,6 +35,7 @@ from . import row_extents, shared_attention
 from .attention import ATTENTION_NAME, CONFIG_WINDOW
 from .decoder import decoder_of, language_model_of
 from .fused_step import FusedStep
+from .rope import signed_sin
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +80,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of ``x [rows, heads, 1, dim]``: transformers' ``x * cos + rotate_half(x) * sin``,
     bit for bit, as ``x * cos + roll(x) * signed_sin`` (``signed_sin``: the first half of ``sin``
-    negated, see :func:`_signed`): ``rotate_half`` is the halves swapped with the first negated,
+    negated, see :func:`~pc_rag.model.rope.signed_sin`): ``rotate_half`` is the halves swapped with the first negated,
     and negating a factor negates the product exactly. One roll instead of two slices, a negation
     and a concatenation: 10 us against 48 per call on the development CPU."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
-
-def _signed(sin: torch.Tensor) -> torch.Tensor:
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 class LlamaDecodeStep:
@@ -157,7 +153,7 @@ class LlamaDecodeStep:
         self.shared_steps += shared is not None
         hidden = self.embed(ids)  # [rows, 1, hidden]
         cos, sin = self.rotary(hidden, positions)
-        cos, sin = cos[:, None], _signed(sin[:, None])  # [rows, 1, 1, dim]: every head
+        cos, sin = cos[:, None], signed_sin(sin[:, None])  # [rows, 1, 1, dim]: every head
         group = self.heads // self.kv_heads
         for index, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.attention_norm, layer.attention_eps)

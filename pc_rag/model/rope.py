@@ -77,6 +77,13 @@ class RopeRotator:
         rotate_with(out, keys, cos, sin, interleaved=self.interleaved)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: rotate-half RoPE as ``x * cos + roll(x) * signed_sin(sin)``
+    (the written decode step's form, :mod:`pc_rag.model.llama_step` and :mod:`pc_rag.model.fused_step`)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def pairs(x: torch.Tensor, rot: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of the dims RoPE rotates together, as two tensors ``(a, b)`` (a pair is ``a[i], b[i]``):
     the first and second half of the ``rot`` rotary dims, or even and odd dims when ``interleaved``."""

@@ -8,15 +8,13 @@
    the first thread). Here the workers spin only while a step holds the pool, so a step's ~150
    parallel parts each cost a few atomic operations. */
 #define _GNU_SOURCE
-#include <immintrin.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#include <stdint.h>
 #include <unistd.h>
 
-#define MAX_WORKERS 63 /* a team fits the ticket's low 8 bits */
+#include "block_kernels.h"
 
-typedef void (*part_fn)(void *context, int64_t start, int64_t stop);
+#define MAX_WORKERS 63 /* a team fits the ticket's low 8 bits */
 
 static struct {
     pthread_mutex_t held;     /* one step at a time owns the pool; others run on their own thread */

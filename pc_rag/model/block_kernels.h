@@ -1,0 +1,30 @@
+/* What block_kernels.c, llama_step.c and thread_pool.c call of each other (pc_rag/model/block_kernels.py
+   builds the three into one library). */
+#ifndef PC_RAG_BLOCK_KERNELS_H
+#define PC_RAG_BLOCK_KERNELS_H
+#include <immintrin.h>
+#include <stdint.h>
+
+/* the sum of 8 lanes */
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* block_kernels.c: products by weights in blocks of 32, a chunk of output features at a time */
+int64_t block_chunks(int64_t out_features);
+void q4_prepare(const float *x, int64_t rows, int64_t in_features, float *scratch);
+void q4_chunks(const float *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
+               const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
+void q8_chunks(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
+               int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
+
+/* thread_pool.c: the decode step's threads */
+typedef void (*part_fn)(void *context, int64_t start, int64_t stop);
+int pool_begin(int threads);
+void pool_end(void);
+void pool_run(int team, int64_t items, part_fn fn, void *context);
+
+#endif
