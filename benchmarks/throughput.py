@@ -96,13 +96,16 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["sequential", "naive batch", "shared batch"])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--weights", default=None, help="weights= of the engines (default: the model as loaded, float32)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "throughput.json")
     args = parser.parse_args()
 
     from pc_rag.model.loading import load_model
 
     model, tokenizer = load_model(args.model, device=args.device)
-    engines = {assembly: PromptCache(model, tokenizer, assembly=assembly) for assembly in ("copy", "in_place")}
+    # the first engine sets the weights' precision in the model; the second serves the model as it then is
+    engines = {"copy": PromptCache(model, tokenizer, assembly="copy", weights=args.weights)}
+    engines["in_place"] = PromptCache(model, tokenizer, assembly="in_place")
     engine = engines["copy"]
     for each in engines.values():
         each.stop_token_ids = set()  # fixed-length generations: every mode does the same work
