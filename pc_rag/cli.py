@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share module KV and documents through Redis/Valkey (redis://HOST:PORT/DB)")
     common.add_argument("--kv-quantization", choices=("int8", "int4"), default=None,
                         help="store module KV in 8 or 4 bits in every tier (default: the model's precision)")
-    common.add_argument("--weights", choices=("float32", "float16", "int4"), default=None,
-                        help="a CPU model's linear layers in fp16 (half the bytes, float32 arithmetic) or 4 bits (the LM head in 8); "
+    common.add_argument("--weights", choices=("float32", "float16", "int4", "int4-a8"), default=None,
+                        help="a CPU model's linear layers in fp16 (half the bytes, float32 arithmetic) or 4 bits (the LM head in 8; "
+                             "int4-a8: decode steps' inputs in 8 bits too); "
                              "default: int4 for the embedded model (its GGUF's own blocks; float16 without a C compiler), "
                              "as loaded for others")
     common.add_argument("-v", "--verbose", action="store_true", help="log progress")

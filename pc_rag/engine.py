@@ -112,8 +112,8 @@ class PromptCache(Registration, Serving):
         small_batch_linear: linear layers compute inputs of 2-16 rows (decode steps of several requests) as
             ``W @ x^T``, streaming the weights once on a CPU (:mod:`pc_rag.model.small_batch`). None: for a float32
             CPU model with over 32 MB of linear weights. Set on the model's layers (for every user of that model object).
-        weights: a CPU model's linear layers in ``"float16"`` (float32 arithmetic) or ``"int4"`` (the LM head in 8 bits); None:
-            as loaded (the model object is changed: :mod:`pc_rag.model.weights`; the embedded model: int4 on a CPU).
+        weights: a CPU model's linear layers in ``"float16"`` (float32 arithmetic), ``"int4"`` (the LM head in 8 bits) or ``"int4-a8"``
+            (decode steps' inputs in 8 bits too); None: as loaded (the model is changed: :mod:`pc_rag.model.weights`; embedded: int4).
         encode_share: the share of the model's time documents queued with ``background=True`` are
             encoded in while requests run (all of it when none do; :mod:`pc_rag.model.turns`).
     """
@@ -153,7 +153,7 @@ class PromptCache(Registration, Serving):
         compile: bool | str = False,
         small_batch_linear: bool | None = None,
         encode_share: float = DEFAULT_ENCODE_SHARE,
-        weights: Literal["float32", "float16", "int4"] | None = None,
+        weights: Literal["float32", "float16", "int4", "int4-a8"] | None = None,
     ) -> None:
         self.encoding: Encoding = _checked(encoding or DEFAULT_ENCODING, memory_budget, kv_location, remote_sync_interval_s)
         turns = ModelTurns(encode_share)  # background encoding's share of the model while requests run (refused if not a share)

@@ -18,6 +18,11 @@ int64_t block_chunks(int64_t out_features);
 void q4_prepare(const float *x, int64_t rows, int64_t in_features, float *scratch);
 void q4_chunks(const float *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
                const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
+void a8_prepare(const float *x, int64_t rows, int64_t in_features, int interleaved, void *scratch);
+void q4a8_chunks(const void *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
+                 const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
+void q8a8_chunks(const void *scratch, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
+                 int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
 void q8_chunks(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
                int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
 

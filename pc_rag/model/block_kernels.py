@@ -45,6 +45,8 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
     "q4_matmul": [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, ctypes.c_int],
     "q8_matmul": [_P, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int],
+    "q4a8_matmul": [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, ctypes.c_int],
+    "q8a8_matmul": [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, ctypes.c_int],
     "q4_dequantize": [_P, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
     "q8_dequantize": [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
     "llama_step": [_P],
@@ -134,7 +136,19 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     q8 = torch.randint(-127, 128, (6, 64), generator=generator, dtype=torch.int8)
     got8 = q8_matmul(x, q8, d, None, lib=lib)
     weight8 = q8.float() * d.repeat_interleave(BLOCK, 1)
-    return torch.allclose(got, x @ weight.t(), rtol=1e-4, atol=1e-4) and torch.allclose(got8, x @ weight8.t(), rtol=1e-4, atol=1e-4)
+    x8 = quantized_inputs(x)  # the 8-bit-input kernels: exact products of the inputs as they round them
+    return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in (
+        (got, x @ weight.t()), (got8, x @ weight8.t()), (q4a8_matmul(x, pack_nibbles(q4), d, m, None, lib=lib), x8 @ weight.t()),
+        (q8a8_matmul(x, q8, d, None, lib=lib), x8 @ weight8.t())))
+
+
+def quantized_inputs(x: torch.Tensor) -> torch.Tensor:
+    """``x [rows, in]`` as the 8-bit-input kernels read it: each block of 32 rounded (half to even) to
+    ``round(x / s) * s``, ``s`` = its largest magnitude / 127, in the kernels' float32 steps."""
+    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inverse) * scale).reshape(x.shape)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -167,6 +181,30 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     out = torch.empty(rows, q.shape[0])
     lib.q8_matmul(x.data_ptr(), rows, features, q.data_ptr(), scales.data_ptr(), q.shape[0],
                   None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def q4a8_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+                bias: torch.Tensor | None, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """:func:`q4_matmul` on ``x`` rounded to 8 bits a block (:func:`quantized_inputs`), in integers."""
+    lib = lib or library()
+    rows, features = x.shape
+    out = torch.empty(rows, scales.shape[0])
+    scratch = torch.empty(rows * (features + 8 * features // BLOCK), dtype=torch.uint8)
+    lib.q4a8_matmul(x.data_ptr(), rows, features, words.data_ptr(), scales.data_ptr(), minimums.data_ptr(), scales.shape[0],
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def q8a8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, *,
+                lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """:func:`q8_matmul` on ``x`` rounded to 8 bits a block (:func:`quantized_inputs`), in integers."""
+    lib = lib or library()
+    rows, features = x.shape
+    out = torch.empty(rows, q.shape[0])
+    scratch = torch.empty(rows * (features + 8 * features // BLOCK), dtype=torch.uint8)
+    lib.q8a8_matmul(x.data_ptr(), rows, features, q.data_ptr(), scales.data_ptr(), q.shape[0],
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
     return out
 
 

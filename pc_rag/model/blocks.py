@@ -65,6 +65,8 @@ class BlockLinear(torch.nn.Module):
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
         self.siblings: Siblings | None = None  # layers always handed the same input: one product for all (join)
         self.sibling = 0  # this layer's place among them
+        # 8: the C decode step (pc_rag.model.fused_step) multiplies it by inputs quantized to 8 bits a block
+        self.decode_activation_bits = 32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or self.scales.dtype != torch.float32 or self.scales.device.type != "cpu":
@@ -182,9 +184,10 @@ def bits_for(linear: torch.nn.Linear, *, head: bool) -> int:
     return chosen_blocks(linear, head=head)[0]
 
 
-def install(model: Any) -> int:
+def install(model: Any, *, decode_activation_bits: int = 32) -> int:
     """Replace ``model``'s linear layers (inputs in whole blocks of 32) by :class:`BlockLinear`;
-    returns how many were replaced. A float32 CPU model only."""
+    returns how many were replaced. A float32 CPU model only. ``decode_activation_bits=8``: the C
+    decode step quantizes their inputs to 8 bits a block (``weights="int4-a8"``)."""
     if torch.device(model.device).type != "cpu" or model.dtype != torch.float32:
         raise PromptCacheError(f'weights="int4" runs a float32 model on a CPU; this one is {model.dtype} on {model.device}',
                                param="weights")
@@ -194,6 +197,7 @@ def install(model: Any) -> int:
     layers = []
     for parent, name, child in targets:
         layer = BlockLinear(child, *chosen_blocks(child, head=child is head))
+        layer.decode_activation_bits = decode_activation_bits
         setattr(parent, name, layer)
         layers.append(layer)
     joined = join_siblings(model, layers, join, kind=lambda layer: (layer.in_features, layer.bits))

@@ -50,7 +50,8 @@ class _Step(ctypes.Structure):
                 ("state", c_void_p), ("final_norm", c_void_p), ("final_eps", c_float), ("cos", c_void_p), ("sin", c_void_p),
                 *((name, c_int64) for name in ("column", "entries", "row_stride", "head_stride", "entry_stride")),
                 ("mask_add", c_void_p), ("mask_keep", c_void_p), ("lo", c_void_p), ("hi", c_void_p), ("work", c_void_p),
-                ("work_floats", c_int64), ("threads", c_int), ("head", _Product), ("logits", c_void_p)]
+                ("work_floats", c_int64), ("threads", c_int), ("head", _Product), ("logits", c_void_p),
+                ("activation_bits", c_int)]
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -93,6 +94,8 @@ class FusedStep:
         self.head_in_c = type(step.head) is BlockLinear and step.head.in_features == self.hidden
         self.linears = [getattr(layer, name) for layer in step.layers for name in LINEARS] + [step.head] * self.head_in_c
         self.steps = 0  # steps run in C (tests read it)
+        # 8: products multiply inputs quantized to 8 bits a block (weights="int4-a8": every layer asked for it)
+        self.activation_bits = 8 if all(linear.decode_activation_bits == 8 for linear in self.linears) else 32
         self._build()
 
     @classmethod
@@ -172,7 +175,7 @@ class FusedStep:
         work = torch.empty(self.lib.llama_step_work(ctypes.byref(args)))
         args.work, args.work_floats = work.data_ptr(), work.numel()
         logits = torch.empty(rows, self.step.head.out_features) if self.head_in_c else None
-        args.head, args.logits = self.head, _pointer(logits)
+        args.head, args.logits, args.activation_bits = self.head, _pointer(logits), self.activation_bits
         if self.lib.llama_step(ctypes.byref(args)) != 0:
             raise PromptCacheError(f"the C decode step refused its arguments ({work.numel()} work floats, head dim {self.head_dim})")
         self.steps += 1

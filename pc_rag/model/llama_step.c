@@ -43,6 +43,7 @@ typedef struct {
     int threads;
     product_t head;                /* the LM head in blocks (values null: the caller runs its own) */
     float *logits;                 /* [rows, head.out_features] */
+    int activation_bits;           /* 8: 4-bit products quantize their inputs to 8 bits a block (q4a8_chunks); else 32 */
 } step_t;
 
 /* e^x, 8 lanes (Cephes' polynomial: ~1 ulp over [-87, 88]; below, ~0 as a masked score must be) */
@@ -62,28 +63,66 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
-typedef struct {
-    const product_t *p;
-    const float *x, *scratch; /* the input, and as q4_prepare left it */
+typedef struct { /* which input the scratch holds prepared, and for which bits (q, k and v share theirs) */
+    const float *x;
+    int64_t bits;
+    void *scratch;
+} prepared_t;
+
+typedef struct { /* up to three products of one input (q, k, v; gate, up), their chunks shared out as one part */
+    const product_t *p[3];
+    float *out[3];
+    int64_t first[4]; /* product i's chunks are items [first[i], first[i + 1]) */
+    int n, eight;     /* eight: 8-bit activations */
+    const float *x;
+    const void *scratch;
     int64_t rows;
-    float *out;
 } product_job;
 
 static void product_part(void *context, int64_t start, int64_t stop) {
     const product_job *j = context;
-    const product_t *p = j->p;
-    if (p->bits == 4)
-        q4_chunks(j->scratch, j->rows, p->in_features, p->values, p->scales, p->minimums, p->out_features, p->bias, j->out,
-                  start, stop);
-    else
-        q8_chunks(j->x, j->rows, p->in_features, p->values, p->scales, p->out_features, p->bias, j->out, start, stop);
+    for (int i = 0; i < j->n; i++) {
+        const int64_t c0 = start > j->first[i] ? start : j->first[i], c1 = stop < j->first[i + 1] ? stop : j->first[i + 1];
+        if (c0 >= c1) continue;
+        const product_t *p = j->p[i];
+        const int64_t a = c0 - j->first[i], b = c1 - j->first[i];
+        if (p->bits == 8 && j->eight)
+            q8a8_chunks(j->scratch, j->rows, p->in_features, p->values, p->scales, p->out_features, p->bias, j->out[i], a, b);
+        else if (p->bits == 8)
+            q8_chunks(j->x, j->rows, p->in_features, p->values, p->scales, p->out_features, p->bias, j->out[i], a, b);
+        else if (j->eight)
+            q4a8_chunks(j->scratch, j->rows, p->in_features, p->values, p->scales, p->minimums, p->out_features, p->bias,
+                        j->out[i], a, b);
+        else
+            q4_chunks(j->scratch, j->rows, p->in_features, p->values, p->scales, p->minimums, p->out_features, p->bias,
+                      j->out[i], a, b);
+    }
 }
 
-/* out = x @ W^T (+ bias), its chunks of output features shared among the step's team */
-static void product(const product_t *p, const float *x, int64_t rows, float *out, float *scratch, int team) {
-    if (p->bits == 4) q4_prepare(x, rows, p->in_features, scratch);
-    product_job job = {p, x, scratch, rows, out};
-    pool_run(team, block_chunks(p->out_features), product_part, &job);
+/* out[i] = x @ W_i^T (+ bias) for n <= 3 products of one input x, the chunks of those at the same bits shared
+   among the step's team as one part (k and v alone are three chunks each: two threads would share them 2:1) */
+static void products(const step_t *s, int n, const product_t *const *ps, float *const *outs, const float *x, int64_t rows,
+                     prepared_t *prepared, int team) {
+    const int eight = s->activation_bits == 8;
+    for (int i = 0, end; i < n; i = end) {
+        for (end = i + 1; end < n && ps[end]->bits == ps[i]->bits;) end++; /* one preparation of x serves [i, end) */
+        if ((ps[i]->bits == 4 || eight) && (prepared->x != x || prepared->bits != ps[i]->bits)) {
+            if (eight) a8_prepare(x, rows, ps[i]->in_features, ps[i]->bits == 4, prepared->scratch);
+            else q4_prepare(x, rows, ps[i]->in_features, prepared->scratch);
+            prepared->x = x, prepared->bits = ps[i]->bits;
+        }
+        product_job job = {.n = end - i, .eight = eight, .x = x, .scratch = prepared->scratch, .rows = rows};
+        for (int k = i; k < end; k++) {
+            job.p[k - i] = ps[k], job.out[k - i] = outs[k];
+            job.first[k - i + 1] = job.first[k - i] + block_chunks(ps[k]->out_features);
+        }
+        pool_run(team, job.first[end - i], product_part, &job);
+    }
+}
+
+static void product(const step_t *s, const product_t *p, const float *x, int64_t rows, float *out, prepared_t *prepared,
+                    int team) {
+    products(s, 1, &p, &out, x, rows, prepared, team);
 }
 
 /* out = weight * (x * rsqrt(mean(x^2) + eps)) */
@@ -108,12 +147,17 @@ static void rotate(float *x, int64_t heads, int64_t dim, const float *cos, const
     }
 }
 
-/* the `group` query heads of one key head over entries [lo, hi): softmax(q.K * scale + mask) V */
-static void attend(const float *q, int group, int64_t dim, const float *keys, const float *values, int64_t stride,
-                   int64_t lo, int64_t hi, const float *mask_add, const uint8_t *mask_keep, float scale, float *scores,
-                   float *out) {
+#define SPAN 256 /* entries of one share of attention: a row's key head's entries are split in spans so that
+                     two threads share even one row's three key heads; their partial sums merge in order */
+
+/* one span: the `group` query heads of one key head over entries [lo, hi), unnormalized: top[g] the
+   largest score (q.K * scale + mask), total[g] = sum_j e^(s_j - top), out[g] = sum_j e^(s_j - top) v_j */
+static void attend_span(const float *q, int group, int64_t dim, const float *keys, const float *values, int64_t stride,
+                        int64_t lo, int64_t hi, const float *mask_add, const uint8_t *mask_keep, float scale, float *scores,
+                        float *out, float *top, float *total) {
     const int64_t n = hi - lo;
     memset(out, 0, sizeof(float) * group * dim);
+    for (int g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
     if (n <= 0) return;
     for (int64_t j = 0; j < n; j++) {
         const float *k = keys + (lo + j) * stride;
@@ -121,20 +165,21 @@ static void attend(const float *q, int group, int64_t dim, const float *keys, co
             const float *qg = q + g * dim;
             __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k));
             for (int64_t i = 8; i < dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), acc);
-            float s = hsum(acc) * scale;
-            if (mask_add) s += mask_add[lo + j];
-            else if (mask_keep && !mask_keep[lo + j]) s = -INFINITY;
-            scores[g * n + j] = s;
+            float score = hsum(acc) * scale;
+            if (mask_add) score += mask_add[lo + j];
+            else if (mask_keep && !mask_keep[lo + j]) score = -INFINITY;
+            scores[g * n + j] = score;
         }
     }
     for (int g = 0; g < group; g++) {
-        float *sg = scores + g * n, top = -INFINITY, total = 0.f;
-        for (int64_t j = 0; j < n; j++) top = sg[j] > top ? sg[j] : top;
-        if (top == -INFINITY) { /* nothing attended: zeros, as SDPA gives */
+        float *sg = scores + g * n, largest = -INFINITY;
+        for (int64_t j = 0; j < n; j++) largest = sg[j] > largest ? sg[j] : largest;
+        top[g] = largest;
+        if (largest == -INFINITY) { /* nothing attended in this span */
             memset(sg, 0, sizeof(float) * n);
             continue;
         }
-        const __m256 shift = _mm256_set1_ps(top);
+        const __m256 shift = _mm256_set1_ps(largest);
         __m256 sum = _mm256_setzero_ps();
         int64_t j = 0;
         for (; j + 8 <= n; j += 8) {
@@ -142,10 +187,9 @@ static void attend(const float *q, int group, int64_t dim, const float *keys, co
             _mm256_storeu_ps(sg + j, p);
             sum = _mm256_add_ps(sum, p);
         }
-        total = hsum(sum);
-        for (; j < n; j++) total += (sg[j] = expf(sg[j] - top));
-        const float norm = 1.f / total;
-        for (j = 0; j < n; j++) sg[j] *= norm;
+        float t = hsum(sum);
+        for (; j < n; j++) t += (sg[j] = expf(sg[j] - largest));
+        total[g] = t;
     }
     for (int64_t j = 0; j < n; j++) {
         const float *v = values + (lo + j) * stride;
@@ -162,28 +206,57 @@ typedef struct {
     const step_t *s;
     const layer_t *L;
     const float *q;
-    float *att, *scores;
+    float *partial, *scores; /* per (row, key head, span): its group's out, top and total; its scores */
+    int64_t spans;           /* of each row's key head */
 } attention_job;
 
-/* attention of (row, key head) pairs [start, stop) */
+static inline int64_t span_floats(const step_t *s) { return (s->heads / s->kv_heads) * (s->head_dim + 2); }
+static inline int64_t spans_of(const step_t *s) { return s->entries > 0 ? (s->entries + SPAN - 1) / SPAN : 1; }
+
+/* attention of (row, key head, span) triples [start, stop), unnormalized (merge_spans finishes it) */
 static void attention_part(void *context, int64_t start, int64_t stop) {
     const attention_job *j = context;
     const step_t *s = j->s;
-    const int64_t D = s->head_dim, qw = s->heads * D, E = s->entries;
+    const int64_t D = s->head_dim, qw = s->heads * D, E = s->entries, per = span_floats(s);
     const int group = (int)(s->heads / s->kv_heads);
-    for (int64_t pair = start; pair < stop; pair++) {
-        const int64_t r = pair / s->kv_heads, kh = pair % s->kv_heads;
-        const int64_t lo = s->lo ? s->lo[r] : 0, hi = s->hi ? s->hi[r] : E;
+    for (int64_t item = start; item < stop; item++) {
+        const int64_t span = item % j->spans, pair = item / j->spans, r = pair / s->kv_heads, kh = pair % s->kv_heads;
+        const int64_t row_lo = s->lo ? s->lo[r] : 0, row_hi = s->hi ? s->hi[r] : E;
+        int64_t lo = 0, hi = 0; /* a finished row (row_lo < 0): nothing */
+        if (row_lo >= 0) lo = row_lo + span * SPAN, hi = row_hi < lo + SPAN ? row_hi : lo + SPAN;
         const int64_t base = r * s->row_stride + kh * s->head_stride;
-        float *out = j->att + r * qw + kh * group * D;
-        if (lo < 0) {
-            memset(out, 0, sizeof(float) * group * D);
-            continue;
-        }
-        attend(j->q + r * qw + kh * group * D, group, D, j->L->keys + base, j->L->values + base, s->entry_stride, lo, hi,
-               s->mask_add ? s->mask_add + r * E : 0, s->mask_keep ? s->mask_keep + r * E : 0, j->L->scaling,
-               j->scores + (r * s->kv_heads + kh) * group * E, out);
+        float *out = j->partial + item * per;
+        attend_span(j->q + r * qw + kh * group * D, group, D, j->L->keys + base, j->L->values + base, s->entry_stride, lo, hi,
+                    s->mask_add ? s->mask_add + r * E : 0, s->mask_keep ? s->mask_keep + r * E : 0, j->L->scaling,
+                    j->scores + item * group * SPAN, out, out + group * D, out + group * D + group);
     }
+}
+
+/* each (row, key head)'s spans merged in order: softmax(q.K * scale + mask) V; nothing attended: zeros, as SDPA gives */
+static void merge_spans(const attention_job *j, float *att) {
+    const step_t *s = j->s;
+    const int64_t D = s->head_dim, per = span_floats(s);
+    const int group = (int)(s->heads / s->kv_heads);
+    for (int64_t pair = 0; pair < s->rows * s->kv_heads; pair++)
+        for (int g = 0; g < group; g++) {
+            float largest = -INFINITY, total = 0.f;
+            for (int64_t c = 0; c < j->spans; c++) {
+                const float top = j->partial[(pair * j->spans + c) * per + group * D + g];
+                largest = top > largest ? top : largest;
+            }
+            float *out = att + (pair * group + g) * D; /* row r's heads are contiguous: pair * group + g = r * heads + head */
+            memset(out, 0, sizeof(float) * D);
+            if (largest == -INFINITY) continue;
+            for (int64_t c = 0; c < j->spans; c++) {
+                const float *part = j->partial + (pair * j->spans + c) * per;
+                if (part[group * D + g] == -INFINITY) continue;
+                const float weight = expf(part[group * D + g] - largest);
+                total += weight * part[group * D + group + g];
+                for (int64_t i = 0; i < D; i++) out[i] += weight * part[g * D + i];
+            }
+            const float norm = 1.f / total;
+            for (int64_t i = 0; i < D; i++) out[i] *= norm;
+        }
 }
 
 static inline float silu(float x) { return x / (1.f + expf(-x)); }
@@ -197,7 +270,7 @@ static inline int64_t widest_input(const step_t *s) { /* of the step's products:
 int64_t llama_step_work(const step_t *s) {
     const int64_t qw = s->heads * s->head_dim, kvw = s->kv_heads * s->head_dim, widest = widest_input(s);
     const int64_t per_row = (s->hidden + qw) + s->hidden + 2 * qw + 2 * kvw + 2 * s->intermediate + widest + 2 * widest / 32;
-    return s->rows * (per_row + s->heads * s->entries);
+    return s->rows * (per_row + s->heads * spans_of(s) * (SPAN + s->head_dim + 2));
 }
 
 /* Every layer of one decode step; 0, or -1 when the work buffer is too small. */
@@ -209,14 +282,14 @@ int llama_step(const step_t *s) {
     float *x = s->work, *q = x + R * (H + qw), *k = q + R * qw, *v = k + R * kvw, *att = v + R * kvw;
     float *tmp = att + R * qw, *gate = tmp + R * H, *up = gate + R * F;
     float *scratch = up + R * F, *scores = scratch + R * (widest + 2 * widest / 32);
-    float *h = s->state;
+    float *partial = scores + R * s->heads * spans_of(s) * SPAN, *h = s->state;
     const int team = pool_begin(s->threads);
+    prepared_t prepared = {0, 0, scratch};
     for (int64_t l = 0; l < s->n_layers; l++) {
         const layer_t *L = s->layers + l;
         for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, L->attention_norm, L->attention_eps, H, x + r * H);
-        product(&L->q, x, R, q, scratch, team);
-        product(&L->k, x, R, k, scratch, team);
-        product(&L->v, x, R, v, scratch, team);
+        prepared.x = 0; /* x is new */
+        products(s, 3, (const product_t *[]){&L->q, &L->k, &L->v}, (float *[]){q, k, v}, x, R, &prepared, team);
         for (int64_t r = 0; r < R; r++) {
             rotate(q + r * qw, s->heads, D, s->cos + r * D, s->sin + r * D);
             rotate(k + r * kvw, s->kv_heads, D, s->cos + r * D, s->sin + r * D);
@@ -226,20 +299,21 @@ int llama_step(const step_t *s) {
                 memcpy(L->values + at, v + r * kvw + kh * D, sizeof(float) * D);
             }
         }
-        attention_job job = {s, L, q, att, scores};
-        pool_run(team, R * s->kv_heads, attention_part, &job);
-        product(&L->o, att, R, tmp, scratch, team);
+        attention_job job = {s, L, q, partial, scores, spans_of(s)};
+        pool_run(team, R * s->kv_heads * job.spans, attention_part, &job);
+        merge_spans(&job, att);
+        product(s, &L->o, att, R, tmp, &prepared, team);
         for (int64_t i = 0; i < R * H; i++) h[i] += tmp[i];
         for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, L->mlp_norm, L->mlp_eps, H, x + r * H);
-        product(&L->gate, x, R, gate, scratch, team);
-        product(&L->up, x, R, up, scratch, team);
+        prepared.x = 0; /* x is new */
+        products(s, 2, (const product_t *[]){&L->gate, &L->up}, (float *[]){gate, up}, x, R, &prepared, team);
         for (int64_t i = 0; i < R * F; i++) gate[i] = silu(gate[i]) * up[i];
-        product(&L->down, gate, R, tmp, scratch, team);
+        product(s, &L->down, gate, R, tmp, &prepared, team);
         for (int64_t i = 0; i < R * H; i++) h[i] += tmp[i];
     }
     for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, s->final_norm, s->final_eps, H, x + r * H);
     memcpy(h, x, sizeof(float) * R * H);
-    if (s->head.values) product(&s->head, h, R, s->logits, scratch, team);
+    if (s->head.values) product(s, &s->head, h, R, s->logits, &prepared, team);
     if (team > 1) pool_end();
     return 0;
 }

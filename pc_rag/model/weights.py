@@ -10,6 +10,10 @@
   33.7, the first token 0.36 against 0.25 s (prefill dequantizes). Where the kernels cannot be built
   (no C compiler, no AVX2): torch's 4-bit kernel (:mod:`pc_rag.model.int4`; bf16 activations,
   first-token KL ~1e-3).
+- ``"int4-a8"``: ``"int4"``, and the decode step in C (:mod:`pc_rag.model.fused_step`) quantizes
+  each product's input to 8 bits a block of 32 (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 arithmetic)
+  and multiplies in integers: fewer instructions a weight. Prefill (the first token) is unchanged;
+  decode steps the C step does not serve (over shared KV) keep float32 inputs.
 
 The embedded model is served in int4 on a CPU by default, float16 where the kernels cannot be
 built (:func:`chosen`).
@@ -17,6 +21,7 @@ built (:func:`chosen`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -25,7 +30,9 @@ from ..errors import PromptCacheError
 from . import block_kernels, blocks, float16, int4
 from .loading import default_device
 
-WEIGHTS = ("float32", "float16", "int4")
+logger = logging.getLogger(__name__)
+
+WEIGHTS = ("float32", "float16", "int4", "int4-a8")
 
 
 def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
@@ -38,11 +45,14 @@ def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
             raise PromptCacheError('weights="float16" runs eagerly (torch.compile recompiles for every layer\'s packed weight); '
                                    'pass compile=False, or weights="float32" or "int4"', param="weights")
         return float16.install(model)
-    if weights == "int4" and block_kernels.library() is not None:
+    if weights == "int4-a8" and block_kernels.library() is None:
+        logger.warning('weights="int4-a8" runs on pc-rag\'s kernels, which are not built here: weights="int4" on torch\'s kernel instead')
+        weights = "int4"
+    if weights in ("int4", "int4-a8") and block_kernels.library() is not None:
         if compiled:  # dynamo breaks the graph at every call into the kernels: hundreds of fragments a step
             raise PromptCacheError('weights="int4" runs pc-rag\'s kernels eagerly (a compiled step breaks at every call into them); '
                                    'pass compile=False, or weights="float32"', param="weights")
-        return blocks.install(model)
+        return blocks.install(model, decode_activation_bits=8 if weights == "int4-a8" else 32)
     return int4.install(model, weights)
 
 
