@@ -65,6 +65,29 @@ def test_gguf_blocks_are_found_again_bit_for_bit_and_multiplied_as_torch_does(bi
     assert torch.equal(layer(wide), wide @ linear.weight.detach().t() + linear.bias)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_8_bit_input_kernels_multiply_the_inputs_as_they_round_them_exactly(bits):
+    """weights="int4-a8": each block of 32 inputs rounded to 8 bits (llama.cpp's Q8_1 / Q8_0 inputs),
+    then integer dot products: exact against torch on the rounded inputs, over rows that hold a large
+    outlier, a block of zeros (scale 0) and a value at half a step."""
+    linear = gguf_like(97, 6 * BLOCK, bits, seed=2)
+    layer = BlockLinear(linear, bits)
+    generator = torch.Generator().manual_seed(3)
+    multiply = block_kernels.q4a8_matmul if bits == 4 else block_kernels.q8a8_matmul
+    weights = (layer.values, layer.scales, layer.minimums) if bits == 4 else (layer.values, layer.scales)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 6 * BLOCK, generator=generator)
+        x[0, 3], x[-1, BLOCK:2 * BLOCK] = 50.0, 0.0
+        x[0, 4 * BLOCK:4 * BLOCK + 2] = torch.tensor([127.0, 0.5])  # 0.5 rounds to even: 0
+        rounded = block_kernels.quantized_inputs(x)
+        assert rounded[0, 4 * BLOCK + 1] == 0.0 and torch.equal(rounded[-1, BLOCK:2 * BLOCK], x[-1, BLOCK:2 * BLOCK])
+        assert (rounded - x).abs().max() <= x.abs().max() / 254 * 1.0001  # half a step of the largest block's scale
+        expected = rounded.double() @ linear.weight.double().t() + linear.bias.double()
+        got = multiply(x, *weights, linear.bias)
+        assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-4), (got.double() - expected).abs().max()
+        assert not torch.allclose(got.double(), x.double() @ linear.weight.double().t() + linear.bias.double(), rtol=1e-5, atol=1e-4)
+
+
 def test_a_layer_refuses_what_its_kernels_cannot_read():
     """The kernels read raw float32 CPU memory: a model cast or moved after install is refused, not misread."""
     layer = BlockLinear(gguf_like(32, BLOCK, 4), 4)
@@ -161,15 +184,17 @@ def test_a_damaged_kernel_library_is_built_again(tmp_path):
     assert list((tmp_path / "kernels").iterdir()) == [built]  # no temporary left behind
 
 
-def test_without_a_compiler_int4_runs_on_torchs_kernel(make_tiny, tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("weights", ["int4", "int4-a8"])  # int4-a8's 8-bit inputs are the kernels': int4 on torch's, logged
+def test_without_a_compiler_int4_runs_on_torchs_kernel(make_tiny, tokenizer, tmp_path, monkeypatch, caplog, weights):
     monkeypatch.setenv("PC_RAG_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     block_kernels.library.cache_clear()
     try:
         assert block_kernels.library() is None
         model = make_tiny("llama")
-        PromptCache(model, tokenizer, weights="int4")
+        PromptCache(model, tokenizer, weights=weights)
         assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
+        assert (weights == "int4-a8") == any('weights="int4-a8" runs on pc-rag' in r.getMessage() for r in caplog.records)
     finally:
         block_kernels.library.cache_clear()
 

@@ -10,13 +10,14 @@ import torch
 from pc_rag import PromptCache
 from pc_rag.errors import PromptCacheError
 from pc_rag.kv.buffers import KVBuffer
+from pc_rag.model import row_extents
 from pc_rag.model.llama_step import disagreement
 from tests.conftest import drawn_away
 from tests.test_llama_step import answers, logprobs
 
 
-def int4_engine(make_tiny, tokenizer, arch: str = "llama") -> PromptCache:
-    return PromptCache(drawn_away(make_tiny(arch)), tokenizer, weights="int4", recompute=0, attention_temperature=1.0,
+def int4_engine(make_tiny, tokenizer, arch: str = "llama", weights: str = "int4") -> PromptCache:
+    return PromptCache(drawn_away(make_tiny(arch)), tokenizer, weights=weights, recompute=0, attention_temperature=1.0,
                        attention_scale=1.0)
 
 
@@ -123,3 +124,64 @@ def test_the_c_steps_logits_do_not_depend_on_its_thread_count(make_tiny, tokeniz
         torch.set_num_threads(previous)
     assert step.fused.steps >= 3
     assert torch.equal(logits[1], logits[2]) and torch.equal(logits[1], logits[3])
+
+
+def cache_of(model, entries: int, rows: int, seed: int = 5) -> KVBuffer:
+    """``rows`` rows of ``entries`` random entries, fixed for a step that writes entry ``entries``."""
+    buffer = KVBuffer.for_model(model, entries + 1, batch=rows)
+    buffer.storage.copy_(torch.randn(buffer.storage.shape, generator=torch.Generator().manual_seed(seed)))
+    buffer.grow_to(entries)
+    buffer.fix(entries + 1, torch.tensor([entries]))
+    return buffer
+
+
+@pytest.mark.parametrize("by_extents", [False, True])
+def test_attention_split_in_spans_merges_as_one_softmax(make_tiny, tokenizer, by_extents):
+    """The C step splits each row's entries in spans of 256 (so that two threads share one row's key
+    heads) and merges them in order: over 700 entries, with a span that attends nothing, a row that
+    starts mid-span and (by extents) a finished row, the model's own logits."""
+    engine = int4_engine(make_tiny, tokenizer, "qwen2")
+    step, model = engine.forward.written_step, engine.model
+    entries = 700
+    ids, positions = torch.tensor([[7], [11], [5]]), torch.tensor([[entries], [entries - 300], [4]])
+    attend = torch.ones(3, 1, 1, entries + 1, dtype=torch.bool)
+    attend[0, ..., 256:520] = False  # row 0: nothing in its second span
+    attend[1, ..., :300] = False  # row 1 from the middle of its second span
+    attend[2, ..., 5:] = False
+    case = {}
+    if by_extents:
+        attend[2] = False
+        case = {"extents": row_extents.RowExtents((0, 300, None), entries + 1)}
+    before = step.fused.steps
+    got = step(ids, positions, attend, cache_of(model, entries, 3).cache, **case)
+    expected = engine.forward._model_step(ids, positions, attend, cache_of(model, entries, 3).cache,
+                                          **{row_extents.KWARG: value for value in case.values()})
+    assert step.fused.steps == before + 1
+    live = slice(0, 2 if by_extents else 3)
+    assert torch.allclose(got[live], expected[live], atol=1e-4 * expected[live].abs().max().item())
+
+
+def test_int4_a8_decodes_on_8_bit_inputs_near_float_inputs_and_alike_on_any_thread_count(make_tiny, tokenizer):
+    """weights="int4-a8": proved on float32 inputs, then the C step multiplies inputs rounded to 8 bits a
+    block: logits near the float inputs' (not equal: the rounding is there), the same on 1, 2 or 3 threads."""
+    engine = int4_engine(make_tiny, tokenizer, "qwen2", weights="int4-a8")
+    fused = engine.forward.written_step.fused
+    assert fused.activation_bits == 8
+    step, model = engine.forward.written_step, engine.model
+    ids, positions = torch.tensor([[7], [11]]), torch.tensor([[300], [6]])
+    attend = torch.ones(2, 1, 1, 301, dtype=torch.bool)
+    attend[1, ..., 7:] = False
+    previous = torch.get_num_threads()
+    logits = {}
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            logits[threads] = step(ids, positions, attend, cache_of(model, 300, 2).cache)
+        fused.activation_bits = 32
+        floats = step(ids, positions, attend, cache_of(model, 300, 2).cache)
+    finally:
+        torch.set_num_threads(previous)
+        fused.activation_bits = 8
+    assert torch.equal(logits[1], logits[2]) and torch.equal(logits[1], logits[3])
+    difference = ((logits[1] - floats).abs().max() / floats.abs().max()).item()
+    assert 0 < difference < 5e-2, difference
