@@ -302,17 +302,20 @@ int llama_step(const step_t *s) {
         attention_job job = {s, L, q, partial, scores, spans_of(s)};
         pool_run(team, R * s->kv_heads * job.spans, attention_part, &job);
         merge_spans(&job, att);
+        prepared.x = 0; /* att is new */
         product(s, &L->o, att, R, tmp, &prepared, team);
         for (int64_t i = 0; i < R * H; i++) h[i] += tmp[i];
         for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, L->mlp_norm, L->mlp_eps, H, x + r * H);
         prepared.x = 0; /* x is new */
         products(s, 2, (const product_t *[]){&L->gate, &L->up}, (float *[]){gate, up}, x, R, &prepared, team);
         for (int64_t i = 0; i < R * F; i++) gate[i] = silu(gate[i]) * up[i];
+        prepared.x = 0; /* gate is new */
         product(s, &L->down, gate, R, tmp, &prepared, team);
         for (int64_t i = 0; i < R * H; i++) h[i] += tmp[i];
     }
     for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, s->final_norm, s->final_eps, H, x + r * H);
     memcpy(h, x, sizeof(float) * R * H);
+    prepared.x = 0; /* h is new */
     if (s->head.values) product(s, &s->head, h, R, s->logits, &prepared, team);
     if (team > 1) pool_end();
     return 0;
