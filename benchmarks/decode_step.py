@@ -57,7 +57,9 @@ def stream_gb_s(data: torch.Tensor) -> float:
 def read_bytes(step, buffer: KVBuffer, cache: int) -> int:
     """What one step must read: the linear layers' weights as held, and ``cache`` entries of keys and values."""
     linears = [getattr(layer, name) for layer in step.layers for name in ("q", "k", "v", "o", "gate", "up", "down")] + [step.head]
-    weights = sum(t.numel() * t.element_size() for linear in linears for t in (*linear.parameters(), *linear.buffers()))
+    weights = sum(t.numel() * t.element_size() for linear in linears for t in (*linear.parameters(), *linear.buffers())
+                  if t.numel() > 32)  # not float16's digest: its weights are packed, 2 bytes each
+    weights += sum(2 * linear.in_features * linear.out_features for linear in linears if hasattr(linear, "packed"))
     per_entry = buffer.storage[:, :, :1, ..., :1, :].numel() * buffer.storage.element_size()  # keys and values, every layer
     return weights + cache * per_entry
 
