@@ -69,7 +69,7 @@ def test_gguf_blocks_are_found_again_bit_for_bit_and_multiplied_as_torch_does(bi
 def test_the_8_bit_input_kernels_multiply_the_inputs_as_they_round_them_exactly(bits):
     """weights="int4-a8": each block of 32 inputs rounded to 8 bits (llama.cpp's Q8_1 / Q8_0 inputs),
     then integer dot products: exact against torch on the rounded inputs, over rows that hold a large
-    outlier, a block of zeros (scale 0) and a value at half a step."""
+    outlier, a block of zeros (scale 0) and a value at half a step; on AVX512-VNNI as on AVX2."""
     linear = gguf_like(97, 6 * BLOCK, bits, seed=2)
     layer = BlockLinear(linear, bits)
     generator = torch.Generator().manual_seed(3)
@@ -85,6 +85,11 @@ def test_the_8_bit_input_kernels_multiply_the_inputs_as_they_round_them_exactly(
         expected = rounded.double() @ linear.weight.double().t() + linear.bias.double()
         got = multiply(x, *weights, linear.bias)
         assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-4), (got.double() - expected).abs().max()
+        try:  # AVX512-VNNI where this CPU has it, else AVX2 again: every block summed exactly either way, the same bits
+            assert block_kernels.library().a8_vnni(0) == 0
+            assert torch.equal(multiply(x, *weights, linear.bias), got)
+        finally:
+            block_kernels.library().a8_vnni(1)
         assert not torch.allclose(got.double(), x.double() @ linear.weight.double().t() + linear.bias.double(), rtol=1e-5, atol=1e-4)
 
 

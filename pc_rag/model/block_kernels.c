@@ -16,8 +16,6 @@
 
 #define MAX_ROWS 8 /* input rows multiplied per pass over 4-bit weights */
 #define Q8_ROWS 4  /* and over 8-bit ones */
-#define CHUNK 64 /* output features whose weights every input row passes over while they are in cache */
-#define PARALLEL_MACS (1 << 20) /* products this large (rows x out x in) run on several threads */
 
 static const float LANE_SCALE[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f};
 
@@ -144,14 +142,6 @@ static void q4_rows(const uint32_t *w, const float *d, const float *m, int64_t g
     case 7: q4_rows_n(w, d, m, groups, xp, xs, xc, 7, out_features, out_stride, bias, out); break;
     default: q4_rows_n(w, d, m, groups, xp, xs, xc, 8, out_features, out_stride, bias, out); break;
     }
-}
-
-/* how a product is shared out: output features in chunks of CHUNK (their weights stay in cache
-   while every input row passes over them), chunks across `threads` OpenMP threads where the product
-   is large enough to pay for waking them */
-static inline int64_t chunk_count(int64_t out_features) { return (out_features + CHUNK - 1) / CHUNK; }
-static inline int parallel(int threads, int64_t rows, int64_t out_features, int64_t in_features) {
-    return threads > 1 && rows * out_features * in_features >= PARALLEL_MACS;
 }
 
 /* how many chunks q4_chunks and q8_chunks split `out_features` into */
@@ -281,160 +271,4 @@ void q8_dequantize(const int8_t *q, const float *d, int64_t in_features, int64_t
             for (int k = 0; k < 4; k++)
                 _mm256_storeu_ps(out + (o - o0) * in_features + 32 * g + 8 * k, _mm256_mul_ps(bytes8(q + o * in_features + 32 * g + 8 * k), dg));
         }
-}
-
-/* ---- 4-bit weights times 8-bit activations (llama.cpp's Q4_1 x Q8_1 scheme), the decode step's
-   opt-in: each block of 32 inputs x is quantized to int8 a = round(x / da), da = max|x| / 127, and
-   y[o] = sum_g d[o][g] * da[g] * (q . a)_g + m[o][g] * sa[g], sa[g] = da[g] * sum(a). The integer
-   dot product (q . a) is exact; the activations' rounding (half a step of da) is the only change.
-   A block's 16 bytes of words read as nibbles give the even-numbered weights (low nibbles) and the
-   odd ones (high nibbles), so the activations are stored evens then odds. */
-
-/* x's rows as 8-bit blocks: rows * I int8 (per block evens then odds where `interleaved`, for 4-bit
-   weights; else in order, for 8-bit ones), then da[rows][G], sa[rows][G] */
-void a8_prepare(const float *x, int64_t rows, int64_t in_features, int interleaved, void *scratch) {
-    const int64_t groups = in_features / 32;
-    int8_t *a = scratch;
-    float *da = (float *)(a + rows * in_features), *sa = da + rows * groups;
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    for (int64_t b = 0; b < rows * groups; b++) {
-        const float *xb = x + 32 * b;
-        __m256 top = _mm256_setzero_ps();
-        for (int k = 0; k < 4; k++) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * k)));
-        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_max_ss(t, _mm_movehdup_ps(t));
-        const float scale = _mm_cvtss_f32(t) / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
-        int32_t q[32]; /* x / scale rounded to nearest even (the default rounding mode) */
-        for (int k = 0; k < 4; k++)
-            _mm256_storeu_si256((__m256i *)(q + 8 * k), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * k), _mm256_set1_ps(inverse))));
-        int sum = 0;
-        int8_t *ab = a + 32 * b;
-        for (int j = 0; j < 32; j++) {
-            ab[interleaved ? (j & 1) * 16 + j / 2 : j] = (int8_t)q[j];
-            sum += q[j];
-        }
-        da[b] = scale;
-        sa[b] = scale * (float)sum;
-    }
-}
-
-/* a block's 32 nibbles as bytes, evens then odds (the top nibble of each word is stored q ^ 8) */
-static inline __m256i q4_bytes(const uint32_t *words, __m256i shifts, __m256i low, __m256i fix) {
-    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)words));
-    return _mm256_xor_si256(_mm256_and_si256(_mm256_srlv_epi64(b, shifts), low), fix);
-}
-
-/* sum of q * a over a block, 8 lanes as float (maddubs: unsigned q by signed a, pairs to int16, exact) */
-static inline __m256 block_dot8(__m256i q, __m256i a, __m256i ones) {
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, a), ones));
-}
-
-/* One output feature at a time: its weights are one stream read in order (interleaving the rows of
-   2-4 outputs, as the float32 kernels do, measured up to 2x slower here from memory), summed in two
-   accumulators, even and odd blocks, so consecutive blocks' FMAs do not wait on each other. */
-
-static inline float dot(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float t = hsum(acc);
-    for (; i < n; i++) t += a[i] * b[i];
-    return t;
-}
-
-/* One output feature at a time: its weights are one stream read in order (interleaving 2-4 features'
-   rows, as the float32-input kernels do, was up to 2x slower here), summed in four accumulators so
-   that consecutive blocks' FMAs do not wait on each other. (Summing eight features' lanes at once,
-   prefetching features ahead: no faster, measured.) */
-
-/* one output feature of a 4-bit W by one row of 8-bit activations (interleaved) */
-static inline float q4a8_one(const uint32_t *w, const float *d, const float *m, int64_t groups, const int8_t *a,
-                             const float *da, const float *sa) {
-    const __m256i shifts = _mm256_set_epi64x(4, 4, 0, 0), low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i fix = _mm256_setr_epi32(0, 0, 0, 0, 0x08000000, 0x08000000, 0x08000000, 0x08000000);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    int64_t g = 0;
-#define A8_BLOCK(acc, k) acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(d + g + k), _mm256_broadcast_ss(da + g + k)), \
-        block_dot8(q4_bytes(w + 4 * (g + k), shifts, low, fix), _mm256_loadu_si256((const __m256i *)(a + 32 * (g + k))), ones), acc)
-    for (; g + 4 <= groups; g += 4) {
-        A8_BLOCK(acc0, 0); A8_BLOCK(acc1, 1); A8_BLOCK(acc2, 2); A8_BLOCK(acc3, 3);
-    }
-    for (; g < groups; g++) A8_BLOCK(acc0, 0);
-    return hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc2), _mm256_add_ps(acc1, acc3))) + dot(m, sa, groups);
-}
-
-/* one row of 8-bit activations by output features [0, n) */
-static void q4a8_row(const uint32_t *w, const float *d, const float *m, int64_t groups, const int8_t *a, const float *da,
-                     const float *sa, int64_t n, const float *bias, float *out) {
-    for (int64_t o = 0; o < n; o++)
-        out[o] = q4a8_one(w + o * groups * 4, d + o * groups, m + o * groups, groups, a, da, sa) + (bias ? bias[o] : 0.f);
-}
-
-/* chunks [c0, c1) of out[rows][O] = x[rows][I] @ W^T (+ bias), 4-bit W, from a8_prepare's interleaved scratch */
-void q4a8_chunks(const void *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
-                 const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1) {
-    const int64_t groups = in_features / 32;
-    const int8_t *a = scratch;
-    const float *da = (const float *)(a + rows * in_features), *sa = da + rows * groups;
-    for (int64_t c = c0; c < c1; c++) {
-        const int64_t o0 = c * CHUNK, n = out_features - o0 < CHUNK ? out_features - o0 : CHUNK;
-        for (int64_t r = 0; r < rows; r++)
-            q4a8_row(w + o0 * groups * 4, d + o0 * groups, m + o0 * groups, groups, a + r * in_features, da + r * groups,
-                     sa + r * groups, n, bias ? bias + o0 : 0, out + r * out_features + o0);
-    }
-}
-
-/* out[rows][O] = x[rows][I] @ W^T (+ bias), 4-bit W, 8-bit activations. scratch: rows * (I + 8 * I / 32) bytes. */
-void q4a8_matmul(const float *x, int64_t rows, int64_t in_features, const uint32_t *w, const float *d, const float *m,
-                 int64_t out_features, const float *bias, float *out, void *scratch, int threads) {
-    const int64_t chunks = chunk_count(out_features);
-    a8_prepare(x, rows, in_features, 1, scratch);
-    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel(threads, rows, out_features, in_features))
-    for (int64_t c = 0; c < chunks; c++)
-        q4a8_chunks(scratch, rows, in_features, w, d, m, out_features, bias, out, c, c + 1);
-}
-
-/* one output feature of an 8-bit W by one row of 8-bit activations (in order): maddubs multiplies
-   unsigned by signed bytes, so |w| by a carrying w's sign (llama.cpp's Q8_0 x Q8_0); pairs stay under 2^15 */
-static inline float q8a8_one(const int8_t *q, const float *d, int64_t groups, const int8_t *a, const float *da) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    int64_t g = 0;
-#define A8_BLOCK8(acc, k) do {                                                                                     \
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * (g + k)));                                  \
-        const __m256i s = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a + 32 * (g + k))), w);             \
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(d + g + k), _mm256_broadcast_ss(da + g + k)),        \
-                              _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), s), ones)), acc); \
-    } while (0)
-    for (; g + 4 <= groups; g += 4) {
-        A8_BLOCK8(acc0, 0); A8_BLOCK8(acc1, 1); A8_BLOCK8(acc2, 2); A8_BLOCK8(acc3, 3);
-    }
-    for (; g < groups; g++) A8_BLOCK8(acc0, 0);
-    return hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc2), _mm256_add_ps(acc1, acc3)));
-}
-
-/* chunks [c0, c1) of out[rows][O] = x[rows][I] @ W^T (+ bias), 8-bit W, from a8_prepare's in-order scratch */
-void q8a8_chunks(const void *scratch, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
-                 int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1) {
-    const int64_t groups = in_features / 32;
-    const int8_t *a = scratch;
-    const float *da = (const float *)(a + rows * in_features);
-    for (int64_t c = c0; c < c1; c++) {
-        const int64_t o0 = c * CHUNK, n = out_features - o0 < CHUNK ? out_features - o0 : CHUNK;
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t o = o0; o < o0 + n; o++)
-                out[r * out_features + o] = q8a8_one(q + o * in_features, d + o * groups, groups, a + r * in_features, da + r * groups)
-                                            + (bias ? bias[o] : 0.f);
-    }
-}
-
-/* out[rows][O] = x[rows][I] @ W^T (+ bias), 8-bit W, 8-bit activations. scratch: rows * (I + 8 * I / 32) bytes. */
-void q8a8_matmul(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d, int64_t out_features,
-                 const float *bias, float *out, void *scratch, int threads) {
-    const int64_t chunks = chunk_count(out_features);
-    a8_prepare(x, rows, in_features, 0, scratch);
-    #pragma omp parallel for num_threads(threads) schedule(static) if (parallel(threads, rows, out_features, in_features))
-    for (int64_t c = 0; c < chunks; c++)
-        q8a8_chunks(scratch, rows, in_features, q, d, out_features, bias, out, c, c + 1);
 }

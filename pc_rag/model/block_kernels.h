@@ -13,11 +13,23 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+#define CHUNK 64 /* output features whose weights every input row passes over while they are in cache */
+#define PARALLEL_MACS (1 << 20) /* products this large (rows x out x in) run on several threads */
+
+/* how a product is shared out: output features in chunks of CHUNK (their weights stay in cache
+   while every input row passes over them), chunks across `threads` OpenMP threads where the product
+   is large enough to pay for waking them */
+static inline int64_t chunk_count(int64_t out_features) { return (out_features + CHUNK - 1) / CHUNK; }
+static inline int parallel(int threads, int64_t rows, int64_t out_features, int64_t in_features) {
+    return threads > 1 && rows * out_features * in_features >= PARALLEL_MACS;
+}
+
 /* block_kernels.c: products by weights in blocks of 32, a chunk of output features at a time */
 int64_t block_chunks(int64_t out_features);
 void q4_prepare(const float *x, int64_t rows, int64_t in_features, float *scratch);
 void q4_chunks(const float *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
                const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
+/* a8_kernels.c: the same weights times inputs rounded to 8 bits a block (weights="int4-a8") */
 void a8_prepare(const float *x, int64_t rows, int64_t in_features, int interleaved, void *scratch);
 void q4a8_chunks(const void *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
                  const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);

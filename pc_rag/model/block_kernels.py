@@ -5,8 +5,10 @@ instructions (``aten._weight_int4pack_mm_for_cpu`` is bound by its arithmetic th
 reads 16 bits a weight), and no maintained package ships one for torch's tensors: llama.cpp's
 (ggml) are built for its own graph and file format. So pc-rag carries ~200 lines of C: float32
 activations times 4-bit (Q4_1-style) or 8-bit (Q8_0-style) weights, every product exact in
-float32, and their dequantization (see the C file's header for the layout); and ~200 more
-(``llama_step.c``): a Llama-family decode step over them in one call (:mod:`pc_rag.model.fused_step`).
+float32, and their dequantization (see the C file's header for the layout); ~150 more
+(``a8_kernels.c``): the same weights times inputs rounded to 8 bits a block, for ``weights="int4-a8"``
+(AVX2, and AVX512-VNNI where the CPU has it: the same bits); and ~300 more (``llama_step.c``): a
+Llama-family decode step over them in one call (:mod:`pc_rag.model.fused_step`).
 
 The source is compiled once per source, flags and compiler with the system C compiler (``$CC``,
 else ``cc``/``gcc``) into pc-rag's cache folder, written to a temporary name and renamed (so a
@@ -36,8 +38,9 @@ logger = logging.getLogger(__name__)
 
 # the products (and their dequantization), the Llama decode step built on them (pc_rag.model.fused_step)
 # and the step's threads
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_kernels.c", "llama_step.c", "thread_pool.c"))
-HEADER = Path(__file__).with_name("block_kernels.h")  # what they call of each other
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_kernels.c", "a8_kernels.c", "llama_step.c", "thread_pool.c"))
+# what they call of each other; a8_kernels.c's products, included once per instruction set
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("block_kernels.h", "a8_products.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c11", "-fopenmp", "-pthread")
 LIBRARIES = ("-lm",)  # after the sources: expf and sqrtf of the decode step
 BLOCK = 32  # weights per scale (and minimum): GGUF's Q4_1 and Q8_0 blocks
@@ -49,10 +52,11 @@ SIGNATURES = {
     "q8a8_matmul": [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, ctypes.c_int],
     "q4_dequantize": [_P, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
     "q8_dequantize": [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
+    "a8_vnni": [ctypes.c_int],
     "llama_step": [_P],
     "llama_step_work": [_P],
 }
-RESULTS = {"llama_step": ctypes.c_int, "llama_step_work": _I64}
+RESULTS = {"llama_step": ctypes.c_int, "llama_step_work": _I64, "a8_vnni": ctypes.c_int}
 
 
 def cpu_supported() -> bool:
@@ -103,7 +107,7 @@ def load() -> ctypes.CDLL | None:
 def _built(cc: str) -> Path:
     """The shared library for this source, flags and compiler: built once, renamed into place whole."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, HEADER)) + repr((FLAGS, LIBRARIES, cc, version)).encode()).hexdigest()[:20]
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)) + repr((FLAGS, LIBRARIES, cc, version)).encode()).hexdigest()[:20]
     folder = cache_root() / "kernels"
     target = folder / f"block_kernels-{key}.so"
     if target.is_file():
