@@ -73,8 +73,7 @@ def test_the_8_bit_input_kernels_multiply_the_inputs_as_they_round_them_exactly(
     linear = gguf_like(97, 6 * BLOCK, bits, seed=2)
     layer = BlockLinear(linear, bits)
     generator = torch.Generator().manual_seed(3)
-    multiply = block_kernels.q4a8_matmul if bits == 4 else block_kernels.q8a8_matmul
-    weights = (layer.values, layer.scales, layer.minimums) if bits == 4 else (layer.values, layer.scales)
+    weights = (layer.values, layer.scales, layer.minimums)  # minimums None: 8 bits
     for rows in (1, 2, 5):
         x = torch.randn(rows, 6 * BLOCK, generator=generator)
         x[0, 3], x[-1, BLOCK:2 * BLOCK] = 50.0, 0.0
@@ -83,11 +82,11 @@ def test_the_8_bit_input_kernels_multiply_the_inputs_as_they_round_them_exactly(
         assert rounded[0, 4 * BLOCK + 1] == 0.0 and torch.equal(rounded[-1, BLOCK:2 * BLOCK], x[-1, BLOCK:2 * BLOCK])
         assert (rounded - x).abs().max() <= x.abs().max() / 254 * 1.0001  # half a step of the largest block's scale
         expected = rounded.double() @ linear.weight.double().t() + linear.bias.double()
-        got = multiply(x, *weights, linear.bias)
+        got = block_kernels.a8_matmul(x, *weights, linear.bias)
         assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-4), (got.double() - expected).abs().max()
         try:  # AVX512-VNNI where this CPU has it, else AVX2 again: every block summed exactly either way, the same bits
             assert block_kernels.library().a8_vnni(0) == 0
-            assert torch.equal(multiply(x, *weights, linear.bias), got)
+            assert torch.equal(block_kernels.a8_matmul(x, *weights, linear.bias), got)
         finally:
             block_kernels.library().a8_vnni(1)
         assert not torch.allclose(got.double(), x.double() @ linear.weight.double().t() + linear.bias.double(), rtol=1e-5, atol=1e-4)

@@ -102,30 +102,6 @@ def test_weights_changed_in_place_are_read_as_they_are_and_replaced_ones_are_not
     assert step.fused.steps == before
 
 
-def test_the_c_steps_logits_do_not_depend_on_its_thread_count(make_tiny, tokenizer):
-    """Its threads take fixed shares of output features and of (row, key head) pairs, each summed by
-    one thread in one order: the engine's measurement of one thread against two changes no token."""
-    engine = int4_engine(make_tiny, tokenizer, "qwen2")
-    step, model = engine.forward.written_step, engine.model
-    ids, positions = torch.tensor([[7], [11]]), torch.tensor([[9], [6]])
-    attend = torch.ones(2, 1, 1, 13, dtype=torch.bool)
-    attend[1, ..., 7:] = False
-    previous = torch.get_num_threads()
-    logits = {}
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            buffer = KVBuffer.for_model(model, 13, batch=2)
-            buffer.storage.copy_(torch.randn(buffer.storage.shape, generator=torch.Generator().manual_seed(4)))
-            buffer.grow_to(12)
-            buffer.fix(13, torch.tensor([12]))
-            logits[threads] = step(ids, positions, attend, buffer.cache)
-    finally:
-        torch.set_num_threads(previous)
-    assert step.fused.steps >= 3
-    assert torch.equal(logits[1], logits[2]) and torch.equal(logits[1], logits[3])
-
-
 def cache_of(model, entries: int, rows: int, seed: int = 5) -> KVBuffer:
     """``rows`` rows of ``entries`` random entries, fixed for a step that writes entry ``entries``."""
     buffer = KVBuffer.for_model(model, entries + 1, batch=rows)
@@ -161,27 +137,44 @@ def test_attention_split_in_spans_merges_as_one_softmax(make_tiny, tokenizer, by
     assert torch.allclose(got[live], expected[live], atol=1e-4 * expected[live].abs().max().item())
 
 
-def test_int4_a8_decodes_on_8_bit_inputs_near_float_inputs_and_alike_on_any_thread_count(make_tiny, tokenizer):
-    """weights="int4-a8": proved on float32 inputs, then the C step multiplies inputs rounded to 8 bits a
-    block: logits near the float inputs' (not equal: the rounding is there), the same on 1, 2 or 3 threads."""
-    engine = int4_engine(make_tiny, tokenizer, "qwen2", weights="int4-a8")
-    fused = engine.forward.written_step.fused
-    assert fused.activation_bits == 8
-    step, model = engine.forward.written_step, engine.model
+def logits_on_threads(step, model, counts: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """One step of two rows over 300 cached entries (two spans; the second row attends 7) on each thread count."""
     ids, positions = torch.tensor([[7], [11]]), torch.tensor([[300], [6]])
     attend = torch.ones(2, 1, 1, 301, dtype=torch.bool)
     attend[1, ..., 7:] = False
-    previous = torch.get_num_threads()
-    logits = {}
+    previous, logits = torch.get_num_threads(), {}
     try:
-        for threads in (1, 2, 3):
+        for threads in counts:
             torch.set_num_threads(threads)
             logits[threads] = step(ids, positions, attend, cache_of(model, 300, 2).cache)
-        fused.activation_bits = 32
-        floats = step(ids, positions, attend, cache_of(model, 300, 2).cache)
     finally:
         torch.set_num_threads(previous)
-        fused.activation_bits = 8
+    return logits
+
+
+@pytest.mark.parametrize("weights", ["int4", "int4-a8"])
+def test_the_c_steps_logits_do_not_depend_on_its_thread_count(make_tiny, tokenizer, weights):
+    """Its threads take fixed shares of output features and of (row, key head, span) triples, each
+    summed by one thread in one order: the engine's measurement of one thread against two changes no token."""
+    engine = int4_engine(make_tiny, tokenizer, "qwen2", weights=weights)
+    step = engine.forward.written_step
+    before = step.fused.steps
+    logits = logits_on_threads(step, engine.model, (1, 2, 3))
+    assert step.fused.steps == before + 3
     assert torch.equal(logits[1], logits[2]) and torch.equal(logits[1], logits[3])
-    difference = ((logits[1] - floats).abs().max() / floats.abs().max()).item()
+
+
+def test_int4_a8_decodes_on_8_bit_inputs_near_float_inputs(make_tiny, tokenizer):
+    """weights="int4-a8": proved on float32 inputs, then the C step multiplies inputs rounded to 8 bits a
+    block: logits near the float inputs' (not equal: the rounding is there)."""
+    engine = int4_engine(make_tiny, tokenizer, "qwen2", weights="int4-a8")
+    step, fused = engine.forward.written_step, engine.forward.written_step.fused
+    assert fused.activation_bits == 8
+    eight = logits_on_threads(step, engine.model, (2,))[2]
+    fused.activation_bits = 32
+    try:
+        floats = logits_on_threads(step, engine.model, (2,))[2]
+    finally:
+        fused.activation_bits = 8
+    difference = ((eight - floats).abs().max() / floats.abs().max()).item()
     assert 0 < difference < 5e-2, difference

@@ -142,8 +142,8 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     weight8 = q8.float() * d.repeat_interleave(BLOCK, 1)
     x8 = quantized_inputs(x)  # the 8-bit-input kernels: exact products of the inputs as they round them
     return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in (
-        (got, x @ weight.t()), (got8, x @ weight8.t()), (q4a8_matmul(x, pack_nibbles(q4), d, m, None, lib=lib), x8 @ weight.t()),
-        (q8a8_matmul(x, q8, d, None, lib=lib), x8 @ weight8.t())))
+        (got, x @ weight.t()), (got8, x @ weight8.t()), (a8_matmul(x, pack_nibbles(q4), d, m, None, lib=lib), x8 @ weight.t()),
+        (a8_matmul(x, q8, d, None, None, lib=lib), x8 @ weight8.t())))
 
 
 def quantized_inputs(x: torch.Tensor) -> torch.Tensor:
@@ -188,27 +188,19 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     return out
 
 
-def q4a8_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
-                bias: torch.Tensor | None, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """:func:`q4_matmul` on ``x`` rounded to 8 bits a block (:func:`quantized_inputs`), in integers."""
+def a8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None,
+              bias: torch.Tensor | None, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """:func:`q4_matmul` (``minimums`` given) or :func:`q8_matmul` on ``x`` rounded to 8 bits a block
+    (:func:`quantized_inputs`), in integers: what the C decode step computes under ``weights="int4-a8"``."""
     lib = lib or library()
     rows, features = x.shape
     out = torch.empty(rows, scales.shape[0])
     scratch = torch.empty(rows * (features + 8 * features // BLOCK), dtype=torch.uint8)
-    lib.q4a8_matmul(x.data_ptr(), rows, features, words.data_ptr(), scales.data_ptr(), minimums.data_ptr(), scales.shape[0],
-                    None if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def q8a8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, *,
-                lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """:func:`q8_matmul` on ``x`` rounded to 8 bits a block (:func:`quantized_inputs`), in integers."""
-    lib = lib or library()
-    rows, features = x.shape
-    out = torch.empty(rows, q.shape[0])
-    scratch = torch.empty(rows * (features + 8 * features // BLOCK), dtype=torch.uint8)
-    lib.q8a8_matmul(x.data_ptr(), rows, features, q.data_ptr(), scales.data_ptr(), q.shape[0],
-                    None if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+    ends = (None if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+    if minimums is not None:
+        lib.q4a8_matmul(x.data_ptr(), rows, features, values.data_ptr(), scales.data_ptr(), minimums.data_ptr(), scales.shape[0], *ends)
+    else:
+        lib.q8a8_matmul(x.data_ptr(), rows, features, values.data_ptr(), scales.data_ptr(), scales.shape[0], *ends)
     return out
 
 
