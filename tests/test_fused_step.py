@@ -178,3 +178,13 @@ def test_int4_a8_decodes_on_8_bit_inputs_near_float_inputs(make_tiny, tokenizer)
         fused.activation_bits = 8
     difference = ((eight - floats).abs().max() / floats.abs().max()).item()
     assert 0 < difference < 5e-2, difference
+
+
+def test_each_engine_keeps_the_inputs_it_was_built_with_over_one_model_object(make_tiny, tokenizer):
+    """weights= changes the model object's layers (as documented); an engine built later over the same
+    model with weights="int4" multiplies float32 inputs, and the int4-a8 engine before it keeps 8-bit ones."""
+    model = drawn_away(make_tiny("llama"))
+    eight = PromptCache(model, tokenizer, weights="int4-a8")
+    floats = PromptCache(model, tokenizer, weights="int4")
+    assert eight.forward.written_step.fused.activation_bits == 8
+    assert floats.forward.written_step.fused.activation_bits == 32

@@ -197,9 +197,11 @@ def install(model: Any, *, decode_activation_bits: int = 32) -> int:
     layers = []
     for parent, name, child in targets:
         layer = BlockLinear(child, *chosen_blocks(child, head=child is head))
-        layer.decode_activation_bits = decode_activation_bits
         setattr(parent, name, layer)
         layers.append(layer)
+    for module in model.modules():  # layers an earlier engine put in blocks too: the engine built now decides
+        if isinstance(module, BlockLinear):
+            module.decode_activation_bits = decode_activation_bits
     joined = join_siblings(model, layers, join, kind=lambda layer: (layer.in_features, layer.bits))
     exact = sum(layer.exact * layer.out_features * layer.in_features for layer in layers)
     total = sum(layer.out_features * layer.in_features for layer in layers)
