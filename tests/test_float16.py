@@ -56,7 +56,7 @@ def test_float16_refuses_what_it_cannot_run(make_tiny, tokenizer):
         PromptCache(make_tiny("llama"), tokenizer, weights="float16", compile=True)
     with pytest.raises(PromptCacheError, match="float32 model on a CPU; this one is torch.bfloat16"):
         PromptCache(make_tiny("llama").to(torch.bfloat16), tokenizer, weights="float16")
-    with pytest.raises(PromptCacheError, match="weights must be one of float32, float16, int4, got 'fp8'"):
+    with pytest.raises(PromptCacheError, match="weights must be one of float32, float16, int4, int4-a8, got 'fp8'"):
         PromptCache(make_tiny("llama"), tokenizer, weights="fp8")
 
 
