@@ -40,12 +40,14 @@ def test_the_c_step_answers_as_the_tensor_ops_do(make_tiny, tokenizer, arch):
         assert torch.allclose(logprobs(a), logprobs(b), atol=1e-4)
 
 
-def random_cache(model, entries: int, *, fixed: bool) -> KVBuffer:
-    buffer = KVBuffer.for_model(model, entries + 4)
-    buffer.storage.copy_(torch.randn(buffer.storage.shape, generator=torch.Generator().manual_seed(3)))
+def random_cache(model, entries: int, *, fixed: bool, rows: int = 1, room: int = 4, seed: int = 3) -> KVBuffer:
+    """``rows`` rows of ``entries`` random entries in a buffer of ``entries + room``; ``fixed``: for a
+    step that writes entry ``entries``."""
+    buffer = KVBuffer.for_model(model, entries + room, batch=rows)
+    buffer.storage.copy_(torch.randn(buffer.storage.shape, generator=torch.Generator().manual_seed(seed)))
     buffer.grow_to(entries)
     if fixed:
-        buffer.fix(entries + 4, torch.tensor([entries]))
+        buffer.fix(entries + room, torch.tensor([entries]))
     return buffer
 
 
@@ -102,15 +104,6 @@ def test_weights_changed_in_place_are_read_as_they_are_and_replaced_ones_are_not
     assert step.fused.steps == before
 
 
-def cache_of(model, entries: int, rows: int, seed: int = 5) -> KVBuffer:
-    """``rows`` rows of ``entries`` random entries, fixed for a step that writes entry ``entries``."""
-    buffer = KVBuffer.for_model(model, entries + 1, batch=rows)
-    buffer.storage.copy_(torch.randn(buffer.storage.shape, generator=torch.Generator().manual_seed(seed)))
-    buffer.grow_to(entries)
-    buffer.fix(entries + 1, torch.tensor([entries]))
-    return buffer
-
-
 @pytest.mark.parametrize("by_extents", [False, True])
 def test_attention_split_in_spans_merges_as_one_softmax(make_tiny, tokenizer, by_extents):
     """The C step splits each row's entries in spans of 256 (so that two threads share one row's key
@@ -129,8 +122,8 @@ def test_attention_split_in_spans_merges_as_one_softmax(make_tiny, tokenizer, by
         attend[2] = False
         case = {"extents": row_extents.RowExtents((0, 300, None), entries + 1)}
     before = step.fused.steps
-    got = step(ids, positions, attend, cache_of(model, entries, 3).cache, **case)
-    expected = engine.forward._model_step(ids, positions, attend, cache_of(model, entries, 3).cache,
+    got = step(ids, positions, attend, random_cache(model, entries, fixed=True, rows=3, room=1, seed=5).cache, **case)
+    expected = engine.forward._model_step(ids, positions, attend, random_cache(model, entries, fixed=True, rows=3, room=1, seed=5).cache,
                                           **{row_extents.KWARG: value for value in case.values()})
     assert step.fused.steps == before + 1
     live = slice(0, 2 if by_extents else 3)
@@ -146,7 +139,7 @@ def logits_on_threads(step, model, counts: tuple[int, ...]) -> dict[int, torch.T
     try:
         for threads in counts:
             torch.set_num_threads(threads)
-            logits[threads] = step(ids, positions, attend, cache_of(model, 300, 2).cache)
+            logits[threads] = step(ids, positions, attend, random_cache(model, 300, fixed=True, rows=2, room=1, seed=5).cache)
     finally:
         torch.set_num_threads(previous)
     return logits
