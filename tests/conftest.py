@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from pc_rag import PromptCache
+from pc_rag.model import block_kernels
 from pc_rag.model.loading import default_model_dir
 
 ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "smollm3", "cohere2", "llama4", "olmo2", "granite", "qwen3_moe", "gpt_oss", "gpt2",
@@ -131,6 +132,19 @@ def make_engine(make_tiny, tokenizer) -> Callable[..., PromptCache]:
         return PromptCache(make_tiny(arch), tokenizer, **kwargs)
 
     return build
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def kernel_form(request) -> str:
+    """Each form of the float-input block kernels in turn: AVX2, and AVX-512 (``wide_kernels.c``)
+    where this CPU has AVX-512F (the machines pc-rag is tested on do)."""
+    lib = block_kernels.library()
+    before = lib.wide_kernels(-1)
+    if lib.wide_kernels(int(request.param == "avx512")) != (request.param == "avx512"):
+        lib.wide_kernels(before)
+        pytest.skip("this CPU has no AVX-512F")
+    yield request.param
+    lib.wide_kernels(before)
 
 
 @pytest.fixture(autouse=True)

@@ -27,6 +27,8 @@ def test_the_kernels_build_and_load_here():
     skipped for want of them."""
     assert block_kernels.cpu_supported() and block_kernels.compiler() is not None
     assert block_kernels.library() is not None
+    # and their AVX-512 forms where the CPU has them: agreeing with torch at load, so kept
+    assert block_kernels.library().wide_kernels(-1) == (torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
 def gguf_like(out_features: int, in_features: int, bits: int, seed: int = 0) -> torch.nn.Linear:
@@ -52,12 +54,12 @@ def gguf_like(out_features: int, in_features: int, bits: int, seed: int = 0) -> 
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_gguf_blocks_are_found_again_bit_for_bit_and_multiplied_as_torch_does(bits):
+def test_gguf_blocks_are_found_again_bit_for_bit_and_multiplied_as_torch_does(bits, kernel_form):
     linear = gguf_like(97, 4 * BLOCK, bits)  # odd: the kernels' last output feature goes alone
     layer = BlockLinear(linear, bits)
     assert layer.exact == 1.0 and torch.equal(layer.dequantized(), linear.weight)
     generator = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 3, 5, KERNEL_ROWS):  # the kernel: products exact, sums in its own order
+    for rows in (1, 2, 3, 5, 9, KERNEL_ROWS):  # the kernel: products exact, sums in its own order
         x = torch.randn(rows, 4 * BLOCK, generator=generator)
         expected = F.linear(x, linear.weight, linear.bias).detach()
         assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())), rows

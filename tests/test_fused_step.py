@@ -22,7 +22,7 @@ def int4_engine(make_tiny, tokenizer, arch: str = "llama", weights: str = "int4"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k and v
-def test_the_c_step_answers_as_the_tensor_ops_do(make_tiny, tokenizer, arch):
+def test_the_c_step_answers_as_the_tensor_ops_do(make_tiny, tokenizer, arch, kernel_form):
     engine = int4_engine(make_tiny, tokenizer, arch)
     step = engine.forward.written_step
     fused = step.fused
@@ -104,6 +104,43 @@ def test_weights_changed_in_place_are_read_as_they_are_and_replaced_ones_are_not
     assert step.fused.steps == before
 
 
+@pytest.mark.parametrize("name", ["values", "scales", "minimums", "bias"])
+def test_a_weight_tensor_replaced_by_another_is_read_from_the_new_one(make_tiny, tokenizer, name):
+    """The C step holds the layers' addresses; a tensor assigned in place of one (same dtype, same
+    device) is read at its own: the step rebuilds them when any BlockLinear's tensors were replaced."""
+    engine = int4_engine(make_tiny, tokenizer, "qwen2")  # qwen2: q, k and v have biases
+    step, model = engine.forward.written_step, engine.model
+    ids, positions = torch.tensor([[7]]), torch.tensor([[9]])
+    unchanged = step(ids, positions, None, random_cache(model, 9, fixed=True).cache)  # the addresses read
+    layer = model.model.layers[1].self_attn.q_proj
+    old = getattr(layer, name)  # kept alive: a stale address reads the old values, not freed memory
+    new = old ^ 0x11111111 if name == "values" else old * 3 + 0.5
+    setattr(layer, name, torch.nn.Parameter(new, requires_grad=False) if name == "bias" else new)
+    before = step.fused.steps
+    got = step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    expected = engine.forward._model_step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    assert step.fused.steps == before + 1 and old is not getattr(layer, name)
+    scale = expected.abs().max().item()  # the tensor ops (q, k and v joined in one product) read the new tensor too
+    assert torch.allclose(got, expected, atol=1e-4 * scale) and not torch.allclose(got, unchanged, atol=1e-2 * scale)
+
+
+def test_a_joined_layers_bias_changed_in_place_is_read_by_the_joined_product(make_tiny, tokenizer):
+    """q, k and v multiply as one product whose bias is theirs end to end: each layer's bias is a view
+    of it, so a change in place (as load_state_dict copies) reaches the product and the C step alike."""
+    engine = int4_engine(make_tiny, tokenizer, "qwen2")
+    step, model = engine.forward.written_step, engine.model
+    layer = model.model.layers[1].self_attn.k_proj
+    assert layer.siblings is not None
+    ids, positions = torch.tensor([[7]]), torch.tensor([[9]])
+    unchanged = engine.forward._model_step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    with torch.no_grad():
+        layer.bias.mul_(3.0).add_(0.5)
+    got = step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    expected = engine.forward._model_step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    scale = expected.abs().max().item()
+    assert torch.allclose(got, expected, atol=1e-4 * scale) and not torch.allclose(expected, unchanged, atol=1e-2 * scale)
+
+
 @pytest.mark.parametrize("by_extents", [False, True])
 def test_attention_split_in_spans_merges_as_one_softmax(make_tiny, tokenizer, by_extents):
     """The C step splits each row's entries in spans of 256 (so that two threads share one row's key
@@ -147,8 +184,9 @@ def logits_on_threads(step, model, counts: tuple[int, ...]) -> dict[int, torch.T
 
 @pytest.mark.parametrize("weights", ["int4", "int4-a8"])
 def test_the_c_steps_logits_do_not_depend_on_its_thread_count(make_tiny, tokenizer, weights):
-    """Its threads take fixed shares of output features and of (row, key head, span) triples, each
-    summed by one thread in one order: the engine's measurement of one thread against two changes no token."""
+    """Its threads share out chunks of output features and (row, key head, span) triples, each summed
+    by one thread in one order whichever thread takes it: the engine's measurement of one thread
+    against two changes no token."""
     engine = int4_engine(make_tiny, tokenizer, "qwen2", weights=weights)
     step = engine.forward.written_step
     before = step.fused.steps

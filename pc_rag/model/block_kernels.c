@@ -151,8 +151,9 @@ int64_t block_chunks(int64_t out_features) { return chunk_count(out_features); }
 void q4_prepare(const float *x, int64_t rows, int64_t in_features, float *scratch) {
     const int64_t groups = in_features / 32;
     float *xp = scratch, *xs = scratch + rows * in_features, *xc = xs + rows * groups;
+    const int wide = wide_kernels(-1); /* wide_kernels.c's AVX-512 forms read their own layout */
     for (int64_t r = 0; r < rows; r++)
-        prepare(x + r * in_features, groups, xp + r * in_features, xs + r * groups, xc + r * groups);
+        (wide ? wide_prepare : prepare)(x + r * in_features, groups, xp + r * in_features, xs + r * groups, xc + r * groups);
 }
 
 /* chunks [c0, c1) of CHUNK output features of out[rows][O] = x[rows][I] @ W^T (+ bias), 4-bit W, from
@@ -161,13 +162,17 @@ void q4_chunks(const float *scratch, int64_t rows, int64_t in_features, const ui
                const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1) {
     const int64_t groups = in_features / 32;
     const float *xp = scratch, *xs = scratch + rows * in_features, *xc = xs + rows * groups;
+    const int wide = wide_kernels(-1);
     for (int64_t c = c0; c < c1; c++) {
         const int64_t o0 = c * CHUNK, n = out_features - o0 < CHUNK ? out_features - o0 : CHUNK;
         const uint32_t *wc = w + o0 * groups * 4;
         const float *dc = d + o0 * groups, *mc = m + o0 * groups, *bc = bias ? bias + o0 : 0;
         for (int64_t r = 0; r < rows; r += MAX_ROWS) {
             const int nr = rows - r < MAX_ROWS ? (int)(rows - r) : MAX_ROWS;
-            if (nr == 1)
+            if (wide)
+                wide_q4_rows(wc, dc, mc, groups, xp + r * in_features, xs + r * groups, xc + r * groups, nr, n, out_features,
+                             bc, out + r * out_features + o0);
+            else if (nr == 1)
                 q4_one_row(wc, dc, mc, groups, xp + r * in_features, xs + r * groups, xc + r * groups, n, bc,
                            out + r * out_features + o0);
             else
@@ -222,10 +227,11 @@ static void q8_rows(const int8_t *q, const float *d, int64_t in_features, const 
 void q8_chunks(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
                int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1) {
     const int64_t groups = in_features / 32;
+    const int wide = wide_kernels(-1);
     for (int64_t c = c0; c < c1; c++) {
         const int64_t o0 = c * CHUNK, n = out_features - o0 < CHUNK ? out_features - o0 : CHUNK;
         for (int64_t r = 0; r < rows; r += Q8_ROWS)
-            q8_rows(q + o0 * in_features, d + o0 * groups, in_features, x + r * in_features,
+            (wide ? wide_q8_rows : q8_rows)(q + o0 * in_features, d + o0 * groups, in_features, x + r * in_features,
                     rows - r < Q8_ROWS ? (int)(rows - r) : Q8_ROWS, n, out_features, bias ? bias + o0 : 0,
                     out + r * out_features + o0);
     }

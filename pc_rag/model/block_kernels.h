@@ -1,5 +1,5 @@
-/* What block_kernels.c, a8_kernels.c, llama_step.c and thread_pool.c call of each other
-   (pc_rag/model/block_kernels.py builds the four into one library). */
+/* What block_kernels.c, a8_kernels.c, wide_kernels.c, llama_step.c and thread_pool.c call of each other
+   (pc_rag/model/block_kernels.py builds the five into one library). */
 #ifndef PC_RAG_BLOCK_KERNELS_H
 #define PC_RAG_BLOCK_KERNELS_H
 #include <immintrin.h>
@@ -37,6 +37,14 @@ void q8a8_chunks(const void *scratch, int64_t rows, int64_t in_features, const i
                  int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
 void q8_chunks(const float *x, int64_t rows, int64_t in_features, const int8_t *q, const float *d,
                int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
+
+/* wide_kernels.c: AVX-512 forms of block_kernels.c's float-input products, where wide_kernels(-1) says so */
+int wide_kernels(int allow);
+void wide_prepare(const float *x, int64_t groups, float *xp, float *xs, float *xc);
+void wide_q4_rows(const uint32_t *w, const float *d, const float *m, int64_t groups, const float *xp, const float *xs,
+                  const float *xc, int rows, int64_t out_features, int64_t out_stride, const float *bias, float *out);
+void wide_q8_rows(const int8_t *q, const float *d, int64_t in_features, const float *x, int rows, int64_t n,
+                  int64_t out_stride, const float *bias, float *out);
 
 /* thread_pool.c: the decode step's threads */
 typedef void (*part_fn)(void *context, int64_t start, int64_t stop);

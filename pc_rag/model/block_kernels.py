@@ -7,8 +7,10 @@ reads 16 bits a weight), and no maintained package ships one for torch's tensors
 activations times 4-bit (Q4_1-style) or 8-bit (Q8_0-style) weights, every product exact in
 float32, and their dequantization (see the C file's header for the layout); ~150 more
 (``a8_kernels.c``): the same weights times inputs rounded to 8 bits a block, for ``weights="int4-a8"``
-(AVX2, and AVX512-VNNI where the CPU has it: the same bits); and ~300 more (``llama_step.c``): a
-Llama-family decode step over them in one call (:mod:`pc_rag.model.fused_step`).
+(AVX2, and AVX512-VNNI where the CPU has it: the same bits); ~200 more (``wide_kernels.c``): the
+float-input products in AVX-512 where the CPU has it (the same products, summed in 16 lanes); and
+~300 more (``llama_step.c``): a Llama-family decode step over them in one call
+(:mod:`pc_rag.model.fused_step`), with its own threads (``thread_pool.c``).
 
 The source is compiled once per source, flags and compiler with the system C compiler (``$CC``,
 else ``cc``/``gcc``) into pc-rag's cache folder, written to a temporary name and renamed (so a
@@ -38,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 # the products (and their dequantization), the Llama decode step built on them (pc_rag.model.fused_step)
 # and the step's threads
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_kernels.c", "a8_kernels.c", "llama_step.c", "thread_pool.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_kernels.c", "a8_kernels.c", "wide_kernels.c", "llama_step.c",
+                                                                  "thread_pool.c"))
 # what they call of each other; a8_kernels.c's products, included once per instruction set
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("block_kernels.h", "a8_products.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c11", "-fopenmp", "-pthread")
@@ -53,10 +56,11 @@ SIGNATURES = {
     "q4_dequantize": [_P, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
     "q8_dequantize": [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
     "a8_vnni": [ctypes.c_int],
+    "wide_kernels": [ctypes.c_int],
     "llama_step": [_P],
     "llama_step_work": [_P],
 }
-RESULTS = {"llama_step": ctypes.c_int, "llama_step_work": _I64, "a8_vnni": ctypes.c_int}
+RESULTS = {"llama_step": ctypes.c_int, "llama_step_work": _I64, "a8_vnni": ctypes.c_int, "wide_kernels": ctypes.c_int}
 
 
 def cpu_supported() -> bool:
@@ -130,20 +134,30 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def _agrees(lib: ctypes.CDLL) -> bool:
-    """A 4-bit and an 8-bit product of random values against torch's, to float rounding."""
+    """A 4-bit and an 8-bit product of random values against torch's, to float rounding: the AVX2
+    forms, then the AVX-512 ones (``wide_kernels.c``) where the CPU has them, kept only if they agree too."""
     generator = torch.Generator().manual_seed(0)
     q4 = torch.randint(0, 16, (6, 64), generator=generator)
     d, m = torch.rand(6, 2, generator=generator), torch.randn(6, 2, generator=generator)
     x = torch.randn(3, 64, generator=generator)
     weight = q4.float() * d.repeat_interleave(BLOCK, 1) + m.repeat_interleave(BLOCK, 1)
-    got = q4_matmul(x, pack_nibbles(q4), d, m, None, lib=lib)
     q8 = torch.randint(-127, 128, (6, 64), generator=generator, dtype=torch.int8)
-    got8 = q8_matmul(x, q8, d, None, lib=lib)
     weight8 = q8.float() * d.repeat_interleave(BLOCK, 1)
+
+    def float_inputs_agree() -> bool:
+        return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in (
+            (q4_matmul(x, pack_nibbles(q4), d, m, None, lib=lib), x @ weight.t()), (q8_matmul(x, q8, d, None, lib=lib), x @ weight8.t())))
+
+    lib.wide_kernels(0)
     x8 = quantized_inputs(x)  # the 8-bit-input kernels: exact products of the inputs as they round them
-    return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in (
-        (got, x @ weight.t()), (got8, x @ weight8.t()), (a8_matmul(x, pack_nibbles(q4), d, m, None, lib=lib), x8 @ weight.t()),
-        (a8_matmul(x, q8, d, None, None, lib=lib), x8 @ weight8.t())))
+    if not float_inputs_agree() or not all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in (
+            (a8_matmul(x, pack_nibbles(q4), d, m, None, lib=lib), x8 @ weight.t()),
+            (a8_matmul(x, q8, d, None, None, lib=lib), x8 @ weight8.t()))):
+        return False
+    if lib.wide_kernels(1) and not float_inputs_agree():
+        logger.warning("block kernels: the AVX-512 products disagree with torch on a random product; using the AVX2 ones")
+        lib.wide_kernels(0)
+    return True
 
 
 def quantized_inputs(x: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,20 @@ _TINY = torch.finfo(torch.float32).tiny
 _tiles = threading.local()  # one dequantization buffer per thread, shared by every layer
 # a weight in blocks: values (4-bit words or int8), scales, minimums (4 bits; None at 8) and which blocks are exact
 Quantized = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor]
+_WEIGHTS = frozenset(("values", "scales", "minimums", "bias"))
+_generation = 0  # see weights_generation
+
+
+def weights_generation() -> int:
+    """A number that changes whenever any :class:`BlockLinear`'s tensors may have been replaced
+    (the model moved or cast, a tensor reassigned): what holds their addresses (the C decode step)
+    checks it before every step, one comparison instead of one per layer."""
+    return _generation
+
+
+def _replaced() -> None:
+    global _generation
+    _generation += 1
 
 
 class BlockLinear(torch.nn.Module):
@@ -67,6 +81,20 @@ class BlockLinear(torch.nn.Module):
         self.sibling = 0  # this layer's place among them
         # 8: the C decode step (pc_rag.model.fused_step) multiplies it by inputs quantized to 8 bits a block
         self.decode_activation_bits = 32
+
+    def _apply(self, fn: Any, recurse: bool = True) -> BlockLinear:
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            _replaced()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in _WEIGHTS:
+            _replaced()
+            group = self.__dict__.get("siblings")
+            if group is not None:  # a tensor replaced is no view of the joined ones: each layer on its own again
+                group.undo()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or self.scales.dtype != torch.float32 or self.scales.device.type != "cpu":
@@ -118,18 +146,23 @@ def join(layers: list[BlockLinear]) -> Siblings:
     """One :class:`~pc_rag.model.siblings.Siblings` product over ``layers``' joined weights (narrow
     inputs; wide ones stay per layer): each layer's buffers become views of the joined ones."""
     names = ("values", "scales") if layers[0].minimums is None else ("values", "scales", "minimums")
-    joined = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in names}
+    with torch.inference_mode(False):  # (joined in the probe's inference mode) tensors a caller may still change in place
+        joined = {name: torch.cat([getattr(layer, name) for layer in layers]) for name in names}
+        bias = joined_bias(layers)
     start = 0
-    for layer in layers:
+    for layer in layers:  # views of the joined rows; the biases too, so a change in place (load_state_dict) reaches the product
         for name in names:
-            setattr(layer, name, joined[name][start : start + layer.out_features])  # views of the joined rows
+            setattr(layer, name, joined[name][start : start + layer.out_features])
+        if layer.bias is not None:
+            layer.bias = torch.nn.Parameter(bias[start : start + layer.out_features], requires_grad=False)
         start += layer.out_features
-    bias = joined_bias(layers)
 
     def detach() -> None:  # each layer on its own copy of its rows
         for layer in layers:
-            for name in names:
-                setattr(layer, name, getattr(layer, name).clone())
+            for name in (*names, "bias"):
+                if getattr(layer, name) is not None:
+                    setattr(layer, name, torch.nn.Parameter(layer.bias.clone(), requires_grad=False) if name == "bias"
+                            else getattr(layer, name).clone())
 
     return Siblings(layers, lambda x: narrow_product(x.reshape(-1, x.shape[-1]).contiguous(), layers[0].bits, joined["values"],
                                                      joined["scales"], joined.get("minimums"), bias), detach)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
-from . import block_kernels
+from . import block_kernels, blocks
 from .blocks import BlockLinear
 from .rope import signed_sin
 from .row_extents import RowExtents
@@ -93,6 +93,8 @@ class FusedStep:
         # the LM head too where it is in blocks (then the step returns logits; else the model's head runs)
         self.head_in_c = type(step.head) is BlockLinear and step.head.in_features == self.hidden
         self.linears = [getattr(layer, name) for layer in step.layers for name in LINEARS] + [step.head] * self.head_in_c
+        # the layers' hook tables (torch adds to them in place): any hook means a step the C code would skip
+        self.hooks = [table for linear in self.linears for table in (linear._forward_hooks, linear._forward_pre_hooks)]
         self.steps = 0  # steps run in C (tests read it)
         # 8: products multiply inputs quantized to 8 bits a block (weights="int4-a8": every layer asked for it)
         self.activation_bits = 8 if all(linear.decode_activation_bits == 8 for linear in self.linears) else 32
@@ -105,7 +107,7 @@ class FusedStep:
 
     def _build(self) -> None:
         """The layers' weights as the C step reads them (again when a weight was replaced: a model moved or cast)."""
-        self.scales = [linear.scales for linear in self.linears]
+        self.generation = blocks.weights_generation()  # before reading: a change while building shows at the next step
         layers = (_Layer * len(self.step.layers))()
         for into, layer in zip(layers, self.step.layers):
             into.attention_norm, into.mlp_norm = layer.attention_norm.data_ptr(), layer.mlp_norm.data_ptr()
@@ -116,7 +118,9 @@ class FusedStep:
         self.head = _product(self.step.head) if self.head_in_c else _Product()
 
     def _weights_current(self) -> bool:
-        if all(linear.scales is scales for linear, scales in zip(self.linears, self.scales)):
+        """Whether the layers' tensors are those :meth:`_build` read, rebuilding where any may have been
+        replaced since and the step can still run them."""
+        if blocks.weights_generation() == self.generation:
             return True
         if unfused(self.step) is not None or any(linear.scales.dtype != torch.float32 or linear.scales.device.type != "cpu"
                                                   for linear in self.linears):
@@ -146,8 +150,7 @@ class FusedStep:
         if keys.dtype != torch.float32 or keys.device.type != "cpu" or keys.shape[0] != rows or keys.stride(-1) != 1:
             return None
         masks = self._mask(mask, rows, keys.shape[-2] + (layers[0].column is None))
-        if masks is None or not self._weights_current() or any(
-                linear._forward_hooks or linear._forward_pre_hooks for linear in self.linears):  # a hook on a layer C skips
+        if masks is None or not self._weights_current() or any(self.hooks):
             return None
         hidden = self.step.embed(ids)
         cos, sin = self.step.rotary(hidden, positions)

@@ -47,9 +47,9 @@ class Siblings:
 
     def undo(self) -> None:
         """Each layer back on its own weights."""
-        self.detach()
-        for layer in self.layers:
+        for layer in self.layers:  # first: detach replaces the layers' weights, which must not undo again
             layer.siblings, layer.sibling = None, 0
+        self.detach()
 
 
 def joined_bias(layers: Sequence[torch.nn.Module]) -> torch.Tensor | None:

@@ -1,5 +1,8 @@
 /* The decode step's own threads (llama_step.c): workers that spin while a step runs and sleep between
-   steps, sharing out each parallel part of the step by a fixed split.
+   steps, sharing out each parallel part of the step: each thread runs its own share of the part's
+   items in order and then takes what is left of the others' shares, so a thread slowed by the
+   machine does less rather than holding the others at the part's end (an item is computed the
+   same way whoever runs it).
 
    Why not OpenMP: the engine runs its steps on its scheduler thread, and a thread other than the
    one that first ran an OpenMP region gets a team of its own; with more OpenMP threads in the process
@@ -16,6 +19,11 @@
 
 #define MAX_WORKERS 63 /* a team fits the ticket's low 8 bits */
 
+typedef struct { /* the next item of one thread's share: a cache line each, so claims do not contend */
+    _Alignas(64) atomic_llong next;
+    int64_t stop;
+} share_t;
+
 static struct {
     pthread_mutex_t held;     /* one step at a time owns the pool; others run on their own thread */
     pthread_mutex_t lock;     /* with wake: workers sleep here between steps */
@@ -27,13 +35,19 @@ static struct {
     void *context;
     int64_t items;
     int workers;
+    share_t shares[MAX_WORKERS + 1]; /* the current part's */
     unsigned start_ticket;    /* the ticket when a worker was created: it waits for the next */
     pid_t owner;              /* the process the workers run in (a forked child has none) */
 } pool = {.held = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
-static inline void run_share(int index, int team) {
-    const int64_t start = pool.items * index / team, stop = pool.items * (index + 1) / team;
-    if (start < stop) pool.fn(pool.context, start, stop);
+/* this thread's share item by item, then what is left of the others' (one atomic per item: items
+   are chunks of products and spans of attention, microseconds each) */
+static inline void run_shares(int index, int team) {
+    for (int k = 0; k < team; k++) {
+        share_t *share = pool.shares + (index + k) % team;
+        for (int64_t item; (item = atomic_fetch_add_explicit(&share->next, 1, memory_order_relaxed)) < share->stop;)
+            pool.fn(pool.context, item, item + 1);
+    }
 }
 
 static void *worker(void *argument) {
@@ -53,7 +67,7 @@ static void *worker(void *argument) {
         seen = atomic_load_explicit(&pool.ticket, memory_order_acquire);
         const int team = (int)(seen & 0xFF); /* the part's own team, however late this worker looks */
         if (index < team) {
-            run_share(index, team);
+            run_shares(index, team);
             atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
         }
     }
@@ -96,7 +110,7 @@ void pool_end(void) {
     pthread_mutex_unlock(&pool.held);
 }
 
-/* fn(context, start, stop) over [0, items) split in `team` fixed shares, the caller taking the first. */
+/* fn(context, item, item + 1) for every item of [0, items), shared among the caller and `team` - 1 workers. */
 void pool_run(int team, int64_t items, part_fn fn, void *context) {
     if (team <= 1 || items <= 1) {
         if (items > 0) fn(context, 0, items);
@@ -105,9 +119,13 @@ void pool_run(int team, int64_t items, part_fn fn, void *context) {
     pool.fn = fn;
     pool.context = context;
     pool.items = items;
+    for (int i = 0; i < team; i++) {
+        atomic_store_explicit(&pool.shares[i].next, items * i / team, memory_order_relaxed);
+        pool.shares[i].stop = items * (i + 1) / team;
+    }
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
     const unsigned part = (atomic_load_explicit(&pool.ticket, memory_order_relaxed) >> 8) + 1;
     atomic_store_explicit(&pool.ticket, (part << 8) | (unsigned)team, memory_order_release);
-    run_share(0, team);
+    run_shares(0, team);
     while (atomic_load_explicit(&pool.done, memory_order_acquire) < team - 1) _mm_pause();
 }
