@@ -13,8 +13,9 @@ drifts by a third within minutes).
 
 The cache is a ``--cache``-entry buffer of random KV (decode time does not depend on the values),
 fixed for decoding as the engine fixes it; the mask is additive, as for a RAG prompt. The variants
-are interleaved ``--rounds`` times, ``--steps`` steps each, so the machine's drift hits them alike;
-medians in ms.
+are interleaved ``--rounds`` times, ``--steps`` steps each (after 3 unmeasured: torch's OpenMP threads
+spin for a few ms after a variant's parallel ops, on the cores the C step's own threads need), so the
+machine's drift hits them alike; medians in ms.
 
     python benchmarks/decode_step.py                     # int4 (the default) and float16 weights, ~2 min
     python benchmarks/decode_step.py --weights int4 int4-a8 --threads 2
@@ -39,8 +40,11 @@ from pc_rag.kv.buffers import KVBuffer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def timed(run: Callable[[], object], steps: int) -> float:
-    """Median ms of ``steps`` calls."""
+def timed(run: Callable[[], object], steps: int, warm: int = 3) -> float:
+    """Median ms of ``steps`` calls, after ``warm`` unmeasured ones: torch's OpenMP threads spin for a
+    few ms after the previous variant's last parallel op, on the cores the C step's threads need."""
+    for _ in range(warm):
+        run()
     times = []
     for _ in range(steps):
         started = time.perf_counter()
@@ -51,7 +55,7 @@ def timed(run: Callable[[], object], steps: int) -> float:
 
 def stream_gb_s(data: torch.Tensor) -> float:
     """GB/s ``torch.sum`` reads ``data`` at on the current threads (best of 3)."""
-    return data.numel() * data.element_size() / min(timed(data.sum, 1) for _ in range(3)) / 1e6
+    return data.numel() * data.element_size() / min(timed(data.sum, 1, warm=0) for _ in range(3)) / 1e6
 
 
 def read_bytes(step, buffer: KVBuffer, cache: int) -> int:
