@@ -1,8 +1,8 @@
 /* pc-rag's CPU kernels for weights in blocks of 32 (pc_rag/model/blocks.py builds and loads this
    file): products of float32 activations by 4-bit (GGUF Q4_1-style: scale d and minimum m per
    block, w = d*q + m, q in 0..15) or 8-bit (Q8_0-style: w = d*q, q in -127..127) weights, and the
-   weights dequantized. AVX2 + FMA; every product q*x is exact in float32, sums round as any float
-   dot product does.
+   weights dequantized. AVX2 + FMA (their AVX-512 forms: wide_kernels.c, used where wide_kernels() says so);
+   every product q*x is exact in float32, sums round as any float dot product does.
 
    4-bit layout: words [O][G][4] uint32, G = I/32. Word k of block g holds weights j = 8k+i
    (i = 0..7) of the block, weight 8k+i in bits 4i..4i+3; bits 28..31 hold q ^ 8, so the lane read

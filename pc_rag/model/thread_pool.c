@@ -33,7 +33,6 @@ static struct {
     atomic_int done;          /* workers finished with the current part */
     part_fn fn;
     void *context;
-    int64_t items;
     int workers;
     share_t shares[MAX_WORKERS + 1]; /* the current part's */
     unsigned start_ticket;    /* the ticket when a worker was created: it waits for the next */
@@ -118,7 +117,6 @@ void pool_run(int team, int64_t items, part_fn fn, void *context) {
     }
     pool.fn = fn;
     pool.context = context;
-    pool.items = items;
     for (int i = 0; i < team; i++) {
         atomic_store_explicit(&pool.shares[i].next, items * i / team, memory_order_relaxed);
         pool.shares[i].stop = items * (i + 1) / team;
