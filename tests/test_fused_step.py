@@ -16,9 +16,13 @@ from tests.conftest import drawn_away
 from tests.test_llama_step import answers, logprobs
 
 
-def int4_engine(make_tiny, tokenizer, arch: str = "llama", weights: str = "int4") -> PromptCache:
-    return PromptCache(drawn_away(make_tiny(arch)), tokenizer, weights=weights, recompute=0, attention_temperature=1.0,
+def int4_engine(make_tiny, tokenizer, arch: str = "llama", weights: str = "int4", **overrides) -> PromptCache:
+    return PromptCache(drawn_away(make_tiny(arch, **overrides)), tokenizer, weights=weights, recompute=0, attention_temperature=1.0,
                        attention_scale=1.0)
+
+
+# heads of 64 with 3 query heads a key head, as the embedded model's: the AVX-512 attention's shape (wide_kernels.c)
+HEADS_OF_64 = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k and v
@@ -141,12 +145,14 @@ def test_a_joined_layers_bias_changed_in_place_is_read_by_the_joined_product(mak
     assert torch.allclose(got, expected, atol=1e-4 * scale) and not torch.allclose(expected, unchanged, atol=1e-2 * scale)
 
 
+@pytest.mark.parametrize("heads", ["of 16", "of 64"])
 @pytest.mark.parametrize("by_extents", [False, True])
-def test_attention_split_in_spans_merges_as_one_softmax(make_tiny, tokenizer, by_extents):
+def test_attention_split_in_spans_merges_as_one_softmax(make_tiny, tokenizer, by_extents, heads, kernel_form):
     """The C step splits each row's entries in spans of 256 (so that two threads share one row's key
     heads) and merges them in order: over 700 entries, with a span that attends nothing, a row that
-    starts mid-span and (by extents) a finished row, the model's own logits."""
-    engine = int4_engine(make_tiny, tokenizer, "qwen2")
+    starts mid-span and (by extents) a finished row, the model's own logits; with heads of 64 in 16
+    lanes too (AVX-512)."""
+    engine = int4_engine(make_tiny, tokenizer, "qwen2", **(HEADS_OF_64 if heads == "of 64" else {}))
     step, model = engine.forward.written_step, engine.model
     entries = 700
     ids, positions = torch.tensor([[7], [11], [5]]), torch.tensor([[entries], [entries - 300], [4]])

@@ -45,6 +45,10 @@ void wide_q4_rows(const uint32_t *w, const float *d, const float *m, int64_t gro
                   const float *xc, int rows, int64_t out_features, int64_t out_stride, const float *bias, float *out);
 void wide_q8_rows(const int8_t *q, const float *d, int64_t in_features, const float *x, int rows, int64_t n,
                   int64_t out_stride, const float *bias, float *out);
+int wide_span_fits(int group, int64_t dim);
+void wide_scores(const float *q, int group, const float *keys, int64_t stride, int64_t lo, int64_t n, const float *mask_add,
+                 const uint8_t *mask_keep, float scale, float *scores);
+void wide_values(int group, const float *values, int64_t stride, int64_t lo, int64_t n, const float *scores, float *out);
 
 /* thread_pool.c: the decode step's threads */
 typedef void (*part_fn)(void *context, int64_t start, int64_t stop);

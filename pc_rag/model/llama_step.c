@@ -159,7 +159,9 @@ static void attend_span(const float *q, int group, int64_t dim, const float *key
     memset(out, 0, sizeof(float) * group * dim);
     for (int g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
     if (n <= 0) return;
-    for (int64_t j = 0; j < n; j++) {
+    const int wide = wide_kernels(-1) && wide_span_fits(group, dim); /* wide_kernels.c: 16 lanes, value sums in registers */
+    if (wide) wide_scores(q, group, keys, stride, lo, n, mask_add, mask_keep, scale, scores);
+    else for (int64_t j = 0; j < n; j++) {
         const float *k = keys + (lo + j) * stride;
         for (int g = 0; g < group; g++) {
             const float *qg = q + g * dim;
@@ -191,7 +193,8 @@ static void attend_span(const float *q, int group, int64_t dim, const float *key
         for (; j < n; j++) t += (sg[j] = expf(sg[j] - largest));
         total[g] = t;
     }
-    for (int64_t j = 0; j < n; j++) {
+    if (wide) wide_values(group, values, stride, lo, n, scores, out);
+    else for (int64_t j = 0; j < n; j++) {
         const float *v = values + (lo + j) * stride;
         for (int g = 0; g < group; g++) {
             const __m256 p = _mm256_broadcast_ss(scores + g * n + j);
