@@ -157,12 +157,13 @@ def join(layers: list[BlockLinear]) -> Siblings:
             layer.bias = torch.nn.Parameter(bias[start : start + layer.out_features], requires_grad=False)
         start += layer.out_features
 
-    def detach() -> None:  # each layer on its own copy of its rows
-        for layer in layers:
-            for name in (*names, "bias"):
-                if getattr(layer, name) is not None:
-                    setattr(layer, name, torch.nn.Parameter(layer.bias.clone(), requires_grad=False) if name == "bias"
-                            else getattr(layer, name).clone())
+    def detach() -> None:  # each layer on its own copy of its rows (normal tensors, however late: see above)
+        with torch.inference_mode(False):
+            for layer in layers:
+                for name in names:
+                    setattr(layer, name, getattr(layer, name).clone())
+                if layer.bias is not None:
+                    layer.bias = torch.nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
 
     return Siblings(layers, lambda x: narrow_product(x.reshape(-1, x.shape[-1]).contiguous(), layers[0].bits, joined["values"],
                                                      joined["scales"], joined.get("minimums"), bias), detach)
