@@ -264,6 +264,19 @@ static void merge_spans(const attention_job *j, float *att) {
 
 static inline float silu(float x) { return x / (1.f + expf(-x)); }
 
+/* gate[i] = silu(gate[i]) * up[i], 8 lanes at a time (exp8): 1,536 of them a layer ran scalar expf on
+   the step's first thread while the others spun (~0.7% of its time in a profile of the embedded model) */
+static void gated(float *gate, const float *up, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(gate + i);
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) gate[i] = silu(gate[i]) * up[i];
+}
+
 static inline int64_t widest_input(const step_t *s) { /* of the step's products: hidden, intermediate, heads x dim */
     const int64_t a = s->hidden > s->intermediate ? s->hidden : s->intermediate, b = s->heads * s->head_dim;
     return a > b ? a : b;
@@ -311,7 +324,7 @@ int llama_step(const step_t *s) {
         for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, L->mlp_norm, L->mlp_eps, H, x + r * H);
         prepared.x = 0; /* x is new */
         products(s, 2, (const product_t *[]){&L->gate, &L->up}, (float *[]){gate, up}, x, R, &prepared, team);
-        for (int64_t i = 0; i < R * F; i++) gate[i] = silu(gate[i]) * up[i];
+        gated(gate, up, R * F);
         prepared.x = 0; /* gate is new */
         product(s, &L->down, gate, R, tmp, &prepared, team);
         for (int64_t i = 0; i < R * H; i++) h[i] += tmp[i];
