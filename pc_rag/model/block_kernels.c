@@ -23,19 +23,24 @@ static inline __m256i lane_masks(void) {
     return _mm256_setr_epi32(0xF, 0xF0, 0xF00, 0xF000, 0xF0000, 0xF00000, 0xF000000, (int)0xF0000000u);
 }
 
-static void prepare(const float *x, int64_t groups, float *xp, float *xs, float *xc) {
-    const __m256 scale = _mm256_loadu_ps(LANE_SCALE);
+/* xs[g] = block g's sum of x, xc[g] = 8 * the sum of its lane-7 x's (wide_kernels.c's layout shares them) */
+void q4_block_sums(const float *x, int64_t groups, float *xs, float *xc) {
     for (int64_t g = 0; g < groups; g++) {
         float sum = 0.f, top = 0.f;
         for (int k = 0; k < 4; k++) {
             const float *src = x + 32 * g + 8 * k;
-            _mm256_storeu_ps(xp + 32 * g + 8 * k, _mm256_mul_ps(_mm256_loadu_ps(src), scale));
             for (int i = 0; i < 8; i++) sum += src[i];
             top += src[7];
         }
         xs[g] = sum;
         xc[g] = 8.f * top;
     }
+}
+
+static void prepare(const float *x, int64_t groups, float *xp, float *xs, float *xc) {
+    const __m256 scale = _mm256_loadu_ps(LANE_SCALE);
+    for (int64_t j = 0; j < 32 * groups; j += 8) _mm256_storeu_ps(xp + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), scale));
+    q4_block_sums(x, groups, xs, xc);
 }
 
 /* one word broadcast from memory (a load, no shuffle), each lane its own nibble, as float */

@@ -27,6 +27,7 @@ static inline int parallel(int threads, int64_t rows, int64_t out_features, int6
 /* block_kernels.c: products by weights in blocks of 32, a chunk of output features at a time */
 int64_t block_chunks(int64_t out_features);
 void q4_prepare(const float *x, int64_t rows, int64_t in_features, float *scratch);
+void q4_block_sums(const float *x, int64_t groups, float *xs, float *xc);
 void q4_chunks(const float *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d,
                const float *m, int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
 /* a8_kernels.c: the same weights times inputs rounded to 8 bits a block (weights="int4-a8") */

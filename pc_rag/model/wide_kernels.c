@@ -61,19 +61,9 @@ WIDE_TARGET static inline float wide_dot2(const float *a, const float *b, const 
 WIDE_TARGET void wide_prepare(const float *x, int64_t groups, float *xp, float *xs, float *xc) {
     const __m512 scale = _mm512_loadu_ps(PAIR_SCALE);
     const __m512i order = _mm512_loadu_si512(PAIR_ORDER);
-    for (int64_t g = 0; g < groups; g++) {
-        float sum = 0.f, top = 0.f;
-        for (int h = 0; h < 2; h++) {
-            const float *src = x + 32 * g + 16 * h;
-            _mm512_storeu_ps(xp + 32 * g + 16 * h, _mm512_mul_ps(_mm512_permutexvar_ps(order, _mm512_loadu_ps(src)), scale));
-        }
-        for (int k = 0; k < 4; k++) {
-            for (int i = 0; i < 8; i++) sum += x[32 * g + 8 * k + i];
-            top += x[32 * g + 8 * k + 7];
-        }
-        xs[g] = sum;
-        xc[g] = 8.f * top;
-    }
+    for (int64_t j = 0; j < 32 * groups; j += 16)
+        _mm512_storeu_ps(xp + j, _mm512_mul_ps(_mm512_permutexvar_ps(order, _mm512_loadu_ps(x + j)), scale));
+    q4_block_sums(x, groups, xs, xc);
 }
 
 /* one block of output o: sum over its 32 weights of q * x (lanes still apart) */
