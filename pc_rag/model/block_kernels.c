@@ -80,6 +80,7 @@ static void q4_one_row(const uint32_t *w, const float *d, const float *m, int64_
         __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const float *xr = xp + 32 * g;
+            prefetch_weights(wa + 4 * g), prefetch_weights(wb + 4 * g);
             __m256 sa = BLOCK_PRODUCT(nibbles(wa + 4 * g, mask), nibbles(wa + 4 * g + 1, mask),
                                       nibbles(wa + 4 * g + 2, mask), nibbles(wa + 4 * g + 3, mask), xr);
             __m256 sb = BLOCK_PRODUCT(nibbles(wb + 4 * g, mask), nibbles(wb + 4 * g + 1, mask),

@@ -13,6 +13,15 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* How far ahead of its words a one-row 4-bit product asks for weights, marked non-temporal. A
+   decode step streams ~170 MB and reads each weight once; asking ahead (which the hardware
+   prefetcher did not, over interleaved rows), and keeping the lines out of the caches' long-lived
+   part, took the embedded model's C step from 7.7 to 6.7 ms on two threads with AVX-512 and from
+   9.2 to 7.8 with AVX2 (A/B, alternating processes). 1-4 KB ahead did alike; T0 in place of NTA,
+   and the same for the 8-bit head or the attention's keys and values, gave nothing more. */
+#define PREFETCH_BYTES 2048
+#define prefetch_weights(words) _mm_prefetch((const char *)(words) + PREFETCH_BYTES, _MM_HINT_NTA)
+
 #define CHUNK 64 /* output features whose weights every input row passes over while they are in cache */
 #define PARALLEL_MACS (1 << 20) /* products this large (rows x out x in) run on several threads */
 

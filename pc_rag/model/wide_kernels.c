@@ -98,8 +98,10 @@ WIDE_TARGET static void wide_one_row(const uint32_t *w, const float *d, const fl
         }
         for (int64_t g = 0; g < groups; g++) {
             const __m512 x0 = _mm512_loadu_ps(xp + 32 * g), x1 = _mm512_loadu_ps(xp + 32 * g + 16);
-            for (int k = 0; k < OUT_PASS; k++)
+            for (int k = 0; k < OUT_PASS; k++) {
+                prefetch_weights(wk[k] + 4 * g);
                 acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(dk[k][g]), PAIR_PRODUCT(wk[k], g, x0, x1), acc[k]);
+            }
         }
         for (int k = 0; k < OUT_PASS; k++)
             acc[k] = with_block_terms(acc[k], dk[k], xc, m + (dk[k] - d), xs, groups);
