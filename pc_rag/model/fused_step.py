@@ -29,6 +29,7 @@ from ..errors import PromptCacheError
 from . import block_kernels, blocks
 from .blocks import BlockLinear
 from .rope import signed_sin
+from .rope_table import RopeTable
 from .row_extents import RowExtents
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -98,6 +99,8 @@ class FusedStep:
         self.steps = 0  # steps run in C (tests read it)
         # 8: products multiply inputs quantized to 8 bits a block (weights="int4-a8": every layer asked for it)
         self.activation_bits = 8 if all(linear.decode_activation_bits == 8 for linear in self.linears) else 32
+        # cos/sin by position, filled by the model's rotary module (None: its frequencies follow the input)
+        self.rope = RopeTable.build(step.rotary, step.norm.weight)
         self._build()
 
     @classmethod
@@ -153,8 +156,11 @@ class FusedStep:
         if masks is None or not self._weights_current() or any(self.hooks):
             return None
         hidden = self.step.embed(ids)
-        cos, sin = self.step.rotary(hidden, positions)
-        cos, sin = cos.reshape(rows, -1).contiguous(), signed_sin(sin.reshape(rows, -1))
+        table = self.rope.rows(positions) if self.rope is not None else None
+        if table is None:
+            cos, sin = self.step.rotary(hidden, positions)
+            table = cos.reshape(rows, -1).contiguous(), signed_sin(sin.reshape(rows, -1))
+        cos, sin = table
         state = hidden.reshape(rows, self.hidden).contiguous()
         # this call's copy of the layers (another thread may step another cache), each pointed at its KV
         step_layers = type(self.layers).from_buffer_copy(self.layers)

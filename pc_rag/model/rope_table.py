@@ -1,0 +1,86 @@
+"""The C decode step's cos and sign-folded sin by position (:mod:`pc_rag.model.fused_step`), computed
+by the model's own rotary module once per block of positions instead of at every step.
+
+Why: a step's Python runs on caches the C step has just flushed (it streams ~170 MB), so each
+torch op costs ~20-40 us there. The rotary call and its reshapes were ~13 of them and 0.10-0.15 ms
+a step on the embedded model; two ``index_select`` calls replace them.
+
+The module's own values: the table is its output for positions in blocks of ``BLOCK``, as a
+prefill's call over many positions gives them, and every op in it (a product, ``cat``, ``cos``,
+``sin``, the attention scaling) works element by element. A block's ``BLOCK x dim`` elements are
+whole SIMD vectors and below torch's grain for splitting an op across threads. Where a position's
+``dim`` values fill whole vectors too (heads of 64 and 128: the embedded model's), a one-position
+call runs the same code and gives the same bits; for smaller heads torch computes a short call's
+last elements in scalar code, which may differ in the last bit, as two calls of different lengths
+may anyway (tests compare both).
+
+Only for rotary modules whose frequencies do not change with the input (``rope_type`` neither
+dynamic nor LongRoPE, which rewrite ``inv_freq`` from the positions they are handed); a table is
+rebuilt when ``inv_freq`` or the attention scaling changed since it was filled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .rope import signed_sin
+
+BLOCK = 256  # positions a rotary call fills: 256 x 64 floats, whole vectors and one thread's work
+
+
+def _static(rotary: Any) -> bool:
+    """Whether ``rotary``'s cos/sin at a position do not depend on the other positions it is handed."""
+    kind = getattr(rotary, "rope_type", None)
+    return (isinstance(kind, str) and "dynamic" not in kind and kind != "longrope"
+            and isinstance(getattr(rotary, "inv_freq", None), torch.Tensor))
+
+
+class RopeTable:
+    """``rows(positions [rows, 1]) -> (cos, signed_sin)``, each ``[rows, dim]`` contiguous float32, as
+    ``rotary(hidden, positions)`` followed by :func:`~pc_rag.model.rope.signed_sin` gives them.
+    The module's hooks still run: a hooked module is called at every step, as before."""
+
+    def __init__(self, rotary: Any, hidden: torch.Tensor) -> None:
+        self.rotary = rotary
+        self.like = torch.empty(1, 1, 1, dtype=hidden.dtype, device=hidden.device)  # what the module reads of its input
+        # (module key, cos, signed sin): one attribute, replaced whole, so a step on another thread reads one table
+        self.table: tuple[tuple[Any, ...], torch.Tensor, torch.Tensor] = ((), torch.empty(0, 0), torch.empty(0, 0))
+
+    @classmethod
+    def build(cls, rotary: Any, hidden: torch.Tensor) -> RopeTable | None:
+        """A table for ``rotary`` (``hidden``: a float32 CPU tensor like the step's), or None where its
+        frequencies follow the input (then the step calls the module)."""
+        if not _static(rotary) or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+            return None
+        return cls(rotary, hidden)
+
+    def _current(self) -> tuple[Any, ...]:
+        inv_freq = self.rotary.inv_freq
+        return inv_freq.data_ptr(), inv_freq._version, getattr(self.rotary, "attention_scaling", None)
+
+    def _filled(self, key: tuple[Any, ...], positions: int) -> tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]:
+        """A table of positions [0, ``positions``) rounded up to whole blocks."""
+        blocks = []
+        for start in range(0, positions, BLOCK):
+            cos, sin = self.rotary(self.like, torch.arange(start, start + BLOCK)[None])
+            blocks.append((cos[0], signed_sin(sin[0])))
+        cos, sin = (torch.cat(parts).contiguous() for parts in zip(*blocks))
+        return key, cos, sin
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The table's rows for ``positions``; None where a hook on the module asks for it to be called."""
+        if self.rotary._forward_hooks or self.rotary._forward_pre_hooks:
+            return None
+        index = positions.reshape(-1)
+        key, cos, sin = self.table
+        current = self._current()
+        if key == current:
+            try:
+                return cos.index_select(0, index), sin.index_select(0, index)
+            except IndexError:  # a position past the table: grown below (doubling)
+                pass
+        needed = int(index.max()) + 1
+        self.table = key, cos, sin = self._filled(current, max(needed, 2 * cos.shape[0] if key == current else needed))
+        return cos.index_select(0, index), sin.index_select(0, index)
