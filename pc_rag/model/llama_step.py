@@ -113,6 +113,8 @@ class LlamaDecodeStep:
         self._unhooked = [decoder, self.embed, self.norm, self.model, *(
             part for layer in decoder.layers for part in (layer, layer.self_attn, layer.mlp, layer.input_layernorm,
                                                           layer.post_attention_layernorm))]
+        # their hook tables (torch adds to them in place): one `any` over them a step, not ~300 attribute reads
+        self._hook_tables = [table for module in self._unhooked for table in (module._forward_hooks, module._forward_pre_hooks)]
         # the whole step in one C call where the linear layers are pc-rag's blocks (None: tensor ops only)
         self.fused = FusedStep.build(self)
 
@@ -125,7 +127,7 @@ class LlamaDecodeStep:
     def hooked(self) -> bool:
         """Whether a forward hook would be skipped by this step (then the model's own runs)."""
         return bool(torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks) or any(
-            module._forward_hooks or module._forward_pre_hooks for module in self._unhooked)
+            self._hook_tables)
 
     @staticmethod
     def _layer(layer: Any) -> _Layer:
