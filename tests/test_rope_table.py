@@ -73,3 +73,18 @@ def test_the_c_step_reads_the_table_and_answers_as_the_module_would(make_tiny, t
     step.fused.rope = None  # the module called at every step, as before the table
     again = engine.generate("Tell me about the sea.", max_new_tokens=6)
     assert first.token_ids == again.token_ids
+
+
+def test_a_model_made_in_inference_mode_gets_a_table_that_follows_its_frequencies(make_tiny, tokenizer):
+    with torch.inference_mode():  # inv_freq an inference tensor: torch counts no versions of it
+        engine = int4_engine(make_tiny, tokenizer, **HEADS_OF_64)
+        step = engine.forward.written_step
+        assert step.fused is not None and step.fused.rope is not None
+        first = engine.generate("Tell me about the sea.", max_new_tokens=4)
+        assert step.fused.steps > 0
+        rotary = engine.model.model.rotary_emb
+        rotary.inv_freq.mul_(0.5)  # in place, in inference mode
+        cos, sin = step.fused.rope.rows(torch.tensor(POSITIONS)[:, None])
+        expected_cos, expected_sin = module_rows(rotary, POSITIONS)
+        assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
+    assert first.token_ids

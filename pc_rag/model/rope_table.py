@@ -56,9 +56,14 @@ class RopeTable:
             return None
         return cls(rotary, hidden)
 
-    def _current(self) -> tuple[Any, ...]:
-        inv_freq = self.rotary.inv_freq
-        return inv_freq.data_ptr(), inv_freq._version, getattr(self.rotary, "attention_scaling", None)
+    def _current(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``key`` if the module's frequencies and scaling are still those it was filled from, else
+        the new ones (a copy: compared by value, which also sees a change in place to an
+        inference tensor, whose version torch does not count)."""
+        inv_freq, scaling = self.rotary.inv_freq, getattr(self.rotary, "attention_scaling", None)
+        if key and key[1] == scaling and key[0].shape == inv_freq.shape and torch.equal(key[0], inv_freq):
+            return key
+        return inv_freq.detach().clone(), scaling
 
     def _filled(self, key: tuple[Any, ...], positions: int) -> tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]:
         """A table of positions [0, ``positions``) rounded up to whole blocks."""
@@ -75,12 +80,12 @@ class RopeTable:
             return None
         index = positions.reshape(-1)
         key, cos, sin = self.table
-        current = self._current()
-        if key == current:
+        current = self._current(key)
+        if current is key:
             try:
                 return cos.index_select(0, index), sin.index_select(0, index)
             except IndexError:  # a position past the table: grown below (doubling)
                 pass
         needed = int(index.max()) + 1
-        self.table = key, cos, sin = self._filled(current, max(needed, 2 * cos.shape[0] if key == current else needed))
+        self.table = key, cos, sin = self._filled(current, max(needed, 2 * cos.shape[0] if current is key else needed))
         return cos.index_select(0, index), sin.index_select(0, index)
