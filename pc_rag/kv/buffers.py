@@ -105,12 +105,14 @@ class _BufferLayer(DynamicLayer):
         self.values = self._values_all[..., :end, :]
         return self.keys, self.values
 
-    def step_storage(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def step_storage(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
         """For a decode step that writes its new key and value itself (:mod:`pc_rag.model.fused_step`):
         this layer's key and value storage ``[batch, kv_heads, capacity, dim]`` and the entry the
-        new token goes to; the views then cover that entry, as :meth:`update` leaves them."""
+        new token goes to (under fixed shapes the cursor's ``[1]`` tensor, which every layer shares:
+        the caller reads it once, not once a layer); the views then cover that entry, as
+        :meth:`update` leaves them."""
         if self.column is not None:
-            return self._keys_all, self._values_all, int(self.column)
+            return self._keys_all, self._values_all, self.column
         end = self.keys.shape[-2]
         _check_capacity(end + 1, self._keys_all.shape[-2])
         self.grow_to(end + 1)

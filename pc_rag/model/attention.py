@@ -199,8 +199,8 @@ def attention_mask(
 def _as_mask(allowed: torch.Tensor, spec: Any, bias: torch.Tensor | None = None, additive: bool = False) -> torch.Tensor:
     if spec.attn_implementation in BOOLEAN_MASK and bias is None and not additive:
         return allowed
+    lowest = torch.finfo(spec.dtype).min
     if bias is None:
-        mask = torch.zeros(allowed.shape, dtype=spec.dtype, device=allowed.device)
-    else:
-        mask = bias[:, None, None, : allowed.shape[-1]].to(spec.dtype).expand(allowed.shape).clone()
-    return mask.masked_fill_(~allowed, torch.finfo(spec.dtype).min)
+        return torch.zeros(allowed.shape, dtype=spec.dtype, device=allowed.device).masked_fill_(~allowed, lowest)
+    # one op where a copy, a negation and a fill were three (a decode step builds this mask every token)
+    return torch.where(allowed, bias[:, None, None, : allowed.shape[-1]].to(spec.dtype), lowest)

@@ -137,7 +137,8 @@ class FusedStep:
             return None, None
         if mask.dim() != 4 or mask.shape[1:3] != (1, 1) or mask.shape[0] not in (1, rows) or mask.shape[3] != entries:
             return None
-        flat = mask.expand(rows, 1, 1, entries).reshape(rows, entries).contiguous()
+        flat = (mask.view(rows, entries) if mask.shape[0] == rows and mask.is_contiguous()
+                else mask.expand(rows, 1, 1, entries).reshape(rows, entries).contiguous())
         if mask.dtype == torch.bool:
             return None, flat.view(torch.uint8)
         return (flat, None) if mask.dtype == torch.float32 else None
@@ -155,13 +156,12 @@ class FusedStep:
         masks = self._mask(mask, rows, keys.shape[-2] + (layers[0].column is None))
         if masks is None or not self._weights_current() or any(self.hooks):
             return None
-        hidden = self.step.embed(ids)
+        state = self.step.embed(ids.reshape(rows))  # [rows, hidden], a new tensor the step writes
         table = self.rope.rows(positions) if self.rope is not None else None
         if table is None:
-            cos, sin = self.step.rotary(hidden, positions)
+            cos, sin = self.step.rotary(state[:, None], positions)
             table = cos.reshape(rows, -1).contiguous(), signed_sin(sin.reshape(rows, -1))
         cos, sin = table
-        state = hidden.reshape(rows, self.hidden).contiguous()
         # this call's copy of the layers (another thread may step another cache), each pointed at its KV
         step_layers = type(self.layers).from_buffer_copy(self.layers)
         strides = None
@@ -171,6 +171,7 @@ class FusedStep:
             strides = strides or layer_keys.stride()
             if layer_keys.stride() != strides or layer_values.stride() != strides:
                 raise PromptCacheError(f"a KV buffer's layers differ in layout ({strides} against {layer_values.stride()})")
+        column = int(column)  # the entry every layer writes (a fixed buffer's cursor tensor: read once)
         lo = hi = None
         if extents is not None:
             lo, hi = torch.full((rows,), -1, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
