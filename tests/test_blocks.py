@@ -29,6 +29,13 @@ def test_the_kernels_build_and_load_here():
     assert block_kernels.library() is not None
     # and their AVX-512 forms where the CPU has them: agreeing with torch at load, so kept
     assert block_kernels.library().wide_kernels(-1) == (torch.backends.cpu.get_cpu_capability() == "AVX512")
+    assert block_kernels.library().a16_kernels(-1) == ("avx512_vnni" in cpu_flags() and "avx512bw" in cpu_flags())
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (pc-rag's kernels are tested on x86-64 Linux)."""
+    with open("/proc/cpuinfo") as info:
+        return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
 
 
 def gguf_like(out_features: int, in_features: int, bits: int, seed: int = 0) -> torch.nn.Linear:
@@ -92,6 +99,36 @@ def test_the_8_bit_input_kernels_multiply_the_inputs_as_they_round_them_exactly(
         finally:
             block_kernels.library().a8_vnni(1)
         assert not torch.allclose(got.double(), x.double() @ linear.weight.double().t() + linear.bias.double(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("blocks_per_row", [3, 6, 18])  # under one pass of 4 blocks, a pass and a half, the embedded model's 576
+def test_the_16_bit_input_kernels_multiply_the_inputs_as_they_round_them_exactly(blocks_per_row):
+    """weights="int4"'s C step on AVX512-VNNI: each block of 32 inputs rounded to 16 bits, then integer dot
+    products: exact against torch on the rounded inputs, over rows that hold a large outlier, a block of
+    zeros and a value at half a step; each row's outputs the same bits alone as beside 12 others; a NaN or
+    an infinite input gives NaN outputs to its row only, as a float product does."""
+    if not block_kernels.library().a16_kernels(-1):
+        pytest.skip("this CPU has no AVX512-VNNI (test_the_kernels_build_and_load_here asserts it is used where it has)")
+    features = blocks_per_row * BLOCK
+    linear = gguf_like(97, features, 4, seed=4)
+    layer = BlockLinear(linear, 4)
+    weights = (layer.values, layer.scales, layer.minimums)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(13, features, generator=generator)
+    x[0, 3], x[-1, BLOCK:2 * BLOCK] = 3e4, 0.0
+    x[0, 2 * BLOCK:2 * BLOCK + 2] = torch.tensor([32512.0, 0.5])  # 0.5 rounds to even: 0
+    rounded = block_kernels.quantized_inputs(x, bits=16)
+    assert rounded[0, 2 * BLOCK + 1] == 0.0 and torch.equal(rounded[-1, BLOCK:2 * BLOCK], x[-1, BLOCK:2 * BLOCK])
+    assert (rounded - x).abs().max() <= x.abs().max() / 65024 * 1.0001  # half a step of the largest block's scale
+    expected = rounded.double() @ linear.weight.double().t() + linear.bias.double()
+    for rows in (1, 2, 5, 8, 9, 13):  # passes of 8 rows and what is left
+        got = block_kernels.a16_matmul(x[:rows], *weights, linear.bias)
+        assert torch.allclose(got.double(), expected[:rows], rtol=1e-5, atol=1e-4), (got.double() - expected[:rows]).abs().max()
+        assert torch.equal(got, torch.cat([block_kernels.a16_matmul(x[r:r + 1], *weights, linear.bias) for r in range(rows)]))
+    broken = x[:3].clone()
+    broken[0, 5], broken[2, -1] = float("nan"), float("inf")
+    got = block_kernels.a16_matmul(broken, *weights, linear.bias)
+    assert got[0].isnan().all() and got[2].isnan().all() and torch.equal(got[1], block_kernels.a16_matmul(x[1:2], *weights, linear.bias)[0])
 
 
 def test_a_layer_refuses_what_its_kernels_cannot_read():

@@ -10,15 +10,22 @@ import torch
 from pc_rag import PromptCache
 from pc_rag.errors import PromptCacheError
 from pc_rag.kv.buffers import KVBuffer
-from pc_rag.model import row_extents
+from pc_rag.model import block_kernels, row_extents
 from pc_rag.model.llama_step import disagreement
 from tests.conftest import drawn_away
 from tests.test_llama_step import answers, logprobs
 
 
-def int4_engine(make_tiny, tokenizer, arch: str = "llama", weights: str = "int4", **overrides) -> PromptCache:
-    return PromptCache(drawn_away(make_tiny(arch, **overrides)), tokenizer, weights=weights, recompute=0, attention_temperature=1.0,
-                       attention_scale=1.0)
+def int4_engine(make_tiny, tokenizer, arch: str = "llama", weights: str = "int4", inputs: int = 32, **overrides) -> PromptCache:
+    """A tiny model on the block kernels. Its C step multiplies float32 inputs unless ``inputs`` says
+    otherwise: the tests that hold it to the tensor ops' answers check the step, not the inputs' rounding
+    (weights="int4" rounds them to 16 bits on AVX512-VNNI: tests below)."""
+    engine = PromptCache(drawn_away(make_tiny(arch, **overrides)), tokenizer, weights=weights, recompute=0, attention_temperature=1.0,
+                         attention_scale=1.0)
+    fused = engine.forward.written_step.fused if engine.forward.written_step is not None else None
+    if fused is not None and weights == "int4":
+        fused.activation_bits = inputs
+    return engine
 
 
 # heads of 64 with 3 query heads a key head, as the embedded model's: the AVX-512 attention's shape (wide_kernels.c)
@@ -188,12 +195,15 @@ def logits_on_threads(step, model, counts: tuple[int, ...]) -> dict[int, torch.T
     return logits
 
 
-@pytest.mark.parametrize("weights", ["int4", "int4-a8"])
-def test_the_c_steps_logits_do_not_depend_on_its_thread_count(make_tiny, tokenizer, weights):
+@pytest.mark.parametrize("weights,inputs", [("int4", 32), ("int4", 16), ("int4-a8", 8)])
+def test_the_c_steps_logits_do_not_depend_on_its_thread_count(make_tiny, tokenizer, weights, inputs):
     """Its threads share out chunks of output features and (row, key head, span) triples, each summed
     by one thread in one order whichever thread takes it: the engine's measurement of one thread
     against two changes no token."""
-    engine = int4_engine(make_tiny, tokenizer, "qwen2", weights=weights)
+    if inputs == 16:
+        sixteen_bit_inputs_here()
+    engine = int4_engine(make_tiny, tokenizer, "qwen2", weights=weights, inputs=inputs)
+    assert engine.forward.written_step.fused.activation_bits == inputs
     step = engine.forward.written_step
     before = step.fused.steps
     logits = logits_on_threads(step, engine.model, (1, 2, 3))
@@ -219,9 +229,50 @@ def test_int4_a8_decodes_on_8_bit_inputs_near_float_inputs(make_tiny, tokenizer)
 
 def test_each_engine_keeps_the_inputs_it_was_built_with_over_one_model_object(make_tiny, tokenizer):
     """weights= changes the model object's layers (as documented); an engine built later over the same
-    model with weights="int4" multiplies float32 inputs, and the int4-a8 engine before it keeps 8-bit ones."""
+    model with weights="int4" multiplies 16-bit inputs (float32 ones on a CPU without AVX512-VNNI), and the
+    int4-a8 engine before it keeps 8-bit ones."""
     model = drawn_away(make_tiny("llama"))
     eight = PromptCache(model, tokenizer, weights="int4-a8")
-    floats = PromptCache(model, tokenizer, weights="int4")
+    sixteen = PromptCache(model, tokenizer, weights="int4")
     assert eight.forward.written_step.fused.activation_bits == 8
-    assert floats.forward.written_step.fused.activation_bits == 32
+    assert sixteen.forward.written_step.fused.activation_bits == (16 if block_kernels.library().a16_kernels(-1) else 32)
+
+
+def sixteen_bit_inputs_here() -> None:
+    if not block_kernels.library().a16_kernels(-1):
+        pytest.skip("this CPU has no AVX512-VNNI (test_blocks asserts it is used where the CPU has it)")
+
+
+def test_int4_decodes_on_16_bit_inputs_near_float_inputs(make_tiny, tokenizer):
+    """weights="int4" on AVX512-VNNI: proved on float32 inputs, then the C step multiplies inputs rounded
+    to 16 bits a block (a16_kernels.c): logits near the float inputs', and far nearer than 8 bits'."""
+    sixteen_bit_inputs_here()
+    engine = int4_engine(make_tiny, tokenizer, "qwen2", inputs=16)
+    step, fused = engine.forward.written_step, engine.forward.written_step.fused
+    by_bits = {}
+    for bits in (16, 32, 8):
+        fused.activation_bits = bits
+        by_bits[bits] = logits_on_threads(step, engine.model, (2,))[2]
+    fused.activation_bits = 16
+
+    def difference(bits: int) -> float:
+        return ((by_bits[bits] - by_bits[32]).abs().max() / by_bits[32].abs().max()).item()
+
+    assert 0 < difference(16) < 1e-3 and difference(16) < difference(8) / 20, (difference(16), difference(8))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_on_16_bit_inputs_a_row_decodes_the_same_alone_and_beside_others(make_tiny, tokenizer, arch):
+    """A batch's rows get, bit for bit, the logits each gets alone: every product of 16-bit inputs
+    sums a row in one order at every row count (the float-input kernels' one-row and several-row forms
+    sum in different orders), so a caller's tokens do not depend on who shares its steps."""
+    sixteen_bit_inputs_here()
+    engine = int4_engine(make_tiny, tokenizer, arch, inputs=16)
+    step, model = engine.forward.written_step, engine.model
+    ids, positions = torch.tensor([[7], [11]]), torch.tensor([[40], [23]])
+    together = random_cache(model, 40, fixed=True, rows=2, room=1, seed=6)
+    logits = step(ids, positions, None, together.cache)
+    for row in range(2):
+        alone = random_cache(model, 40, fixed=True, rows=1, room=1)
+        alone.storage.copy_(together.storage[:, :, row:row + 1])
+        assert torch.equal(step(ids[row:row + 1], positions[row:row + 1], None, alone.cache), logits[row:row + 1]), row

@@ -1,5 +1,5 @@
-/* What block_kernels.c, a8_kernels.c, wide_kernels.c, llama_step.c and thread_pool.c call of each other
-   (pc_rag/model/block_kernels.py builds the five into one library). */
+/* What block_kernels.c, a8_kernels.c, wide_kernels.c, a16_kernels.c, llama_step.c and thread_pool.c call of
+   each other (pc_rag/model/block_kernels.py builds the six into one library). */
 #ifndef PC_RAG_BLOCK_KERNELS_H
 #define PC_RAG_BLOCK_KERNELS_H
 #include <immintrin.h>
@@ -59,6 +59,12 @@ int wide_span_fits(int group, int64_t dim);
 void wide_scores(const float *q, int group, const float *keys, int64_t stride, int64_t lo, int64_t n, const float *mask_add,
                  const uint8_t *mask_keep, float scale, float *scores);
 void wide_values(int group, const float *values, int64_t stride, int64_t lo, int64_t n, const float *scores, float *out);
+
+/* a16_kernels.c: the same 4-bit weights times inputs rounded to 16 bits a block (the C step, where a16_kernels(-1) says so) */
+int a16_kernels(int allow);
+void a16_prepare(const float *x, int64_t rows, int64_t in_features, void *scratch);
+void a16_chunks(const void *scratch, int64_t rows, int64_t in_features, const uint32_t *w, const float *d, const float *m,
+                int64_t out_features, const float *bias, float *out, int64_t c0, int64_t c1);
 
 /* thread_pool.c: the decode step's threads */
 typedef void (*part_fn)(void *context, int64_t start, int64_t stop);

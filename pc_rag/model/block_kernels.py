@@ -8,8 +8,9 @@ activations times 4-bit (Q4_1-style) or 8-bit (Q8_0-style) weights, every produc
 float32, and their dequantization (see the C file's header for the layout); ~150 more
 (``a8_kernels.c``): the same weights times inputs rounded to 8 bits a block, for ``weights="int4-a8"``
 (AVX2, and AVX512-VNNI where the CPU has it: the same bits); ~200 more (``wide_kernels.c``): the
-float-input products in AVX-512 where the CPU has it (the same products, summed in 16 lanes); and
-~300 more (``llama_step.c``): a Llama-family decode step over them in one call
+float-input products in AVX-512 where the CPU has it (the same products, summed in 16 lanes); ~150
+more (``a16_kernels.c``): the 4-bit weights times inputs rounded to 16 bits a block, for the C decode
+step under ``weights="int4"`` where the CPU has AVX512-VNNI; and ~300 more (``llama_step.c``): a Llama-family decode step over them in one call
 (:mod:`pc_rag.model.fused_step`), with its own threads (``thread_pool.c``).
 
 The source is compiled once per source, flags and compiler with the system C compiler (``$CC``,
@@ -40,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 # the products (and their dequantization), the Llama decode step built on them (pc_rag.model.fused_step)
 # and the step's threads
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_kernels.c", "a8_kernels.c", "wide_kernels.c", "llama_step.c",
-                                                                  "thread_pool.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_kernels.c", "a8_kernels.c", "wide_kernels.c", "a16_kernels.c",
+                                                                  "llama_step.c", "thread_pool.c"))
 # what they call of each other; a8_kernels.c's products, included once per instruction set
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("block_kernels.h", "a8_products.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c11", "-fopenmp", "-pthread")
@@ -57,10 +58,13 @@ SIGNATURES = {
     "q8_dequantize": [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int],
     "a8_vnni": [ctypes.c_int],
     "wide_kernels": [ctypes.c_int],
+    "a16_kernels": [ctypes.c_int],
+    "a16_matmul": [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, ctypes.c_int],
     "llama_step": [_P],
     "llama_step_work": [_P],
 }
-RESULTS = {"llama_step": ctypes.c_int, "llama_step_work": _I64, "a8_vnni": ctypes.c_int, "wide_kernels": ctypes.c_int}
+RESULTS = {"llama_step": ctypes.c_int, "llama_step_work": _I64, "a8_vnni": ctypes.c_int, "wide_kernels": ctypes.c_int,
+           "a16_kernels": ctypes.c_int}
 
 
 def cpu_supported() -> bool:
@@ -135,7 +139,9 @@ def _load(path: Path) -> ctypes.CDLL:
 
 def _agrees(lib: ctypes.CDLL) -> bool:
     """A 4-bit and an 8-bit product of random values against torch's, to float rounding: the AVX2
-    forms, then the AVX-512 ones (``wide_kernels.c``) where the CPU has them, kept only if they agree too."""
+    forms, then the AVX-512 ones (``wide_kernels.c``) and the C step's 16-bit-input 4-bit product
+    (``a16_kernels.c``, against torch on the inputs as it rounds them) where the CPU has them, each kept
+    only if it agrees too."""
     generator = torch.Generator().manual_seed(0)
     q4 = torch.randint(0, 16, (6, 64), generator=generator)
     d, m = torch.rand(6, 2, generator=generator), torch.randn(6, 2, generator=generator)
@@ -157,14 +163,19 @@ def _agrees(lib: ctypes.CDLL) -> bool:
     if lib.wide_kernels(1) and not float_inputs_agree():
         logger.warning("block kernels: the AVX-512 products disagree with torch on a random product; using the AVX2 ones")
         lib.wide_kernels(0)
+    if lib.a16_kernels(1) and not torch.allclose(a16_matmul(x, pack_nibbles(q4), d, m, None, lib=lib),
+                                                 quantized_inputs(x, bits=16) @ weight.t(), rtol=1e-4, atol=1e-4):
+        logger.warning("block kernels: the 16-bit-input products disagree with torch on a random product; the C step keeps float inputs")
+        lib.a16_kernels(0)
     return True
 
 
-def quantized_inputs(x: torch.Tensor) -> torch.Tensor:
-    """``x [rows, in]`` as the 8-bit-input kernels read it: each block of 32 rounded (half to even) to
-    ``round(x / s) * s``, ``s`` = its largest magnitude / 127, in the kernels' float32 steps."""
+def quantized_inputs(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """``x [rows, in]`` as the 8-bit-input kernels (``bits=16``: the 16-bit-input ones) read it: each
+    block of 32 rounded (half to even) to ``round(x / s) * s``, ``s`` = its largest magnitude / 127
+    (16 bits: / 32512, that is 127 * 256), in the kernels' float32 steps."""
     blocks = x.reshape(x.shape[0], -1, BLOCK)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    scale = blocks.abs().amax(-1, keepdim=True) / (127 if bits == 8 else 32512)
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     return (torch.round(blocks * inverse) * scale).reshape(x.shape)
 
@@ -215,6 +226,20 @@ def a8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, minim
         lib.q4a8_matmul(x.data_ptr(), rows, features, values.data_ptr(), scales.data_ptr(), minimums.data_ptr(), scales.shape[0], *ends)
     else:
         lib.q8a8_matmul(x.data_ptr(), rows, features, values.data_ptr(), scales.data_ptr(), scales.shape[0], *ends)
+    return out
+
+
+def a16_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+               bias: torch.Tensor | None, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """:func:`q4_matmul` on ``x`` rounded to 16 bits a block (:func:`quantized_inputs` with ``bits=16``),
+    in integers: what the C decode step computes under ``weights="int4"`` where ``a16_kernels`` says so
+    (AVX512-VNNI; not to be called elsewhere)."""
+    lib = lib or library()
+    rows, features = x.shape
+    out = torch.empty(rows, scales.shape[0])
+    scratch = torch.empty(rows * 84 * features // BLOCK, dtype=torch.uint8)
+    lib.a16_matmul(x.data_ptr(), rows, features, words.data_ptr(), scales.data_ptr(), minimums.data_ptr(), scales.shape[0],
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
     return out
 
 

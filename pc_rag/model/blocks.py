@@ -79,7 +79,7 @@ class BlockLinear(torch.nn.Module):
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
         self.siblings: Siblings | None = None  # layers always handed the same input: one product for all (join)
         self.sibling = 0  # this layer's place among them
-        # 8: the C decode step (pc_rag.model.fused_step) multiplies it by inputs quantized to 8 bits a block
+        # 8 (16): the C decode step (pc_rag.model.fused_step) multiplies it by inputs quantized to 8 (16) bits a block
         self.decode_activation_bits = 32
 
     def _apply(self, fn: Any, recurse: bool = True) -> BlockLinear:
@@ -221,7 +221,8 @@ def bits_for(linear: torch.nn.Linear, *, head: bool) -> int:
 def install(model: Any, *, decode_activation_bits: int = 32) -> int:
     """Replace ``model``'s linear layers (inputs in whole blocks of 32) by :class:`BlockLinear`;
     returns how many were replaced. A float32 CPU model only. ``decode_activation_bits=8``: the C
-    decode step quantizes their inputs to 8 bits a block (``weights="int4-a8"``)."""
+    decode step quantizes their inputs to 8 bits a block (``weights="int4-a8"``); ``16``: the 4-bit
+    layers' inputs to 16 bits where the CPU has AVX512-VNNI (``weights="int4"``: ``a16_kernels.c``)."""
     if torch.device(model.device).type != "cpu" or model.dtype != torch.float32:
         raise PromptCacheError(f'weights="int4" runs a float32 model on a CPU; this one is {model.dtype} on {model.device}',
                                param="weights")

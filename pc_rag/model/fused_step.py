@@ -97,8 +97,10 @@ class FusedStep:
         # the layers' hook tables (torch adds to them in place): any hook means a step the C code would skip
         self.hooks = [table for linear in self.linears for table in (linear._forward_hooks, linear._forward_pre_hooks)]
         self.steps = 0  # steps run in C (tests read it)
-        # 8: products multiply inputs quantized to 8 bits a block (weights="int4-a8": every layer asked for it)
-        self.activation_bits = 8 if all(linear.decode_activation_bits == 8 for linear in self.linears) else 32
+        # 8: products multiply inputs quantized to 8 bits a block (weights="int4-a8": every layer asked for it);
+        # 16: the 4-bit ones to 16 bits (weights="int4" where the CPU has AVX512-VNNI: a16_kernels.c); else float32
+        asked = {linear.decode_activation_bits for linear in self.linears}
+        self.activation_bits = 8 if asked == {8} else 16 if asked == {16} and self.lib.a16_kernels(-1) else 32
         # cos/sin by position, filled by the model's rotary module (None: its frequencies follow the input)
         self.rope = RopeTable.build(step.rotary, step.norm.weight)
         self._build()

@@ -43,7 +43,8 @@ typedef struct {
     int threads;
     product_t head;                /* the LM head in blocks (values null: the caller runs its own) */
     float *logits;                 /* [rows, head.out_features] */
-    int activation_bits;           /* 8: 4-bit products quantize their inputs to 8 bits a block (q4a8_chunks); else 32 */
+    int activation_bits;           /* 8: products quantize their inputs to 8 bits a block (a8_kernels.c); 16: 4-bit ones
+                                      to 16 bits (a16_kernels.c, where a16_kernels() says so); else 32 */
 } step_t;
 
 /* e^x, 8 lanes (Cephes' polynomial: ~1 ulp over [-87, 88]; below, ~0 as a masked score must be) */
@@ -73,7 +74,7 @@ typedef struct { /* up to three products of one input (q, k, v; gate, up), their
     const product_t *p[3];
     float *out[3];
     int64_t first[4]; /* product i's chunks are items [first[i], first[i + 1]) */
-    int n, eight;     /* eight: 8-bit activations */
+    int n, inputs;    /* the activations' bits: 8, 16 or 32 */
     const float *x;
     const void *scratch;
     int64_t rows;
@@ -86,11 +87,14 @@ static void product_part(void *context, int64_t start, int64_t stop) {
         if (c0 >= c1) continue;
         const product_t *p = j->p[i];
         const int64_t a = c0 - j->first[i], b = c1 - j->first[i];
-        if (p->bits == 8 && j->eight)
+        if (p->bits == 8 && j->inputs == 8)
             q8a8_chunks(j->scratch, j->rows, p->in_features, p->values, p->scales, p->out_features, p->bias, j->out[i], a, b);
         else if (p->bits == 8)
             q8_chunks(j->x, j->rows, p->in_features, p->values, p->scales, p->out_features, p->bias, j->out[i], a, b);
-        else if (j->eight)
+        else if (j->inputs == 16)
+            a16_chunks(j->scratch, j->rows, p->in_features, p->values, p->scales, p->minimums, p->out_features, p->bias,
+                       j->out[i], a, b);
+        else if (j->inputs == 8)
             q4a8_chunks(j->scratch, j->rows, p->in_features, p->values, p->scales, p->minimums, p->out_features, p->bias,
                         j->out[i], a, b);
         else
@@ -103,15 +107,16 @@ static void product_part(void *context, int64_t start, int64_t stop) {
    among the step's team as one part (k and v alone are three chunks each: two threads would share them 2:1) */
 static void products(const step_t *s, int n, const product_t *const *ps, float *const *outs, const float *x, int64_t rows,
                      prepared_t *prepared, int team) {
-    const int eight = s->activation_bits == 8;
+    const int inputs = s->activation_bits == 8 || (s->activation_bits == 16 && a16_kernels(-1)) ? s->activation_bits : 32;
     for (int i = 0, end; i < n; i = end) {
         for (end = i + 1; end < n && ps[end]->bits == ps[i]->bits;) end++; /* one preparation of x serves [i, end) */
-        if ((ps[i]->bits == 4 || eight) && (prepared->x != x || prepared->bits != ps[i]->bits)) {
-            if (eight) a8_prepare(x, rows, ps[i]->in_features, ps[i]->bits == 4, prepared->scratch);
+        if ((ps[i]->bits == 4 || inputs == 8) && (prepared->x != x || prepared->bits != ps[i]->bits)) {
+            if (inputs == 8) a8_prepare(x, rows, ps[i]->in_features, ps[i]->bits == 4, prepared->scratch);
+            else if (inputs == 16) a16_prepare(x, rows, ps[i]->in_features, prepared->scratch);
             else q4_prepare(x, rows, ps[i]->in_features, prepared->scratch);
             prepared->x = x, prepared->bits = ps[i]->bits;
         }
-        product_job job = {.n = end - i, .eight = eight, .x = x, .scratch = prepared->scratch, .rows = rows};
+        product_job job = {.n = end - i, .inputs = inputs, .x = x, .scratch = prepared->scratch, .rows = rows};
         for (int k = i; k < end; k++) {
             job.p[k - i] = ps[k], job.out[k - i] = outs[k];
             job.first[k - i + 1] = job.first[k - i] + block_chunks(ps[k]->out_features);

@@ -52,7 +52,7 @@ def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
         if compiled:  # dynamo breaks the graph at every call into the kernels: hundreds of fragments a step
             raise PromptCacheError('weights="int4" runs pc-rag\'s kernels eagerly (a compiled step breaks at every call into them); '
                                    'pass compile=False, or weights="float32"', param="weights")
-        return blocks.install(model, decode_activation_bits=8 if weights == "int4-a8" else 32)
+        return blocks.install(model, decode_activation_bits=8 if weights == "int4-a8" else 16)
     return int4.install(model, weights)
 
 
