@@ -1,10 +1,12 @@
 """What the decode step's precision does to answers: the embedded model's weights as float32 (its
-GGUF's blocks dequantized), ``"int4"`` (the same blocks on pc-rag's kernels, float32 inputs) and
-``"int4-a8"`` (decode steps' inputs in 8 bits a block too, as llama.cpp computes), each engine over
-its own copy of the model, on the same held-out prompts (``build_prompt(question, passages)``, the
-documents cached), greedy, ``--tokens`` new tokens, end-of-sequence banned.
+GGUF's blocks dequantized), ``"int4"`` (the same blocks on pc-rag's kernels; the C decode step's 4-bit
+products on inputs rounded to 16 bits a block where the CPU has AVX512-VNNI), ``"int4"`` with float32
+inputs in decode too (``int4 float inputs``) and ``"int4-a8"`` (decode steps' inputs in 8 bits a block,
+as llama.cpp computes), each engine over its own copy of the model, on the same held-out prompts
+(``build_prompt(question, passages)``, the documents cached), greedy, ``--tokens`` new tokens,
+end-of-sequence banned.
 
-Per precision against float32 (and int4-a8 against int4): the mean KL of each decode step's next-token
+Per precision against float32 (and against int4's other inputs): the mean KL of each decode step's next-token
 distribution over the steps both answers share (up to the first token where they part), the share of
 whole answers equal, and the mean number of tokens before they part. The first token is prefill's
 (unchanged by a8) and is counted apart.
@@ -35,8 +37,17 @@ from quality import INSTRUCTION, load  # noqa: E402
 
 from pc_rag import PromptCache, build_prompt  # noqa: E402
 
-WEIGHTS = ("float32", "int4", "int4-a8")
-PAIRS = (("int4", "float32"), ("int4-a8", "float32"), ("int4-a8", "int4"))
+PRECISIONS = ("float32", "int4", "int4 float inputs", "int4-a8")
+PAIRS = (("int4", "float32"), ("int4 float inputs", "float32"), ("int4", "int4 float inputs"), ("int4-a8", "float32"),
+         ("int4-a8", "int4"))
+
+
+def engine_for(precision: str) -> PromptCache:
+    """The embedded model at ``precision`` (``int4 float inputs``: weights="int4", its C step on float32 inputs)."""
+    engine = PromptCache.from_pretrained(weights=precision.split()[0])
+    if precision == "int4 float inputs" and engine.forward.written_step is not None and engine.forward.written_step.fused is not None:
+        engine.forward.written_step.fused.activation_bits = 32
+    return engine
 
 
 def answer(engine: PromptCache, question: str, passages: list[str], tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -63,15 +74,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_fidelity.json")
     args = parser.parse_args()
-    engines = {weights: PromptCache.from_pretrained(weights=weights) for weights in WEIGHTS}
+    engines = {precision: engine_for(precision) for precision in PRECISIONS}
     for engine in engines.values():
         engine.stop_token_ids.clear()  # every answer --tokens long
-    report: dict[str, Any] = {"tokens": args.tokens, "run": run_info(engines["int4-a8"], "SmolLM2-135M-Instruct (embedded)")}
+    fused = engines["int4"].forward.written_step.fused if engines["int4"].forward.written_step is not None else None
+    report: dict[str, Any] = {"tokens": args.tokens, "int4 decode input bits": fused.activation_bits if fused else 32,
+                              "run": run_info(engines["int4-a8"], "SmolLM2-135M-Instruct (embedded)")}
     for spec in args.sets:
         name, _, count = spec.partition(":")
         rows = []
         for record in tqdm(load(name, ROOT / "benchmarks" / "data", int(count) if count else None, args.skip), desc=name):
-            answers = {weights: answer(engine, record.question, record.passages, args.tokens) for weights, engine in engines.items()}
+            answers = {precision: answer(engine, record.question, record.passages, args.tokens) for precision, engine in engines.items()}
             rows.append({f"{b} vs {a}": compared(answers[a], answers[b]) for b, a in PAIRS})
         summary = {}
         for pair in rows[0]:

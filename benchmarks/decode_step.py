@@ -124,6 +124,7 @@ def measure(weights: str, cache: int, rounds: int, steps: int, threads: int) -> 
     out = {name: statistics.median(values) for name, values in times.items()}
     out["in C"] = fused is not None
     out["8-bit inputs"] = fused is not None and fused.activation_bits == 8
+    out["input bits"] = fused.activation_bits if fused is not None else 32  # 16: int4 on AVX512-VNNI (a16_kernels.c)
     out["read MB"] = read_bytes(step, buffer, cache) / 1e6
     out["stream GB/s"] = statistics.median(streams)
     out["read time"] = out["read MB"] / out["stream GB/s"]
