@@ -10,8 +10,9 @@ float32, and their dequantization (see the C file's header for the layout); ~150
 (AVX2, and AVX512-VNNI where the CPU has it: the same bits); ~200 more (``wide_kernels.c``): the
 float-input products in AVX-512 where the CPU has it (the same products, summed in 16 lanes); ~150
 more (``a16_kernels.c``): the 4-bit weights times inputs rounded to 16 bits a block, for the C decode
-step under ``weights="int4"`` where the CPU has AVX512-VNNI; and ~300 more (``llama_step.c``): a Llama-family decode step over them in one call
-(:mod:`pc_rag.model.fused_step`), with its own threads (``thread_pool.c``).
+step under ``weights="int4"`` where the CPU has AVX512-VNNI; and ~300 more (``llama_step.c``): a
+Llama-family decode step over them in one call (:mod:`pc_rag.model.fused_step`), with its own
+threads (``thread_pool.c``).
 
 The source is compiled once per source, flags and compiler with the system C compiler (``$CC``,
 else ``cc``/``gcc``) into pc-rag's cache folder, written to a temporary name and renamed (so a
@@ -175,7 +176,7 @@ def quantized_inputs(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     block of 32 rounded (half to even) to ``round(x / s) * s``, ``s`` = its largest magnitude / 127
     (16 bits: / 32512, that is 127 * 256), in the kernels' float32 steps."""
     blocks = x.reshape(x.shape[0], -1, BLOCK)
-    scale = blocks.abs().amax(-1, keepdim=True) / (127 if bits == 8 else 32512)
+    scale = blocks.abs().amax(-1, keepdim=True) / {8: 127, 16: 32512}[bits]
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     return (torch.round(blocks * inverse) * scale).reshape(x.shape)
 
