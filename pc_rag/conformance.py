@@ -177,13 +177,14 @@ def _sixteen_bit_inputs(engine: Any, prompts: PromptMaker) -> PathResult:
     """The C decode step on the inputs it rounds to 16 bits against float32 inputs: the same tokens, the
     logits within A16_TOLERANCE."""
     prompt = prompts("What is this passage about?", [0])
-    fused = engine.forward.written_step.fused
+    fused = _fused_step(engine)
+    before = fused.activation_bits
     floats = engine.generate(prompt, max_new_tokens=6, output_logits=True, do_sample=False)
     fused.activation_bits = 16
     try:
         sixteen = engine.generate(prompt, max_new_tokens=6, output_logits=True, do_sample=False)
     finally:
-        fused.activation_bits = 32
+        fused.activation_bits = before
     if sixteen.token_ids != floats.token_ids:
         return PathResult(A16_PATH, float("inf"), "tokens differ", tolerance=A16_TOLERANCE)
     return PathResult(A16_PATH, _diff([sixteen.logits], [floats.logits]), tolerance=A16_TOLERANCE)
@@ -323,10 +324,16 @@ def _prompts(make: PromptMaker) -> list[Any]:
     return [make(q, [1, 0]) for q in ("Who is named?", "What happened?", "When was it?")]
 
 
+def _fused_step(engine: Any) -> Any:
+    """``engine``'s C decode step (:class:`pc_rag.model.fused_step.FusedStep`), or None where it has none."""
+    step = engine.forward.written_step
+    return None if step is None else step.fused
+
+
 def _input_bits(engine: Any) -> int:
     """The bits ``engine``'s C decode step rounds its products' inputs to (32: float inputs, or no C step)."""
-    step = engine.forward.written_step
-    return step.fused.activation_bits if step is not None and step.fused is not None else 32
+    fused = _fused_step(engine)
+    return 32 if fused is None else fused.activation_bits
 
 
 def _helper(engine: Any, kv_dir: str, **settings: Any) -> Any:
@@ -334,7 +341,7 @@ def _helper(engine: Any, kv_dir: str, **settings: Any) -> Any:
     a C decode step on 16-bit inputs put on float32 ones (see the module's docstring)."""
     helper = type(engine)(engine.model, engine.tokenizer, kv_dir=kv_dir, **settings)
     if _input_bits(helper) == 16:
-        helper.forward.written_step.fused.activation_bits = 32
+        _fused_step(helper).activation_bits = 32
     return helper
 
 

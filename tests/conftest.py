@@ -147,6 +147,13 @@ def kernel_form(request) -> str:
     lib.wide_kernels(before)
 
 
+def sixteen_bit_inputs_here() -> None:
+    """Skip where the C step cannot take 16-bit inputs (no AVX512-VNNI): test_blocks'
+    test_the_kernels_build_and_load_here asserts they are used wherever the CPU has it."""
+    if not block_kernels.library().a16_kernels(-1):
+        pytest.skip("this CPU has no AVX512-VNNI (test_the_kernels_build_and_load_here asserts it is used where it has)")
+
+
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -19,7 +19,7 @@ from pc_rag.model.block_kernels import BLOCK
 from pc_rag.model.blocks import KERNEL_ROWS, BlockLinear
 from pc_rag.model.int4 import Int4Linear
 
-from .conftest import assert_answers_as_float32, assert_same_logits_joined_and_apart
+from .conftest import assert_answers_as_float32, assert_same_logits_joined_and_apart, sixteen_bit_inputs_here
 
 
 def test_the_kernels_build_and_load_here():
@@ -107,8 +107,7 @@ def test_the_16_bit_input_kernels_multiply_the_inputs_as_they_round_them_exactly
     products: exact against torch on the rounded inputs, over rows that hold a large outlier, a block of
     zeros and a value at half a step; each row's outputs the same bits alone as beside 12 others; a NaN or
     an infinite input gives NaN outputs to its row only, as a float product does."""
-    if not block_kernels.library().a16_kernels(-1):
-        pytest.skip("this CPU has no AVX512-VNNI (test_the_kernels_build_and_load_here asserts it is used where it has)")
+    sixteen_bit_inputs_here()
     features = blocks_per_row * BLOCK
     linear = gguf_like(97, features, 4, seed=4)
     layer = BlockLinear(linear, 4)

@@ -12,7 +12,7 @@ from pc_rag.errors import PromptCacheError
 from pc_rag.kv.buffers import KVBuffer
 from pc_rag.model import block_kernels, row_extents
 from pc_rag.model.llama_step import disagreement
-from tests.conftest import drawn_away
+from tests.conftest import drawn_away, sixteen_bit_inputs_here
 from tests.test_llama_step import answers, logprobs
 
 
@@ -236,11 +236,6 @@ def test_each_engine_keeps_the_inputs_it_was_built_with_over_one_model_object(ma
     sixteen = PromptCache(model, tokenizer, weights="int4")
     assert eight.forward.written_step.fused.activation_bits == 8
     assert sixteen.forward.written_step.fused.activation_bits == (16 if block_kernels.library().a16_kernels(-1) else 32)
-
-
-def sixteen_bit_inputs_here() -> None:
-    if not block_kernels.library().a16_kernels(-1):
-        pytest.skip("this CPU has no AVX512-VNNI (test_blocks asserts it is used where the CPU has it)")
 
 
 def test_int4_decodes_on_16_bit_inputs_near_float_inputs(make_tiny, tokenizer):

@@ -46,6 +46,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_kernels.c", "
                                                                   "llama_step.c", "thread_pool.c"))
 # what they call of each other; a8_kernels.c's products, included once per instruction set
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("block_kernels.h", "a8_products.h"))
+# a16_kernels.c's prepared input, a block of 32: its 16-bit values as two signed bytes each (64) and 5 floats
+A16_BYTES_PER_BLOCK = 84
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c11", "-fopenmp", "-pthread")
 LIBRARIES = ("-lm",)  # after the sources: expf and sqrtf of the decode step
 BLOCK = 32  # weights per scale (and minimum): GGUF's Q4_1 and Q8_0 blocks
@@ -238,7 +240,7 @@ def a16_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, minim
     lib = lib or library()
     rows, features = x.shape
     out = torch.empty(rows, scales.shape[0])
-    scratch = torch.empty(rows * 84 * features // BLOCK, dtype=torch.uint8)
+    scratch = torch.empty(rows * A16_BYTES_PER_BLOCK * (features // BLOCK), dtype=torch.uint8)
     lib.a16_matmul(x.data_ptr(), rows, features, words.data_ptr(), scales.data_ptr(), minimums.data_ptr(), scales.shape[0],
                    None if bias is None else bias.data_ptr(), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
     return out
