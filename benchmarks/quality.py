@@ -52,9 +52,9 @@ import torch
 from tqdm.auto import tqdm
 
 from pc_rag import PromptCache, build_prompt
-from pc_rag.model.weights import WEIGHTS
 from pc_rag.prefill.recovery import Recovery
 from pc_rag.prompt.documents import module_name
+from pc_rag.weights.choice import WEIGHTS
 
 INSTRUCTION = "\nAnswer with only the answer, in a few words."
 DECISIVE = 0.1  # full prefill's first token leads the runner-up by this much probability

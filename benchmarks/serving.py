@@ -755,13 +755,13 @@ def plot(folder: Path, path: Path) -> None:
 
 
 def linear(args: argparse.Namespace) -> dict[str, Any]:
-    """Decode-sized linear layers (``pc_rag.model.small_batch``): one sweep over the embedded
+    """Decode-sized linear layers (``pc_rag.weights.small_batch``): one sweep over the embedded
     model's linear layers for ``--callers`` rows, ``F.linear`` against ``W @ x^T``; then a decode
     step of that many rows (``generate_batch``, per-step time from its stats; with ``--overlap``
     the prompts import the same passages) with ``small_batch_linear`` off and on; median of ``--repeats``."""
     import torch.nn.functional as F
 
-    from pc_rag.model import small_batch
+    from pc_rag.weights import small_batch
 
     engine = PromptCache.from_pretrained(small_batch_linear=False)
     engine.stop_token_ids.clear()

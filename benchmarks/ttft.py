@@ -129,8 +129,8 @@ def main() -> None:
                         help="the engine's weights= (default: what from_pretrained gives: int4 for the embedded model on a CPU)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ttft.json")
     args = parser.parse_args()
-    try:  # imported here: before_after.py runs this script against commits before pc_rag.model.weights
-        from pc_rag.model.weights import chosen
+    try:  # imported here: before_after.py runs this script against commits before pc_rag.weights.choice
+        from pc_rag.weights.choice import chosen
     except ImportError:
         chosen = None
     embedded = args.model is None and not args.synthetic_7b

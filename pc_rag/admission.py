@@ -100,6 +100,13 @@ class AdmissionPolicy(Protocol):
     def __iter__(self) -> Iterator[Ticket]: ...
 
 
+def cancel_waiting(policy: AdmissionPolicy) -> None:
+    """Every ticket waiting in ``policy`` cancelled and dropped (a forked child's copies of its parent's)."""
+    for ticket in list(policy):
+        ticket.cancelled = True
+    policy.drop_cancelled()
+
+
 class FirstComeFirstServed:
     """In order of submission; a ticket that does not fit stops the choice, so a long prompt is
     never passed over by a stream of short ones."""

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import forks
 from .errors import PromptCacheError
 from .model.turns import ModelTurns
 from .prompt.documents import DocumentRecord
@@ -108,6 +109,15 @@ class BackgroundEncoder:
         self._closed = False
         self.encoded = 0  # documents this queue has added
         _queues.add(self)
+        forks.after_fork_in_child(self._after_fork)
+
+    def _after_fork(self) -> None:
+        """In a forked child (:mod:`pc_rag.forks`): the worker is gone and the queued documents are the
+        parent's to encode; the child starts with an empty queue and starts a worker when it queues one."""
+        self._cond = threading.Condition()
+        self._queue.clear()
+        self._queued.clear()
+        self._current, self._worker, self._urgent = None, None, False
 
     # -- requests --------------------------------------------------------------------------------
     @contextmanager

@@ -92,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> DemoRAG:
     from .demo import DemoRAG
-    from .model.loading import cache_root
+    from .paths import cache_root
 
     if args.kv_dir is None:
         args.kv_dir = str(cache_root())

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from .errors import PromptCacheError
-from .model.int4 import Int4Linear
 from .prompt.documents import build_prompt
 from .prompt.pml import PML, escape
+from .weights.int4 import Int4Linear
 
 logger = logging.getLogger(__name__)
 

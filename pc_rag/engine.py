@@ -29,8 +29,6 @@ from .engine_parts import open_kv
 from .errors import PromptCacheError
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
-from .model import small_batch
-from .model import weights as model_weights
 from .model.forward import Forward, compile_mode
 from .model.loading import load_model
 from .model.rope import RopeRotator
@@ -47,6 +45,8 @@ from .registry_snapshot import Schema
 from .registry_sync import RegistrySync
 from .scheduler import Scheduler
 from .serving import Serving
+from .weights import choice as model_weights
+from .weights import small_batch
 
 # shared_prefix: every module sees the schema's system prompt, as in full prefill (no first token becomes a
 # spurious attention sink); scaffold: a PML schema encoded jointly along its paths, as the reference implementation does
@@ -110,10 +110,10 @@ class PromptCache(Registration, Serving):
             replays each step as a CUDA graph on a GPU (on a CPU it compiles as "default"). Batched rows copy the module KV they
             import alike (a step over shared parts runs eagerly). Call :meth:`warm_up` first, or the first callers compile.
         small_batch_linear: linear layers compute inputs of 2-16 rows (decode steps of several requests) as
-            ``W @ x^T``, streaming the weights once on a CPU (:mod:`pc_rag.model.small_batch`). None: for a float32
+            ``W @ x^T``, streaming the weights once on a CPU (:mod:`pc_rag.weights.small_batch`). None: for a float32
             CPU model with over 32 MB of linear weights. Set on the model's layers (for every user of that model object).
         weights: a CPU model's linear layers in ``"float16"`` (float32 arithmetic), ``"int4"`` (the LM head in 8 bits) or ``"int4-a8"``
-            (decode steps' inputs in 8 bits too); None: as loaded (the model is changed: :mod:`pc_rag.model.weights`; embedded: int4).
+            (decode steps' inputs in 8 bits too); None: as loaded (the model is changed: :mod:`pc_rag.weights.choice`; embedded: int4).
         encode_share: the share of the model's time documents queued with ``background=True`` are
             encoded in while requests run (all of it when none do; :mod:`pc_rag.model.turns`).
     """

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+from . import forks
 from .errors import ContextWindowExceeded, PromptCacheError
 from .model.spec import ModelSpec
 from .prefill.encode import ModuleEncoder
@@ -83,6 +84,7 @@ class Registry:
         self._schemas: dict[str, Schema] = {}
         self._snapshot = Snapshot(MappingProxyType({}), IndexSnapshot())
         self._lock = threading.RLock()
+        forks.renew_after_fork(self, "_lock")
         # who hears of every change (pc_rag.registry_sync.RegistrySync: other replicas), None: nobody
         self.publisher: Publisher | None = None
         self._listeners: weakref.WeakSet[Any] = weakref.WeakSet()  # indexes to tell about deletions

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from .admission import AdmissionPolicy, FirstComeFirstServed, Limits, Room, in_chunks, rebuild_without_finished
+from . import forks
+from .admission import AdmissionPolicy, FirstComeFirstServed, Limits, Room, cancel_waiting, in_chunks, rebuild_without_finished
 from .callers import RequestStatus, Ticket, hand_out
 from .decode import layout
 from .decode.layout import VacantRow, reserved_rows, vacant_rows
@@ -113,9 +114,9 @@ class Scheduler:
         self._newcomer: Ticket | None = None  # its ticket
         self._tickets: dict[int, Ticket] = {}  # every submission held, by id, until its status is final
         self._thread: threading.Thread | None = None
-        self._closed = False
-        self._stats = SchedulerStats()
+        self._closed, self._stats = False, SchedulerStats()
         _OPEN.add(self)
+        forks.after_fork_in_child(self._after_fork)
 
     # -- the callers' side ------------------------------------------------------------------------
     def submit(self, ticket: Ticket) -> Ticket:
@@ -184,6 +185,13 @@ class Scheduler:
             thread = self._thread
         if thread is not None:
             thread.join(timeout)
+
+    def _after_fork(self) -> None:
+        """In a forked child (:mod:`pc_rag.forks`): the parent's rows and tickets are not served; a loop starts on demand."""
+        self._cond, self._thread, self._tickets, self._awaiting_room = threading.Condition(), None, {}, 0
+        cancel_waiting(self.policy)
+        self._batch = self._chunked = self._newcomer = None  # their buffers are the child's copies: not held
+        self.budget.let_go_of_all()
 
     # -- the loop ----------------------------------------------------------------------------
     def _start(self) -> None:

@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from pc_rag import PromptCache
-from pc_rag.model import block_kernels
+from pc_rag.kernels import loader
 from pc_rag.model.loading import default_model_dir
 
 ARCHS = ("llama", "qwen2", "gemma2", "gemma3", "smollm3", "cohere2", "llama4", "olmo2", "granite", "qwen3_moe", "gpt_oss", "gpt2",
@@ -138,7 +138,7 @@ def make_engine(make_tiny, tokenizer) -> Callable[..., PromptCache]:
 def kernel_form(request) -> str:
     """Each form of the float-input block kernels in turn: AVX2, and AVX-512 (``wide_kernels.c``)
     where this CPU has AVX-512F (the machines pc-rag is tested on do)."""
-    lib = block_kernels.library()
+    lib = loader.library()
     before = lib.wide_kernels(-1)
     if lib.wide_kernels(int(request.param == "avx512")) != (request.param == "avx512"):
         lib.wide_kernels(before)
@@ -150,7 +150,7 @@ def kernel_form(request) -> str:
 def sixteen_bit_inputs_here() -> None:
     """Skip where the C step cannot take 16-bit inputs (no AVX512-VNNI): test_blocks'
     test_the_kernels_build_and_load_here asserts they are used wherever the CPU has it."""
-    if not block_kernels.library().a16_kernels(-1):
+    if not loader.library().a16_kernels(-1):
         pytest.skip("this CPU has no AVX512-VNNI (test_the_kernels_build_and_load_here asserts it is used where it has)")
 
 

@@ -16,9 +16,11 @@ PACKAGE = ROOT / "pc_rag"
 
 # lowest first; a module may import from its own layer and the layers below
 LAYERS = (
-    ("errors", "paths", "atomic"),
+    ("errors", "paths", "atomic", "forks"),
+    ("kernels",),
     ("prompt",),
     ("kv",),
+    ("weights",),
     ("model",),
     ("prefill",),
     ("decode",),

@@ -1,4 +1,4 @@
-"""``weights="int4"`` on pc-rag's own kernels (:mod:`pc_rag.model.blocks`): GGUF's Q4_1 and Q8_0
+"""``weights="int4"`` on pc-rag's own kernels (:mod:`pc_rag.weights.blocks`): GGUF's Q4_1 and Q8_0
 blocks found again bit for bit in a float32 model, products against torch's on the same weights,
 one copy of the weights (4-bit) for decode and prefill, the kernels built once and rebuilt when
 their cached copy is damaged, and torch's 4-bit kernel where they cannot be built."""
@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from pc_rag import PromptCache, PromptCacheError
-from pc_rag.model import block_kernels, blocks
-from pc_rag.model.block_kernels import BLOCK
-from pc_rag.model.blocks import KERNEL_ROWS, BlockLinear
-from pc_rag.model.int4 import Int4Linear
+from pc_rag.kernels import build, loader, products
+from pc_rag.kernels.products import BLOCK
+from pc_rag.weights import blocks
+from pc_rag.weights.blocks import KERNEL_ROWS, BlockLinear
+from pc_rag.weights.int4 import Int4Linear
 
 from .conftest import assert_answers_as_float32, assert_same_logits_joined_and_apart, sixteen_bit_inputs_here
 
@@ -25,11 +26,11 @@ from .conftest import assert_answers_as_float32, assert_same_logits_joined_and_a
 def test_the_kernels_build_and_load_here():
     """The machines pc-rag is tested on (x86-64, AVX2, a C compiler) run its kernels: no test here is
     skipped for want of them."""
-    assert block_kernels.cpu_supported() and block_kernels.compiler() is not None
-    assert block_kernels.library() is not None
+    assert loader.cpu_supported() and build.compiler() is not None
+    assert loader.library() is not None
     # and their AVX-512 forms where the CPU has them: agreeing with torch at load, so kept
-    assert block_kernels.library().wide_kernels(-1) == (torch.backends.cpu.get_cpu_capability() == "AVX512")
-    assert block_kernels.library().a16_kernels(-1) == ("avx512_vnni" in cpu_flags() and "avx512bw" in cpu_flags())
+    assert loader.library().wide_kernels(-1) == (torch.backends.cpu.get_cpu_capability() == "AVX512")
+    assert loader.library().a16_kernels(-1) == ("avx512_vnni" in cpu_flags() and "avx512bw" in cpu_flags())
 
 
 def cpu_flags() -> set[str]:
@@ -87,17 +88,17 @@ def test_the_8_bit_input_kernels_multiply_the_inputs_as_they_round_them_exactly(
         x = torch.randn(rows, 6 * BLOCK, generator=generator)
         x[0, 3], x[-1, BLOCK:2 * BLOCK] = 50.0, 0.0
         x[0, 4 * BLOCK:4 * BLOCK + 2] = torch.tensor([127.0, 0.5])  # 0.5 rounds to even: 0
-        rounded = block_kernels.quantized_inputs(x)
+        rounded = products.quantized_inputs(x)
         assert rounded[0, 4 * BLOCK + 1] == 0.0 and torch.equal(rounded[-1, BLOCK:2 * BLOCK], x[-1, BLOCK:2 * BLOCK])
         assert (rounded - x).abs().max() <= x.abs().max() / 254 * 1.0001  # half a step of the largest block's scale
         expected = rounded.double() @ linear.weight.double().t() + linear.bias.double()
-        got = block_kernels.a8_matmul(x, *weights, linear.bias)
+        got = products.a8_matmul(x, *weights, linear.bias, lib=loader.library())
         assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-4), (got.double() - expected).abs().max()
         try:  # AVX512-VNNI where this CPU has it, else AVX2 again: every block summed exactly either way, the same bits
-            assert block_kernels.library().a8_vnni(0) == 0
-            assert torch.equal(block_kernels.a8_matmul(x, *weights, linear.bias), got)
+            assert loader.library().a8_vnni(0) == 0
+            assert torch.equal(products.a8_matmul(x, *weights, linear.bias, lib=loader.library()), got)
         finally:
-            block_kernels.library().a8_vnni(1)
+            loader.library().a8_vnni(1)
         assert not torch.allclose(got.double(), x.double() @ linear.weight.double().t() + linear.bias.double(), rtol=1e-5, atol=1e-4)
 
 
@@ -116,18 +117,18 @@ def test_the_16_bit_input_kernels_multiply_the_inputs_as_they_round_them_exactly
     x = torch.randn(13, features, generator=generator)
     x[0, 3], x[-1, BLOCK:2 * BLOCK] = 3e4, 0.0
     x[0, 2 * BLOCK:2 * BLOCK + 2] = torch.tensor([32512.0, 0.5])  # 0.5 rounds to even: 0
-    rounded = block_kernels.quantized_inputs(x, bits=16)
+    rounded = products.quantized_inputs(x, bits=16)
     assert rounded[0, 2 * BLOCK + 1] == 0.0 and torch.equal(rounded[-1, BLOCK:2 * BLOCK], x[-1, BLOCK:2 * BLOCK])
     assert (rounded - x).abs().max() <= x.abs().max() / 65024 * 1.0001  # half a step of the largest block's scale
     expected = rounded.double() @ linear.weight.double().t() + linear.bias.double()
     for rows in (1, 2, 5, 8, 9, 13):  # passes of 8 rows and what is left
-        got = block_kernels.a16_matmul(x[:rows], *weights, linear.bias)
+        got = products.a16_matmul(x[:rows], *weights, linear.bias, lib=loader.library())
         assert torch.allclose(got.double(), expected[:rows], rtol=1e-5, atol=1e-4), (got.double() - expected[:rows]).abs().max()
-        assert torch.equal(got, torch.cat([block_kernels.a16_matmul(x[r:r + 1], *weights, linear.bias) for r in range(rows)]))
+        assert torch.equal(got, torch.cat([products.a16_matmul(x[r:r + 1], *weights, linear.bias, lib=loader.library()) for r in range(rows)]))
     broken = x[:3].clone()
     broken[0, 5], broken[2, -1] = float("nan"), float("inf")
-    got = block_kernels.a16_matmul(broken, *weights, linear.bias)
-    assert got[0].isnan().all() and got[2].isnan().all() and torch.equal(got[1], block_kernels.a16_matmul(x[1:2], *weights, linear.bias)[0])
+    got = products.a16_matmul(broken, *weights, linear.bias, lib=loader.library())
+    assert got[0].isnan().all() and got[2].isnan().all() and torch.equal(got[1], products.a16_matmul(x[1:2], *weights, linear.bias, lib=loader.library())[0])
 
 
 def test_a_layer_refuses_what_its_kernels_cannot_read():
@@ -212,8 +213,8 @@ def test_the_embedded_model_holds_its_gguf_values_exactly(model_dir):
 def test_a_damaged_kernel_library_is_built_again(tmp_path):
     """Each in a fresh process (a process keeps the library it loaded mapped: the loader hands the
     same one back by path): build; find the cached copy damaged; build it again."""
-    env = {**os.environ, "PC_RAG_HOME": str(tmp_path)}
-    loads = [sys.executable, "-c", "from pc_rag.model import block_kernels; assert block_kernels.load() is not None"]
+    env = {**os.environ, "PC_RAG_HOME": str(tmp_path), "PC_RAG_KERNELS": "build"}
+    loads = [sys.executable, "-c", "from pc_rag.kernels import loader; assert loader.load() is not None"]
     subprocess.run(loads, env=env, check=True, timeout=300)
     (built,) = (tmp_path / "kernels").glob("block_kernels-*.so")
     damaged = tmp_path / "damaged"
@@ -223,22 +224,23 @@ def test_a_damaged_kernel_library_is_built_again(tmp_path):
     assert finished.returncode == 0, finished.stderr
     assert "rejected" in finished.stderr and "building them again" in finished.stderr
     assert built.stat().st_size > 1000 and built.read_bytes()[:4] == b"\x7fELF"
-    assert list((tmp_path / "kernels").iterdir()) == [built]  # no temporary left behind
+    assert sorted((tmp_path / "kernels").iterdir()) == [built.with_suffix(".lock"), built]  # no temporary left behind
 
 
 @pytest.mark.parametrize("weights", ["int4", "int4-a8"])  # int4-a8's 8-bit inputs are the kernels': int4 on torch's, logged
 def test_without_a_compiler_int4_runs_on_torchs_kernel(make_tiny, tokenizer, tmp_path, monkeypatch, caplog, weights):
     monkeypatch.setenv("PC_RAG_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    block_kernels.library.cache_clear()
+    monkeypatch.setenv("PC_RAG_KERNELS", "build")  # no library from the install either
+    loader.forget()
     try:
-        assert block_kernels.library() is None
+        assert loader.library() is None
         model = make_tiny("llama")
         PromptCache(model, tokenizer, weights=weights)
         assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
         assert (weights == "int4-a8") == any('weights="int4-a8" runs on pc-rag' in r.getMessage() for r in caplog.records)
     finally:
-        block_kernels.library.cache_clear()
+        loader.forget()
 
 
 def test_the_embedded_model_answers_by_default_as_its_float32_checkpoint(smollm):

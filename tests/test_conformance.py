@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pc_rag import PromptCache
 from pc_rag.cli import main
-from pc_rag.model import attention, block_kernels
+from pc_rag.kernels import loader
+from pc_rag.model import attention
 
 from .test_architectures import tiny
 
@@ -36,7 +37,7 @@ def test_pc_rag_check_prints_the_embedded_models_verdict(capsys):
     assert main(["check", "--no-fidelity"]) == 0
     out = capsys.readouterr().out
     assert "ok   module in place, decode steps" in out and "verdict: exact on every path it serves" in out
-    assert ("ok   decode steps on 16-bit inputs" in out) == bool(block_kernels.library().a16_kernels(-1)), out
+    assert ("ok   decode steps on 16-bit inputs" in out) == bool(loader.library().a16_kernels(-1)), out
 
 
 def test_a_model_whose_modules_cannot_move_is_checked_at_schema_positions(make_tiny, tokenizer):

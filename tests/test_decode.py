@@ -121,7 +121,7 @@ def test_a_compiled_step_serving_many_batch_shapes_keeps_compiling(make_tiny, to
     compiled once per exact shape hit dynamo's recompile limit (8) after eight shapes and from
     then on ran eagerly with a warning; the step compiles a few times and runs every shape
     compiled, with the same tokens as eager. Through the CPU's decode-sized linear layers too
-    (pc_rag.model.small_batch), whose row check once failed on a symbolic batch size."""
+    (pc_rag.weights.small_batch), whose row check once failed on a symbolic batch size."""
     model = make_tiny("llama", seed=11)
     eager = PromptCache(model, tokenizer, recompute=0, small_batch_linear=True)
     compiled = PromptCache(model, tokenizer, recompute=0, compile=True, small_batch_linear=True)

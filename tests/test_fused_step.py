@@ -4,13 +4,16 @@ and never used where it would skip something (a hook) or read stale weights."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
 from pc_rag import PromptCache
 from pc_rag.errors import PromptCacheError
+from pc_rag.kernels import loader
 from pc_rag.kv.buffers import KVBuffer
-from pc_rag.model import block_kernels, row_extents
+from pc_rag.model import row_extents
 from pc_rag.model.llama_step import disagreement
 from tests.conftest import drawn_away, sixteen_bit_inputs_here
 from tests.test_llama_step import answers, logprobs
@@ -235,7 +238,7 @@ def test_each_engine_keeps_the_inputs_it_was_built_with_over_one_model_object(ma
     eight = PromptCache(model, tokenizer, weights="int4-a8")
     sixteen = PromptCache(model, tokenizer, weights="int4")
     assert eight.forward.written_step.fused.activation_bits == 8
-    assert sixteen.forward.written_step.fused.activation_bits == (16 if block_kernels.library().a16_kernels(-1) else 32)
+    assert sixteen.forward.written_step.fused.activation_bits == (16 if loader.library().a16_kernels(-1) else 32)
 
 
 def test_int4_decodes_on_16_bit_inputs_near_float_inputs(make_tiny, tokenizer):
@@ -271,3 +274,76 @@ def test_on_16_bit_inputs_a_row_decodes_the_same_alone_and_beside_others(make_ti
         alone = random_cache(model, 40, fixed=True, rows=1, room=1)
         alone.storage.copy_(together.storage[:, :, row:row + 1])
         assert torch.equal(step(ids[row:row + 1], positions[row:row + 1], None, alone.cache), logits[row:row + 1]), row
+
+
+# -- the boundary: what the C reads is checked before it reads it ------------------------------------
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_a_full_kv_buffer_raises_a_typed_error_and_nothing_is_written(make_tiny, tokenizer, fixed):
+    """A step at a buffer's capacity: the C step wrote past the buffer (AddressSanitizer: a heap-buffer-overflow
+    WRITE in llama_step.c) where the tensor ops raised IndexError; now both paths refuse it in Python."""
+    engine = int4_engine(make_tiny, tokenizer)
+    step = engine.forward.written_step
+    full = random_cache(engine.model, 9, fixed=fixed, room=0)
+    if fixed:
+        full.fix(9, torch.tensor([9]))  # the cursor at the capacity
+    before = full.storage.clone()
+    ran = step.fused.steps
+    with pytest.raises(PromptCacheError, match="overflow"):
+        step(torch.tensor([[7]]), torch.tensor([[9]]), None, full.cache)
+    assert step.fused.steps == ran and torch.equal(full.storage, before)
+
+
+def test_the_c_step_itself_refuses_a_cursor_outside_the_kv_storage():
+    """The C checks the bounds it can check cheaply, whatever the caller checked."""
+    from pc_rag.kernels.step import Step
+    lib = loader.library()
+    for column, entries in ((4, 4), (-1, 4), (0, 5), (0, 0)):
+        args = Step(None, 0, 1, 8, 1, 1, 8, 8, capacity=4, column=column, entries=entries, work_floats=1 << 40)
+        assert lib.llama_step(ctypes.byref(args)) == -2, (column, entries)
+
+
+def test_a_kv_buffer_of_another_layout_is_refused_before_the_c_step_reads_it(make_tiny, tokenizer):
+    engine = int4_engine(make_tiny, tokenizer)
+    step = engine.forward.written_step
+    model = engine.model
+    narrow = random_cache(model, 9, fixed=True)
+    layer = narrow.cache.layers[1]
+    layer.rebase(layer._keys_all[..., :-1], layer._values_all[..., :-1])  # one layer's heads a float short
+    with pytest.raises(PromptCacheError, match="layout|entries"):
+        step(torch.tensor([[7]]), torch.tensor([[9]]), None, narrow.cache)
+
+
+def test_the_step_structures_are_checked_against_the_librarys_layout():
+    from pc_rag.kernels import step as step_structures
+
+    class StepWithoutCapacity(ctypes.Structure):  # the layout before the capacity field: refused at load
+        _fields_ = [(name, kind) for name, kind in step_structures.Step._fields_ if name != "capacity"]
+
+    lib = loader.library()
+    assert step_structures.layout_agrees(lib) is None
+    problem = step_structures.layout_agrees(lib, (step_structures.Product, step_structures.Layer, StepWithoutCapacity))
+    assert problem is not None and "laid out" in problem
+
+
+def test_the_products_check_every_tensor_they_hand_to_c():
+    from pc_rag.kernels import products
+    lib = loader.library()
+    generator = torch.Generator().manual_seed(0)
+    words = products.pack_nibbles(torch.randint(0, 16, (6, 64), generator=generator))
+    scales, minimums, x = torch.rand(6, 2), torch.randn(6, 2), torch.randn(3, 64)
+    assert products.q4_matmul(x, words, scales, minimums, None, lib=lib).shape == (3, 6)
+    bad = {"x": (x.double(), words, scales, minimums, None), "x ": (torch.randn(3, 32), words, scales, minimums, None),
+           "x  ": (torch.randn(64, 3).t(), words, scales, minimums, None), "values": (x, words[:, :4], scales, minimums, None),
+           "minimums": (x, words, scales, minimums[:5], None), "bias": (x, words, scales, minimums, torch.zeros(5)),
+           "scales": (x, words, scales.half(), minimums, None)}
+    for name, arguments in bad.items():
+        with pytest.raises(PromptCacheError) as refused:
+            products.q4_matmul(*arguments, lib=lib)
+        assert refused.value.param == name.strip(), (name, refused.value)
+    with pytest.raises(PromptCacheError, match="values"):
+        products.q8_matmul(x, torch.zeros(6, 64, dtype=torch.uint8), scales, None, lib=lib)
+    with pytest.raises(PromptCacheError, match="holds"):
+        products.dequantize_into(torch.empty(100), 0, 6, words, scales, minimums, lib=lib)
+    with pytest.raises(PromptCacheError, match="within"):
+        products.dequantize_into(torch.empty(6 * 64), 2, 7, words, scales, minimums, lib=lib)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pc_rag import PromptCache, PromptCacheError
-from pc_rag.model import int4
-from pc_rag.model.int4 import FLOAT_ROWS, GROUP, Int4Linear, Int8Linear
+from pc_rag.weights import int4
+from pc_rag.weights.int4 import FLOAT_ROWS, GROUP, Int4Linear, Int8Linear
 
 from .conftest import assert_same_logits_joined_and_apart
 
@@ -51,7 +51,7 @@ def test_wide_inputs_multiply_the_kept_float_weights_and_narrow_ones_the_4_bit_o
     assert torch.equal(values.bfloat16(), both.dequantized().bfloat16()) and not torch.equal(values, linear.weight)
     prefill, batch, narrow = torch.randn(2, 20, 4 * GROUP), torch.randn(FLOAT_ROWS, 4 * GROUP), torch.randn(FLOAT_ROWS - 1, 4 * GROUP)
     assert torch.equal(both(prefill), torch.nn.functional.linear(prefill, values, linear.bias))
-    float_batch = torch.nn.functional.linear(batch, values, linear.bias)  # as W @ x^T (pc_rag.model.small_batch): another summation order
+    float_batch = torch.nn.functional.linear(batch, values, linear.bias)  # as W @ x^T (pc_rag.weights.small_batch): another summation order
     assert not torch.equal(both(batch), packed(batch)) and torch.allclose(both(batch), float_batch, rtol=1e-5, atol=1e-6)
     assert torch.equal(both(narrow), packed(narrow))
     # the two widths multiply the same weights: they differ by the kernel's bf16 activations only

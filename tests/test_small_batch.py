@@ -1,4 +1,4 @@
-"""Decode-sized linear layers as ``W @ x^T`` (pc_rag.model.small_batch): the same products, the
+"""Decode-sized linear layers as ``W @ x^T`` (pc_rag.weights.small_batch): the same products, the
 same answers, only where they are wanted, and undone on request."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pc_rag.model import small_batch
 from pc_rag.model.loading import load_model
+from pc_rag.weights import small_batch
 
 from .test_scheduler import check_same, mixed_requests
 

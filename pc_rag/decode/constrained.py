@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .. import forks
 from ..errors import PromptCacheError
 
 # the closing walk's candidates (those that are one token of the vocabulary, bare and after a
@@ -91,6 +92,7 @@ class Vocabulary:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
         self._tokenizer, self._vocab_size, self._stops = tokenizer, vocab_size, sorted(stop_token_ids)
         self._lock = threading.Lock()
+        forks.renew_after_fork(self, "_lock")
         self._built: Any = None
         self._closing_order: tuple[list[int], list[bytes], torch.Tensor] | None = None
         # bit i of word w allows token 32*w + i: the shifts that unpack a word, made once

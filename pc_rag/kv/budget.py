@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from .. import forks
 from .buffers import BufferPool, KVBuffer, batch_capacity
 
 
@@ -33,6 +34,7 @@ class BufferBudget:
         self.peak = 0  # the most bytes held at once (with the pool's idle buffers)
         self._held: dict[int, tuple[KVBuffer, bool]] = {}  # id -> (buffer, from the pool)
         self._lock = threading.Lock()  # held is read by stats() on callers' threads
+        forks.renew_after_fork(self, "_lock")
 
     # -- what a buffer costs --------------------------------------------------------------------
     def bytes_for(self, rows: int, entries: int) -> int:
@@ -65,6 +67,11 @@ class BufferBudget:
             _, pooled = self._held.pop(id(buffer), (None, False))
         if pooled:
             self.pool.release(buffer)
+
+    def let_go_of_all(self) -> None:
+        """Nothing held any more (a forked child: the parent's rows are not the child's to serve)."""
+        with self._lock:
+            self._held.clear()
 
     def held(self) -> list[KVBuffer]:
         with self._lock:

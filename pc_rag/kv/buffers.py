@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .. import forks
 from ..errors import PromptCacheError
 from .shape import kv_shape
 
@@ -117,6 +118,11 @@ class _BufferLayer(DynamicLayer):
         _check_capacity(end + 1, self._keys_all.shape[-2])
         self.grow_to(end + 1)
         return self._keys_all, self._values_all, end
+
+    @property
+    def capacity(self) -> int:
+        """Entries this layer's storage holds a row."""
+        return self._keys_all.shape[-2]
 
     def rebase(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The same entries over other rows' storage (a widened buffer)."""
@@ -294,6 +300,7 @@ class BufferPool:
         self._in_use = 0
         self._peak = 0
         self._lock = threading.Lock()
+        forks.renew_after_fork(self, "_lock")
 
     def acquire(self, capacity: int) -> KVBuffer:
         with self._lock:

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .. import forks
 from ..prompt.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class CostModel:
         self.prefill = PrefillRate()
         self.recomputed_tokens = 0  # cached tokens computed in the prompt because their tier was slower
         self._lock = threading.Lock()
+        forks.renew_after_fork(self, "_lock")
 
     def observe_load(self, tier: str, latency_s: float, transfer_s: float, nbytes: int) -> None:
         with self._lock:

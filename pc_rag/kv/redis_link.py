@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from .. import forks
 from ..errors import PromptCacheError
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class RedisLink:
         self.registry = connect(url, timeout_ms=registry_timeout_ms)
         self._down_until = 0.0
         self._lock = threading.Lock()
+        forks.renew_after_fork(self, "_lock")
         self.errors = 0
         self.rejected = 0  # values read back and refused (malformed, unauthenticated, foreign)
         self._rejections: set[tuple[str, str]] = set()  # what was refused already: a bad record read at every sync is logged once

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .. import forks
 from ..atomic import atomic_write
 from .buffers import ModuleKV
 from .load_or_compute import CostModel
@@ -180,6 +181,7 @@ class ModuleStore:
         self._bytes = 0
         self._lock = threading.Lock()
         self._write_back_lock = threading.Lock()
+        forks.renew_after_fork(self, "_lock", "_write_back_lock")
         self._write_back_thread: threading.Thread | None = None
         self.disk_loads = 0
         self.remote_loads = 0

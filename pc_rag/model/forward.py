@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .. import forks
 from ..errors import PromptCacheError
 from ..kv.buffers import KVBuffer, ModuleKV
 from .attention import ATTENTION_NAME
@@ -109,6 +110,7 @@ class Forward:
         self.passes = 0
         self.encoded = 0
         self._count_lock = threading.Lock()
+        forks.renew_after_fork(self, "_count_lock")
         # the model's turns: the scheduler's steps and the background encoder's documents (pc_rag.model.turns)
         self.turns = turns if turns is not None else ModelTurns()
 

@@ -1,5 +1,5 @@
 """A Llama-family decode step in one C call (``llama_step.c``), for a model whose linear layers are
-pc-rag's blocks (``weights="int4"`` where :mod:`pc_rag.model.block_kernels` builds).
+pc-rag's blocks (``weights="int4"`` where :mod:`pc_rag.kernels.loader` loads).
 
 :class:`~pc_rag.model.llama_step.LlamaDecodeStep` runs a step as tensor ops: on the embedded
 SmolLM2-135M (2-core CPU, one thread, 1,265 cached entries) 37 ms, of which 18 in the products,
@@ -20,53 +20,37 @@ before it is used, this path included: the step it proves calls it.
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_float, c_int, c_int64, c_void_p
 from typing import Any
 
 import torch
 
 from ..errors import PromptCacheError
-from . import block_kernels, blocks
-from .blocks import BlockLinear
+from ..kernels.loader import library
+from ..kernels.products import checked, weight_shapes
+from ..kernels.step import LINEARS, Layer, Product, Step
+from ..weights import blocks
+from ..weights.blocks import BlockLinear
 from .rope import signed_sin
 from .rope_table import RopeTable
 from .row_extents import RowExtents
-
-LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-class _Product(ctypes.Structure):
-    _fields_ = [("values", c_void_p), ("scales", c_void_p), ("minimums", c_void_p), ("bias", c_void_p),
-                ("out_features", c_int64), ("in_features", c_int64), ("bits", c_int64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("attention_norm", c_void_p), ("mlp_norm", c_void_p), ("attention_eps", c_float), ("mlp_eps", c_float),
-                ("scaling", c_float), *((name, _Product) for name in LINEARS), ("keys", c_void_p), ("values", c_void_p)]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("layers", c_void_p), *((name, c_int64) for name in ("n_layers", "rows", "hidden", "heads", "kv_heads", "head_dim",
-                                                                   "intermediate")),
-                ("state", c_void_p), ("final_norm", c_void_p), ("final_eps", c_float), ("cos", c_void_p), ("sin", c_void_p),
-                *((name, c_int64) for name in ("column", "entries", "row_stride", "head_stride", "entry_stride")),
-                ("mask_add", c_void_p), ("mask_keep", c_void_p), ("lo", c_void_p), ("hi", c_void_p), ("work", c_void_p),
-                ("work_floats", c_int64), ("threads", c_int), ("head", _Product), ("logits", c_void_p),
-                ("activation_bits", c_int)]
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _product(linear: BlockLinear) -> _Product:
-    return _Product(linear.values.data_ptr(), linear.scales.data_ptr(), _pointer(linear.minimums), _pointer(linear.bias),
+def _product(linear: BlockLinear) -> Product:
+    """``linear`` as the C step reads it, its tensors checked against each other and its shape first."""
+    if weight_shapes(linear.values, linear.scales, linear.minimums, linear.bias) != (linear.out_features, linear.in_features):
+        raise PromptCacheError(f"a layer in blocks holds a {tuple(linear.scales.shape)} weight, not its "
+                               f"{linear.out_features} x {linear.in_features}", param="weights")
+    return Product(linear.values.data_ptr(), linear.scales.data_ptr(), _pointer(linear.minimums), _pointer(linear.bias),
                     linear.out_features, linear.in_features, linear.bits)
 
 
 def unfused(step: Any) -> str | None:
     """Why ``step`` (a :class:`~pc_rag.model.llama_step.LlamaDecodeStep`) cannot run in C (None: it can)."""
-    if block_kernels.library() is None:
+    if library() is None:
         return "pc-rag's kernels are not built"
     if any(type(getattr(layer, name)) is not BlockLinear for layer in step.layers for name in LINEARS):
         return "its linear layers are not all in blocks"
@@ -87,7 +71,7 @@ class FusedStep:
 
     def __init__(self, step: Any) -> None:
         self.step = step
-        self.lib = block_kernels.library()
+        self.lib = library()
         first = step.layers[0]
         self.hidden, self.head_dim = first.q.in_features, first.q.out_features // step.heads
         self.intermediate = first.gate.out_features
@@ -113,14 +97,14 @@ class FusedStep:
     def _build(self) -> None:
         """The layers' weights as the C step reads them (again when a weight was replaced: a model moved or cast)."""
         self.generation = blocks.weights_generation()  # before reading: a change while building shows at the next step
-        layers = (_Layer * len(self.step.layers))()
+        layers = (Layer * len(self.step.layers))()
         for into, layer in zip(layers, self.step.layers):
             into.attention_norm, into.mlp_norm = layer.attention_norm.data_ptr(), layer.mlp_norm.data_ptr()
             into.attention_eps, into.mlp_eps, into.scaling = layer.attention_eps, layer.mlp_eps, layer.scaling
             for name in LINEARS:
                 setattr(into, name, _product(getattr(layer, name)))
         self.layers = layers
-        self.head = _product(self.step.head) if self.head_in_c else _Product()
+        self.head = _product(self.step.head) if self.head_in_c else Product()
 
     def _weights_current(self) -> bool:
         """Whether the layers' tensors are those :meth:`_build` read, rebuilding where any may have been
@@ -145,6 +129,40 @@ class FusedStep:
             return None, flat.view(torch.uint8)
         return (flat, None) if mask.dtype == torch.float32 else None
 
+    def _claim(self, layers: Any, rows: int) -> tuple[int, int]:
+        """The entry this step writes and the entries it attends (the new one included), checked within the
+        KV storage before anything is claimed: a full buffer raises here, as the tensor ops' step would."""
+        first = layers[0]
+        if first.column is not None:  # a fixed buffer: its cursor tensor, shared by every layer (read once)
+            column, entries = int(first.column), first.keys.shape[-2]
+        else:  # a growing one: the next entry, claimed by step_storage below (which checks the capacity)
+            column, entries = first.keys.shape[-2], first.keys.shape[-2] + 1
+        capacity = first.capacity
+        if not 0 <= column < entries <= capacity:
+            raise PromptCacheError(f"KV buffer overflow: a decode step writes entry {column} and reads {entries} of a "
+                                   f"buffer holding {capacity}")
+        return column, entries
+
+    def _pointed(self, layers: Any, rows: int) -> tuple[ctypes.Array, tuple[int, ...], tuple[int, ...]]:
+        """This call's copy of the layers (another thread may step another cache), each pointed at its KV
+        storage, every layer's checked as ``[rows, kv_heads, capacity, head_dim]`` float32 with the first's strides; that shape and those strides."""
+        step_layers = type(self.layers).from_buffer_copy(self.layers)
+        shape = strides = None
+        for into, layer in zip(step_layers, layers):  # past every refusal: claiming an entry grows a growing cache
+            layer_keys, layer_values, _ = layer.step_storage()
+            if shape is None:
+                shape, strides = tuple(layer_keys.shape), layer_keys.stride()
+                if shape[:2] != (rows, self.step.kv_heads) or shape[3:] != (self.head_dim,) or strides[-1] != 1:
+                    raise PromptCacheError(f"a KV buffer of shape {list(shape)} (strides {strides}) is not [{rows} rows, "
+                                           f"{self.step.kv_heads} key heads, entries, {self.head_dim}] over whole entries")
+            for tensor in (layer_keys, layer_values):
+                if tuple(tensor.shape) != shape or tensor.stride() != strides or tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+                    raise PromptCacheError(f"a KV buffer's layers differ in layout: {tensor.dtype} {list(tensor.shape)} "
+                                           f"(strides {tensor.stride()}) against float32 {list(shape)} ({strides})")
+            into.keys, into.values = layer_keys.data_ptr(), layer_values.data_ptr()
+        assert shape is not None and strides is not None
+        return step_layers, shape, strides
+
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Any,
                  extents: RowExtents | None = None) -> torch.Tensor | None:
@@ -164,31 +182,29 @@ class FusedStep:
             cos, sin = self.step.rotary(state[:, None], positions)
             table = cos.reshape(rows, -1).contiguous(), signed_sin(sin.reshape(rows, -1))
         cos, sin = table
-        # this call's copy of the layers (another thread may step another cache), each pointed at its KV
-        step_layers = type(self.layers).from_buffer_copy(self.layers)
-        strides = None
-        for into, layer in zip(step_layers, layers):  # past every refusal: claiming an entry grows a growing cache
-            layer_keys, layer_values, column = layer.step_storage()
-            into.keys, into.values = layer_keys.data_ptr(), layer_values.data_ptr()
-            strides = strides or layer_keys.stride()
-            if layer_keys.stride() != strides or layer_values.stride() != strides:
-                raise PromptCacheError(f"a KV buffer's layers differ in layout ({strides} against {layer_values.stride()})")
-        column = int(column)  # the entry every layer writes (a fixed buffer's cursor tensor: read once)
+        column, entries = self._claim(layers, rows)
+        step_layers, shape, strides = self._pointed(layers, rows)
         lo = hi = None
         if extents is not None:
             lo, hi = torch.full((rows,), -1, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
             for taken, span in extents.spans():
+                if not 0 <= span.start <= span.stop <= entries:
+                    raise PromptCacheError(f"rows attend entries [{span.start}, {span.stop}), not within the {entries} a step reads")
                 lo[taken], hi[taken] = span.start, span.stop
-        args = _Step(ctypes.addressof(step_layers), len(step_layers), rows, self.hidden, self.step.heads, self.step.kv_heads,
-                     self.head_dim, self.intermediate, state.data_ptr(), self.step.norm.weight.data_ptr(),
-                     self.step.norm.variance_epsilon, cos.data_ptr(), sin.data_ptr(), column, layers[0].keys.shape[-2],
-                     *strides[:3], _pointer(masks[0]), _pointer(masks[1]), _pointer(lo), _pointer(hi), None, 0,
-                     torch.get_num_threads())
+        for name, tensor in (("state", state), ("cos", cos), ("sin", sin)):
+            checked(name, tensor, torch.float32, (rows, self.hidden if name == "state" else self.head_dim))
+        args = Step(ctypes.addressof(step_layers), len(step_layers), rows, self.hidden, self.step.heads, self.step.kv_heads,
+                    self.head_dim, self.intermediate, state.data_ptr(), self.step.norm.weight.data_ptr(),
+                    self.step.norm.variance_epsilon, cos.data_ptr(), sin.data_ptr(), column, entries, shape[2],
+                    *strides[:3], _pointer(masks[0]), _pointer(masks[1]), _pointer(lo), _pointer(hi), None, 0,
+                    torch.get_num_threads())
         work = torch.empty(self.lib.llama_step_work(ctypes.byref(args)))
         args.work, args.work_floats = work.data_ptr(), work.numel()
         logits = torch.empty(rows, self.step.head.out_features) if self.head_in_c else None
         args.head, args.logits, args.activation_bits = self.head, _pointer(logits), self.activation_bits
-        if self.lib.llama_step(ctypes.byref(args)) != 0:
-            raise PromptCacheError(f"the C decode step refused its arguments ({work.numel()} work floats, head dim {self.head_dim})")
+        refused = self.lib.llama_step(ctypes.byref(args))
+        if refused:
+            raise PromptCacheError(f"the C decode step refused its arguments ({'entries outside the KV storage' if refused == -2 else ''}"
+                                   f"{work.numel()} work floats, head dim {self.head_dim}, column {column} of {shape[2]})")
         self.steps += 1
         return logits if logits is not None else self.step.head(state.view(rows, 1, self.hidden))[:, -1]

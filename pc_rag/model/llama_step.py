@@ -251,7 +251,7 @@ def written_step(model: Any, reference: Step, *, split: bool) -> LlamaDecodeStep
         step = LlamaDecodeStep(model)
         # proved on float32 inputs: on 8-bit ones (weights="int4-a8") the proof's random cache makes outliers a
         # block's 8 bits cannot hold (0.42 of the largest logit; decode KL 1.3-1.9e-3 on real prompts,
-        # benchmarks/decode_fidelity.py), and the 8-bit kernels are checked exactly when they load (block_kernels._agrees)
+        # benchmarks/decode_fidelity.py), and the 8-bit kernels are checked exactly when they load (pc_rag.kernels.loader)
         activation_bits = step.fused.activation_bits if step.fused is not None else 32
         if step.fused is not None:
             step.fused.activation_bits = 32

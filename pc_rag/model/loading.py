@@ -15,19 +15,12 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
-from ..paths import expand
+from ..paths import cache_root, expand
 
 logger = logging.getLogger(__name__)
 
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-def cache_root() -> Path:
-    """pc-rag's per-user cache folder (``$PC_RAG_HOME`` or ``$XDG_CACHE_HOME/pc-rag``)."""
-    if os.environ.get("PC_RAG_HOME"):
-        return Path(os.environ["PC_RAG_HOME"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pc-rag"
-
-
 def default_model_dir() -> Path:
     """A safetensors copy of the embedded SmolLM2-135M-Instruct, made once (atomically).
 

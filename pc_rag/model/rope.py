@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import torch
 
+from ..weights.int4 import Int4Linear
 from .decoder import decoder_of
-from .int4 import Int4Linear
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .. import forks
+
 logger = logging.getLogger(__name__)
 
 TRIALS = 5  # steps timed with each count before one is kept
@@ -52,6 +54,7 @@ class DecodeThreads:
         self._seen: dict[int, int] = {}
         self._times: dict[int, dict[int, list[float]]] = {}
         self._lock = threading.Lock()
+        forks.renew_after_fork(self, "_lock")
 
     def candidates(self, current: int) -> tuple[int, ...]:
         """The counts measured against each other when the calling thread runs ``current`` threads."""

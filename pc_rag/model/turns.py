@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from .. import forks
 from ..errors import PromptCacheError
 
 DEFAULT_ENCODE_SHARE = 0.25
@@ -40,6 +41,12 @@ class ModelTurns:
         self._debt = 0.0  # seconds of steps the scheduler runs before the next background pass may start
         self._wanting: list[bool] = []  # background jobs waiting for a turn: urgent or not
         self.background_s = 0.0  # seconds of background jobs run while requests were served
+        forks.after_fork_in_child(self._after_fork)
+
+    def _after_fork(self) -> None:
+        """In a forked child (:mod:`pc_rag.forks`): nobody holds the model there, nobody waits for it."""
+        self._cond = threading.Condition()
+        self._owner, self._serving, self._debt, self._wanting = None, 0, 0.0, []
 
     # -- the scheduler's side ---------------------------------------------------------------------
     @contextmanager

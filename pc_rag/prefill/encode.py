@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .. import forks
 from ..kv.buffers import KVBuffer, ModuleKV
 from ..model.forward import Forward
 
@@ -59,6 +60,7 @@ class ModuleEncoder:
         self._lock = threading.RLock()
         self._late: set[Future] = set()  # reads prefetch left running past a deadline
         self._late_lock = threading.Lock()
+        forks.renew_after_fork(self, "_lock", "_late_lock")
 
     def key(self, collection: str, token_ids: Sequence[int], positions: Sequence[int], context_key: str | None) -> str:
         return entry_key(self.fingerprint, self.encoding, collection, token_ids, positions, context_key)
@@ -246,6 +248,15 @@ def stored_positions(schema: Any, name: str, plain: bool = False) -> Sequence[in
 
 _READERS: ThreadPoolExecutor | None = None
 _READERS_LOCK = threading.Lock()
+
+
+def _no_readers_after_fork() -> None:
+    """In a forked child (:mod:`pc_rag.forks`): the pool's threads are the parent's; the child makes its own."""
+    global _READERS, _READERS_LOCK
+    _READERS, _READERS_LOCK = None, threading.Lock()
+
+
+forks.after_fork_in_child(_no_readers_after_fork)
 
 
 def _readers() -> ThreadPoolExecutor:

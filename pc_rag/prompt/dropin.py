@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import ahocorasick
 
+from .. import forks
+
 KEY_CHARS = 32
 # recent entries merge into the base level past max(MERGE_MIN, base / MERGE_FRACTION)
 MERGE_MIN = 256
@@ -111,6 +113,7 @@ class ModuleTextIndex:
         self._snapshot = IndexSnapshot()
         self._dirty = False
         self._lock = threading.Lock()
+        forks.renew_after_fork(self, "_lock")
 
     def __len__(self) -> int:
         return self._base_count + self._recent_count

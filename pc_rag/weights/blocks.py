@@ -1,5 +1,5 @@
 """Linear layers over weights in blocks of 32, 4 or 8 bits a weight, with pc-rag's own kernels
-(``PromptCache(..., weights="int4")`` where :mod:`pc_rag.model.block_kernels` builds).
+(``PromptCache(..., weights="int4")`` where :mod:`pc_rag.kernels.library` builds).
 
 A decode step is bound by the bytes of weights it reads. The embedded model's GGUF file holds
 them as Q4_1 blocks (32 weights: an fp16 scale ``d``, an fp16 minimum ``m`` and 4-bit ``q``,
@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
-from . import block_kernels
-from .block_kernels import BLOCK
+from ..kernels import products
+from ..kernels.loader import library
+from ..kernels.products import BLOCK
 from .siblings import Siblings, join_siblings, joined_bias
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class BlockLinear(torch.nn.Module):
         pieces = []
         for start in range(0, self.out_features, tile):
             stop = min(self.out_features, start + tile)
-            weight = block_kernels.dequantize_into(buffer, start, stop, self.values, self.scales, self.minimums)
+            weight = products.dequantize_into(buffer, start, stop, self.values, self.scales, self.minimums, lib=library())
             pieces.append(rows @ weight[: (stop - start) * self.in_features].view(stop - start, self.in_features).t())
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
         return out if self.bias is None else out + self.bias
@@ -127,7 +128,7 @@ class BlockLinear(torch.nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for tests and fidelity reports)."""
         out = torch.empty(self.out_features * self.in_features)
-        block_kernels.dequantize_into(out, 0, self.out_features, self.values, self.scales, self.minimums)
+        products.dequantize_into(out, 0, self.out_features, self.values, self.scales, self.minimums, lib=library())
         return out.view(self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
@@ -138,12 +139,12 @@ def narrow_product(rows: torch.Tensor, bits: int, values: torch.Tensor, scales: 
                    minimums: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """``rows @ W^T (+ bias)`` through the kernel for ``bits``."""
     if bits == 4:
-        return block_kernels.q4_matmul(rows, values, scales, minimums, bias)
-    return block_kernels.q8_matmul(rows, values, scales, bias)
+        return products.q4_matmul(rows, values, scales, minimums, bias, lib=library())
+    return products.q8_matmul(rows, values, scales, bias, lib=library())
 
 
 def join(layers: list[BlockLinear]) -> Siblings:
-    """One :class:`~pc_rag.model.siblings.Siblings` product over ``layers``' joined weights (narrow
+    """One :class:`~pc_rag.weights.siblings.Siblings` product over ``layers``' joined weights (narrow
     inputs; wide ones stay per layer): each layer's buffers become views of the joined ones."""
     names = ("values", "scales") if layers[0].minimums is None else ("values", "scales", "minimums")
     with torch.inference_mode(False):  # (joined in the probe's inference mode) tensors a caller may still change in place
@@ -170,7 +171,7 @@ def join(layers: list[BlockLinear]) -> Siblings:
 
 
 def quantize4(weight: torch.Tensor) -> Quantized:
-    """``weight [out, in]`` as 4-bit words (:func:`~pc_rag.model.block_kernels.pack_nibbles`), float32
+    """``weight [out, in]`` as 4-bit words (:func:`~pc_rag.kernels.library.pack_nibbles`), float32
     scales and minimums ``[out, in / 32]``, and which blocks hold their values exactly (fp16 ``d`` and
     ``m`` that reproduce every value, as a GGUF Q4_1 block's do)."""
     out_features, in_features = weight.shape
@@ -182,7 +183,7 @@ def quantize4(weight: torch.Tensor) -> Quantized:
     exact = (torch.addcmul(low16[..., None], q16, scale16[..., None]) == blocks).all(-1)
     scales, minimums = torch.where(exact, scale16, scale), torch.where(exact, low16, low)
     q = ((blocks - minimums[..., None]) / scales.clamp_min(_TINY)[..., None]).round().clamp(0, 15)
-    words = block_kernels.pack_nibbles(q.reshape(out_features, in_features))
+    words = products.pack_nibbles(q.reshape(out_features, in_features))
     return words, scales.contiguous(), minimums.contiguous(), exact
 
 

@@ -8,11 +8,12 @@
    Why in C: a step of the embedded SmolLM2-135M ran ~2,000 small ATen ops and ~120 kernel calls
    from Python, ~9 ms of a 37 ms step besides the products, and SDPA read the KV at ~6 GB/s. */
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "block_kernels.h"
 
-typedef struct { /* one linear layer in blocks (pc_rag.model.blocks.BlockLinear) */
+typedef struct { /* one linear layer in blocks (pc_rag.weights.blocks.BlockLinear) */
     const void *values;
     const float *scales, *minimums, *bias; /* minimums: 4 bits only; bias may be null */
     int64_t out_features, in_features, bits;
@@ -34,6 +35,7 @@ typedef struct {
     const float *cos, *sin;        /* [rows, head_dim]: RoPE at each row's position, sin's first half negated */
     int64_t column;                /* the cache entry a row's new key and value are written at */
     int64_t entries;               /* entries attended (the views' length) */
+    int64_t capacity;              /* entries the KV storage holds a row's key head (column and entries are within it) */
     int64_t row_stride, head_stride, entry_stride; /* of the KV views, in floats */
     const float *mask_add;         /* [rows, entries] added to the scores, or */
     const uint8_t *mask_keep;      /* [rows, entries] 1 = attended, or neither */
@@ -229,7 +231,7 @@ static void attention_part(void *context, int64_t start, int64_t stop) {
     const int group = (int)(s->heads / s->kv_heads);
     for (int64_t item = start; item < stop; item++) {
         const int64_t span = item % j->spans, pair = item / j->spans, r = pair / s->kv_heads, kh = pair % s->kv_heads;
-        const int64_t row_lo = s->lo ? s->lo[r] : 0, row_hi = s->hi ? s->hi[r] : E;
+        const int64_t row_lo = s->lo ? s->lo[r] : 0, row_hi = s->hi && s->hi[r] < E ? s->hi[r] : E; /* never past the entries */
         int64_t lo = 0, hi = 0; /* a finished row (row_lo < 0): nothing */
         if (row_lo >= 0) lo = row_lo + span * SPAN, hi = row_hi < lo + SPAN ? row_hi : lo + SPAN;
         const int64_t base = r * s->row_stride + kh * s->head_stride;
@@ -294,9 +296,14 @@ int64_t llama_step_work(const step_t *s) {
     return s->rows * (per_row + s->heads * spans_of(s) * (SPAN + s->head_dim + 2));
 }
 
-/* Every layer of one decode step; 0, or -1 when the work buffer is too small. */
+/* Every layer of one decode step; 0, -1 when the work buffer is too small or the heads are not ones
+   it computes, -2 when the new entry or the entries attended are not within the KV storage. The
+   caller checked all of this already (fused_step.py); these are the checks the C can make cheaply. */
 int llama_step(const step_t *s) {
-    if (s->work_floats < llama_step_work(s) || s->head_dim % 8 || s->head_dim > 512) return -1;
+    if (s->work_floats < llama_step_work(s) || s->head_dim % 8 || s->head_dim > 512 || s->kv_heads <= 0 ||
+        s->heads % s->kv_heads || s->rows <= 0)
+        return -1;
+    if (s->column < 0 || s->column >= s->capacity || s->entries < 1 || s->entries > s->capacity) return -2;
     const int64_t R = s->rows, H = s->hidden, D = s->head_dim, F = s->intermediate;
     const int64_t qw = s->heads * D, kvw = s->kv_heads * D;
     const int64_t widest = widest_input(s);
@@ -341,3 +348,36 @@ int llama_step(const step_t *s) {
     if (team > 1) pool_end();
     return 0;
 }
+
+/* The layout of the structures above as this compiler laid them out, for the caller to compare with its
+   own (fused_step.py's ctypes structures): sizes of product_t, layer_t and step_t, then each field's
+   offset in declaration order. Returns how many values it wrote (at most `n`). */
+int64_t llama_step_layout(int64_t *out, int64_t n) {
+#define PUT(value) do { if (written < n) out[written] = (int64_t)(value); written++; } while (0)
+    int64_t written = 0;
+    PUT(sizeof(product_t)); PUT(sizeof(layer_t)); PUT(sizeof(step_t));
+    PUT(offsetof(product_t, values)); PUT(offsetof(product_t, scales)); PUT(offsetof(product_t, minimums));
+    PUT(offsetof(product_t, bias)); PUT(offsetof(product_t, out_features)); PUT(offsetof(product_t, in_features));
+    PUT(offsetof(product_t, bits));
+    PUT(offsetof(layer_t, attention_norm)); PUT(offsetof(layer_t, mlp_norm)); PUT(offsetof(layer_t, attention_eps));
+    PUT(offsetof(layer_t, mlp_eps)); PUT(offsetof(layer_t, scaling)); PUT(offsetof(layer_t, q)); PUT(offsetof(layer_t, k));
+    PUT(offsetof(layer_t, v)); PUT(offsetof(layer_t, o)); PUT(offsetof(layer_t, gate)); PUT(offsetof(layer_t, up));
+    PUT(offsetof(layer_t, down)); PUT(offsetof(layer_t, keys)); PUT(offsetof(layer_t, values));
+    PUT(offsetof(step_t, layers)); PUT(offsetof(step_t, n_layers)); PUT(offsetof(step_t, rows)); PUT(offsetof(step_t, hidden));
+    PUT(offsetof(step_t, heads)); PUT(offsetof(step_t, kv_heads)); PUT(offsetof(step_t, head_dim));
+    PUT(offsetof(step_t, intermediate)); PUT(offsetof(step_t, state)); PUT(offsetof(step_t, final_norm));
+    PUT(offsetof(step_t, final_eps)); PUT(offsetof(step_t, cos)); PUT(offsetof(step_t, sin)); PUT(offsetof(step_t, column));
+    PUT(offsetof(step_t, entries)); PUT(offsetof(step_t, capacity)); PUT(offsetof(step_t, row_stride));
+    PUT(offsetof(step_t, head_stride)); PUT(offsetof(step_t, entry_stride)); PUT(offsetof(step_t, mask_add));
+    PUT(offsetof(step_t, mask_keep)); PUT(offsetof(step_t, lo)); PUT(offsetof(step_t, hi)); PUT(offsetof(step_t, work));
+    PUT(offsetof(step_t, work_floats)); PUT(offsetof(step_t, threads)); PUT(offsetof(step_t, head));
+    PUT(offsetof(step_t, logits)); PUT(offsetof(step_t, activation_bits));
+#undef PUT
+    return written;
+}
+
+#ifdef PC_RAG_SOURCE_KEY
+/* The hash of the sources this library was built from (build.py's source_key): an installed library
+   is used only while the sources beside it are the same. */
+const char *pc_rag_source_key(void) { return PC_RAG_SOURCE_KEY; }
+#endif

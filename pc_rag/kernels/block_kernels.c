@@ -1,4 +1,4 @@
-/* pc-rag's CPU kernels for weights in blocks of 32 (pc_rag/model/blocks.py builds and loads this
+/* pc-rag's CPU kernels for weights in blocks of 32 (pc_rag/weights/blocks.py builds and loads this
    file): products of float32 activations by 4-bit (GGUF Q4_1-style: scale d and minimum m per
    block, w = d*q + m, q in 0..15) or 8-bit (Q8_0-style: w = d*q, q in -127..127) weights, and the
    weights dequantized. AVX2 + FMA (their AVX-512 forms: wide_kernels.c, used where wide_kernels() says so);

@@ -73,10 +73,28 @@ static void *worker(void *argument) {
     return 0;
 }
 
+/* In a forked child: none of the workers exist there, and the mutexes and the condition variable hold
+   the parent's state at the fork (a mutex another thread held stays held; glibc's condition variable
+   counts waiters that are not there, and a broadcast waits for them forever). So the child starts with
+   a new pool: fresh synchronisation, no workers, nothing active; the next step creates its own. */
+static void pool_after_fork_in_child(void) {
+    pthread_mutex_init(&pool.held, 0);
+    pthread_mutex_init(&pool.lock, 0);
+    pthread_cond_init(&pool.wake, 0);
+    atomic_store(&pool.active, 0);
+    atomic_store(&pool.done, 0);
+    pool.workers = 0;
+    pool.owner = getpid();
+}
+
+__attribute__((constructor)) static void pool_register_fork_handler(void) {
+    pthread_atfork(0, 0, pool_after_fork_in_child);
+}
+
 /* Take the pool for a step on `threads` threads: the team it got (1: run alone, nothing to release). */
 int pool_begin(int threads) {
     if (threads <= 1 || pthread_mutex_trylock(&pool.held) != 0) return 1;
-    if (pool.owner != getpid()) { /* first use, or a forked child: its workers did not survive the fork */
+    if (pool.owner != getpid()) { /* first use (a forked child starts afresh: pool_after_fork_in_child) */
         pool.workers = 0;
         pool.owner = getpid();
     }

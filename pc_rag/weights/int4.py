@@ -1,5 +1,5 @@
 """Linear layers in 4 bits on torch's CPU kernel: ``PromptCache(..., weights="int4")`` where
-pc-rag's own kernels (:mod:`pc_rag.model.blocks`) cannot be built. Decode reads a quarter of the
+pc-rag's own kernels (:mod:`pc_rag.weights.blocks`) cannot be built. Decode reads a quarter of the
 bytes.
 
 A decode step is bound by the bytes of weights it reads: SmolLM2-135M's linear layers are 538 MB in
@@ -23,7 +23,7 @@ requests read 4 bits; wider batches and prefill run at float32's speed, all on t
 Whether the float32 values are kept is measured at install on the model's widest layer.
 
 Layers a model always hands the same input (q, k and v; gate and up) are joined
-(:mod:`pc_rag.model.siblings`): one kernel call for the group.
+(:mod:`pc_rag.weights.siblings`): one kernel call for the group.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ GROUP = 32  # input features per scale and zero (GGUF Q4_1's block)
 # inputs this wide multiply the float weights where kept: the 4-bit kernel is compute-bound on AVX2, and
 # over the embedded model's MLP layers (weights not in cache) it takes 13, 14, 17 and 22 ms for 1-4 rows
 # and 33 for 8, where float32 takes 18.5 ms for one row and about as long for 2-16 as W @ x^T
-# (pc_rag.model.small_batch): decode steps of 1-3 rows read 4 bits, wider batches and prefill float32
+# (pc_rag.weights.small_batch): decode steps of 1-3 rows read 4 bits, wider batches and prefill float32
 FLOAT_ROWS = 4
 MEASURED_ROWS = 512  # the width of the product install times both ways (a prefill chunk)
 
@@ -111,7 +111,7 @@ class Int4Linear(torch.nn.Module):
 
 
 def join(layers: list[Int4Linear]) -> Siblings:
-    """One :class:`~pc_rag.model.siblings.Siblings` product over ``layers``' joined 4-bit weights: the
+    """One :class:`~pc_rag.weights.siblings.Siblings` product over ``layers``' joined 4-bit weights: the
     layers' packed weights become views of the joined ones (no copy)."""
     packed = torch.cat([layer.packed for layer in layers])
     scales_and_zeros = torch.cat([layer.scales_and_zeros for layer in layers], dim=1)
@@ -148,7 +148,7 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def install(model: Any, weights: str | None, *, keep_float: bool | None = None) -> int:
     """Replace ``model``'s linear layers by :class:`Int4Linear` for ``weights="int4"`` (its output
     projection by :class:`Int8Linear`); returns how many were replaced (0 for any other ``weights``,
-    which :mod:`pc_rag.model.weights` checks).
+    which :mod:`pc_rag.weights.choice` checks).
     A CPU model only (the kernels are torch's CPU ones), and only layers whose inputs come in whole
     groups of 32. ``keep_float``: wide inputs multiply the float weights (None: where
     :func:`float_is_faster` measures it so)."""

@@ -6,7 +6,7 @@ each weight matrix packed in fp16 and widens it in registers: activations, accum
 outputs stay float32, so the only change to the model is each weight rounded to the nearest fp16
 (relative error ~2e-4; first-token KL against float32 1.8e-6 on the embedded model).
 
-It was the embedded model's CPU default until pc-rag's 4-bit kernels (:mod:`pc_rag.model.blocks`),
+It was the embedded model's CPU default until pc-rag's 4-bit kernels (:mod:`pc_rag.weights.blocks`),
 and still is where they cannot be built. Measured through the engine on the AVX2 development CPU
 (``benchmarks/cpu_anchor.py``; ``docs/performance.md``, "Weights"): decode at 50.5 ms/token against
 float32's 72.5 (the weights stream at half the bytes) and int4's 42.9 on pc-rag's kernels; prefill

@@ -1,6 +1,6 @@
 """Quantized linear layers a model always hands the same input (attention's q, k and v; an MLP's
 gate and up), multiplied as one: one kernel call and one preparation of the input instead of one
-per layer. Used by :mod:`pc_rag.model.int4` (torch's 4-bit kernel) and :mod:`pc_rag.model.blocks`
+per layer. Used by :mod:`pc_rag.weights.int4` (torch's 4-bit kernel) and :mod:`pc_rag.weights.blocks`
 (pc-rag's kernels); each says how to join its layers' weights.
 """
 

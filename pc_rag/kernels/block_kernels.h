@@ -1,5 +1,5 @@
 /* What block_kernels.c, a8_kernels.c, wide_kernels.c, a16_kernels.c, llama_step.c and thread_pool.c call of
-   each other (pc_rag/model/block_kernels.py builds the six into one library). */
+   each other (pc_rag/kernels/library.py builds the six into one library). */
 #ifndef PC_RAG_BLOCK_KERNELS_H
 #define PC_RAG_BLOCK_KERNELS_H
 #include <immintrin.h>

@@ -1,14 +1,14 @@
 """The precision a CPU model's linear layers compute in (``PromptCache(..., weights=...)``).
 
 - ``"float32"`` (or None): as loaded.
-- ``"float16"``: each weight packed in fp16, float32 arithmetic (:mod:`pc_rag.model.float16`):
+- ``"float16"``: each weight packed in fp16, float32 arithmetic (:mod:`pc_rag.weights.float16`):
   half the bytes, first-token KL ~1e-6.
 - ``"int4"``: blocks of 32 in 4 bits, the LM head in 8, on pc-rag's own AVX2 kernels
-  (:mod:`pc_rag.model.blocks`): the embedded model's GGUF blocks held bit for bit (its float32
+  (:mod:`pc_rag.weights.blocks`): the embedded model's GGUF blocks held bit for bit (its float32
   weights, at 0.75 bytes a weight), float32 activations. On the AVX2 development CPU, through the
   engine: decode 42.9 ms/token against fp16's 50.5, 8 concurrent callers 43.1 tokens/s against
   33.7, the first token 0.36 against 0.25 s (prefill dequantizes). Where the kernels cannot be built
-  (no C compiler, no AVX2): torch's 4-bit kernel (:mod:`pc_rag.model.int4`; bf16 activations,
+  (no C compiler, no AVX2): torch's 4-bit kernel (:mod:`pc_rag.weights.int4`; bf16 activations,
   first-token KL ~1e-3).
 - ``"int4-a8"``: ``"int4"``, and the decode step in C (:mod:`pc_rag.model.fused_step`) quantizes
   each product's input to 8 bits a block of 32 (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 arithmetic)
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
-from . import block_kernels, blocks, float16, int4
-from .loading import default_device
+from ..kernels.loader import library
+from . import blocks, float16, int4
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +45,10 @@ def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
             raise PromptCacheError('weights="float16" runs eagerly (torch.compile recompiles for every layer\'s packed weight); '
                                    'pass compile=False, or weights="float32" or "int4"', param="weights")
         return float16.install(model)
-    if weights == "int4-a8" and block_kernels.library() is None:
+    if weights == "int4-a8" and library() is None:
         logger.warning('weights="int4-a8" runs on pc-rag\'s kernels, which are not built here: weights="int4" on torch\'s kernel instead')
         weights = "int4"
-    if weights in ("int4", "int4-a8") and block_kernels.library() is not None:
+    if weights in ("int4", "int4-a8") and library() is not None:
         if compiled:  # dynamo breaks the graph at every call into the kernels: hundreds of fragments a step
             raise PromptCacheError('weights="int4" runs pc-rag\'s kernels eagerly (a compiled step breaks at every call into them); '
                                    'pass compile=False, or weights="float32"', param="weights")
@@ -62,8 +62,8 @@ def chosen(asked: str | None, *, embedded: bool, device: str | torch.device | No
     GGUF's own 4-bit blocks), else float16 where FBGEMM runs; else as loaded."""
     if asked is not None or not embedded:
         return asked
-    if torch.device(device if device is not None else default_device()).type != "cpu" or compile:
+    if torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").type != "cpu" or compile:
         return None
-    if block_kernels.library() is not None:
+    if library() is not None:
         return "int4"
     return "float16" if float16.available() else None

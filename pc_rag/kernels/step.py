@@ -1,0 +1,59 @@
+"""The C decode step's arguments (``llama_step.c``'s ``product_t``, ``layer_t`` and ``step_t``) as
+ctypes structures, and their layout checked against the library's own when it loads.
+
+The structures are written twice, in C and here; :func:`layout_agrees` compares every size and
+field offset the C compiler chose (``llama_step_layout``) with ctypes', so a field added on one side
+only refuses the library at load instead of handing the step a misread pointer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_float, c_int, c_int64, c_void_p
+
+LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class Product(ctypes.Structure):
+    """One linear layer in blocks (``product_t``)."""
+
+    _fields_ = [("values", c_void_p), ("scales", c_void_p), ("minimums", c_void_p), ("bias", c_void_p),
+                ("out_features", c_int64), ("in_features", c_int64), ("bits", c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """One decoder layer's norms, products and KV storage (``layer_t``)."""
+
+    _fields_ = [("attention_norm", c_void_p), ("mlp_norm", c_void_p), ("attention_eps", c_float), ("mlp_eps", c_float),
+                ("scaling", c_float), *((name, Product) for name in LINEARS), ("keys", c_void_p), ("values", c_void_p)]
+
+
+class Step(ctypes.Structure):
+    """One decode step over every layer (``step_t``)."""
+
+    _fields_ = [("layers", c_void_p), *((name, c_int64) for name in ("n_layers", "rows", "hidden", "heads", "kv_heads", "head_dim",
+                                                                   "intermediate")),
+                ("state", c_void_p), ("final_norm", c_void_p), ("final_eps", c_float), ("cos", c_void_p), ("sin", c_void_p),
+                *((name, c_int64) for name in ("column", "entries", "capacity", "row_stride", "head_stride", "entry_stride")),
+                ("mask_add", c_void_p), ("mask_keep", c_void_p), ("lo", c_void_p), ("hi", c_void_p), ("work", c_void_p),
+                ("work_floats", c_int64), ("threads", c_int), ("head", Product), ("logits", c_void_p),
+                ("activation_bits", c_int)]
+
+
+def expected_layout(structures: tuple[type[ctypes.Structure], ...] = (Product, Layer, Step)) -> list[int]:
+    """Sizes of the three structures, then every field's offset in declaration order, as ctypes lays them out."""
+    return [ctypes.sizeof(s) for s in structures] + [getattr(s, name).offset for s in structures for name, _ in s._fields_]
+
+
+def layout_agrees(lib: ctypes.CDLL, structures: tuple[type[ctypes.Structure], ...] = (Product, Layer, Step)) -> str | None:
+    """None where the library lays the step's arguments out as ``structures`` (:class:`Product`,
+    :class:`Layer`, :class:`Step`) do; else how they differ."""
+    expected = expected_layout(structures)
+    buffer = (c_int64 * (len(expected) + 8))()
+    function = lib.llama_step_layout
+    function.argtypes, function.restype = [c_void_p, c_int64], c_int64
+    written = function(buffer, len(buffer))
+    reported = list(buffer[:min(written, len(buffer))])
+    if reported == expected:
+        return None
+    return f"the C step's structures are laid out {reported}, the ctypes ones {expected}"
