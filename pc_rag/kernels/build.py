@@ -12,7 +12,8 @@ once; the library is written to a temporary name and renamed, so a half-written 
 A compiler without OpenMP (clang without libomp) builds it again without: only the products' wide
 (prefill) loops are parallel by OpenMP, the decode step has its own threads.
 
-``$PC_RAG_KERNELS``: ``build`` skips the installed library (tests of the fallback), ``off`` uses none.
+``$PC_RAG_KERNELS``: ``build`` skips the installed library (tests of the fallback), ``address`` builds
+one under AddressSanitizer (for a process started with libasan preloaded), ``off`` uses none.
 """
 
 from __future__ import annotations
@@ -69,20 +70,30 @@ def built(cc: str, *, extra: tuple[str, ...] = ()) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(repr((source_key(), COMPILE_FLAGS, OPENMP_FLAGS, extra, LIBRARIES, cc, version)).encode()).hexdigest()[:20]
     problems = []
-    for folder in cache_folders():
+    for index, folder in enumerate(cache_folders()):
         target = folder / f"block_kernels-{key}.so"
-        if target.is_file():
-            return target
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if index > 0:  # the shared temporary folder: only a folder of this user's own
+                _check_own(folder)
+            if target.is_file():
+                return target
             with _locked(folder / f"block_kernels-{key}.lock"):
                 if not target.is_file():  # another process may have built it while this one waited
                     _compile(cc, target, extra)
             return target
-        except PermissionError as err:  # a read-only home: the next folder
+        except OSError as err:  # a read-only or missing home (not a failed compile: that raises): the next folder
             problems.append(f"{folder}: {err.strerror or err}")
-            continue
     raise OSError("no folder to build pc-rag's kernels in (" + "; ".join(problems) + ")")
+
+
+def _check_own(folder: Path) -> None:
+    """Raises ``PermissionError`` unless ``folder`` and its parent belong to this user and nobody else can
+    write them: a library found in a shared temporary folder could be anyone's code."""
+    for path in (folder, folder.parent):
+        status = path.stat()
+        if status.st_uid != os.getuid() or status.st_mode & 0o022:
+            raise PermissionError(f"{path} is not this user's own (owner {status.st_uid}, mode {oct(status.st_mode & 0o777)})")
 
 
 def _compile(cc: str, target: Path, extra: tuple[str, ...]) -> None:
@@ -94,7 +105,7 @@ def _compile(cc: str, target: Path, extra: tuple[str, ...]) -> None:
         try:
             subprocess.run(command(cc, partial, extra=extra), check=True, capture_output=True, text=True, timeout=300)
         except subprocess.CalledProcessError as err:
-            if "omp" not in (err.stderr or "").lower():
+            if not any(word in (err.stderr or "").lower() for word in ("openmp", "omp")):  # -fopenmp refused, omp.h or libomp missing
                 raise
             _warn_once(f"{cc} cannot build with OpenMP ({(err.stderr or '').strip().splitlines()[-1:]}): "
                        "pc-rag's kernels built without it (wide products on one thread; the decode step keeps its threads)")

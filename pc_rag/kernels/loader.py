@@ -62,6 +62,9 @@ SIGNATURES = {
 }
 RESULTS = {"llama_step": ctypes.c_int, "llama_step_work": _I64, "a8_vnni": ctypes.c_int, "wide_kernels": ctypes.c_int,
            "a16_kernels": ctypes.c_int}
+# PC_RAG_KERNELS=address: a separate build under AddressSanitizer (tests/test_sanitized.py runs the kernels'
+# tests on it, the process started with libasan preloaded)
+SANITIZED = ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")
 _CHECKING = threading.Lock()  # one agreement check at a time: it switches kernel forms on the shared library
 _LOADED: dict[str, ctypes.CDLL | None] = {}  # "library": what library() answers, once loaded
 
@@ -99,11 +102,11 @@ def load() -> ctypes.CDLL | None:
     if not cpu_supported():
         logger.info("pc-rag's kernels not used: this CPU has no AVX2/FMA (%s)", torch.backends.cpu.get_cpu_capability())
         return None
-    if choice != "build":
+    if choice not in ("build", "address"):
         installed = _installed()
         if installed is not None:
             return installed
-    return _built()
+    return _built(SANITIZED if choice == "address" else ())
 
 
 def _installed() -> ctypes.CDLL | None:
@@ -130,7 +133,7 @@ def _installed() -> ctypes.CDLL | None:
     return lib
 
 
-def _built() -> ctypes.CDLL | None:
+def _built(extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     cc = build.compiler()
     if cc is None:
         logger.warning("pc-rag's kernels not built: no C compiler (set $CC) and no installed library; "
@@ -140,7 +143,7 @@ def _built() -> ctypes.CDLL | None:
     for attempt in range(2):
         target = None
         try:
-            target = build.built(cc)
+            target = build.built(cc, extra=extra)
             lib = _load(target, private_copy=attempt > 0)
             problem = _problem(lib)
             if problem is None:
