@@ -179,8 +179,8 @@ def main() -> None:
     parser.add_argument("--callers", type=int, default=8)
     parser.add_argument("--weights", nargs="+", default=["float32", "float16", "int4"],
                         help="pc-rag's weights= settings to measure; SETTING/own: decoding through the model's own forward "
-                             "instead of the written-out step (pc_rag.model.llama_step); SETTING/ops: the written step as "
-                             "tensor ops, not in one C call (pc_rag.model.fused_step)")
+                             "instead of the written-out step (pc_rag.forward.llama_step); SETTING/ops: the written step as "
+                             "tensor ops, not in one C call (pc_rag.forward.fused_step)")
     parser.add_argument("--chains", action="store_true", help="also the README chain: ChatPromptCache against ChatLlamaCpp")
     parser.add_argument("--chain-tokens", type=int, default=32, help="the chains' max_new_tokens / max_tokens")
     parser.add_argument("--no-series", action="store_true", help="only the chains")

@@ -24,8 +24,8 @@ from run_info import run_info  # benchmarks/run_info.py: scripts run from this f
 from ttft import median_time, timed  # the same timing as the TTFT curve
 
 from pc_rag import PromptCache
+from pc_rag.forward.threads import DecodeThreads
 from pc_rag.model.loading import load_model
-from pc_rag.model.threads import DecodeThreads
 from pc_rag.prompt.documents import build_prompt
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """One decode step of the embedded model, part by part, on the calling thread (``--threads``: one,
-or two as the engine's decode steps measure best on the 2-core CPU): the written-out step (``pc_rag.model.llama_step``: in one C
-call where the weights are pc-rag's blocks, ``pc_rag.model.fused_step``), the same step as tensor
+or two as the engine's decode steps measure best on the 2-core CPU): the written-out step (``pc_rag.forward.llama_step``: in one C
+call where the weights are pc-rag's blocks, ``pc_rag.forward.fused_step``), the same step as tensor
 ops, the model's own forward, and the parts every step must run: the linear layers alone (every projection
 and the LM head on one row) and attention alone (SDPA over each layer's KV). What the steps take
 beyond linears + attention (the tensor ops') is their glue: norms, RoPE, residuals, the KV write, and Python.
@@ -19,6 +19,7 @@ machine's drift hits them alike; medians in ms.
 
     python benchmarks/decode_step.py                     # int4 (the default) and float16 weights, ~2 min
     python benchmarks/decode_step.py --weights int4 int4-a8 --threads 2
+    python benchmarks/decode_step.py --weights int4 --compiled    # also the model's own step through torch.compile
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def read_bytes(step, buffer: KVBuffer, cache: int) -> int:
 
 
 @torch.inference_mode()
-def measure(weights: str, cache: int, rounds: int, steps: int, threads: int) -> dict[str, float]:
+def measure(weights: str, cache: int, rounds: int, steps: int, threads: int, compiled: bool = False) -> dict[str, float]:
     engine = PromptCache.from_pretrained(weights=weights)
     step = engine.forward.written_step
     assert step is not None, "the embedded model decodes written out"
@@ -108,6 +109,9 @@ def measure(weights: str, cache: int, rounds: int, steps: int, threads: int) -> 
                 "written step, tensor ops": tensor_ops,
                 "model's own step": lambda: engine.forward._model_step(ids, positions, mask, buffer.cache),
                 "linear layers": linears, "attention": attention}
+    if compiled:  # the model's own step through torch.compile, its products as torch operators (pc_rag.kernels.ops)
+        compiled_step = torch.compile(engine.forward._model_step, dynamic=None)
+        variants["model's own step, compiled"] = lambda: compiled_step(ids, positions, mask, buffer.cache)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -142,11 +146,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compiled", action="store_true", help="also the model's own step through torch.compile")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_step.json")
     args = parser.parse_args()
     result = {"cache": args.cache, "rounds": args.rounds, "steps": args.steps, "threads": args.threads, "weights": {}}
     for weights in args.weights:
-        result["weights"][weights] = measure(weights, args.cache, args.rounds, args.steps, args.threads)
+        result["weights"][weights] = measure(weights, args.cache, args.rounds, args.steps, args.threads, args.compiled)
         print(weights, json.dumps({k: round(v, 2) for k, v in result["weights"][weights].items() if k != "run"}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

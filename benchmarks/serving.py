@@ -50,7 +50,7 @@ Part ``reads``: what the scheduler's decode steps read over one Poisson draw per
 ``--rates``: the cache entries every step attends to (each row reads the batch's attended width)
 against the entries its live rows hold, split into finished rows that still sit in the batch,
 live rows' padding up to the write column (shorter prompts, skipped columns) and entries past it;
-and what the steps read with each row within its own extent (a CPU step: ``pc_rag.model.row_extents``).
+and what the steps read with each row within its own extent (a CPU step: ``pc_rag.forward.row_extents``).
 
 Part ``extents``: a decode step of ``--callers`` rows, each row attending within its own extent
 against one attention call over the batch's whole width, for rows of even and of spread lengths.
@@ -377,7 +377,7 @@ def arrivals(args: argparse.Namespace) -> dict[str, Any]:
 def reads(args: argparse.Namespace) -> dict[str, Any]:
     """Cache entries read by the scheduler's decode steps against those its live rows hold, over
     one Poisson draw (``--seed``) per rate, each row reading the batch's whole width and within
-    its extent (what a CPU step reads: :mod:`pc_rag.model.row_extents`); counted by wrapping
+    its extent (what a CPU step reads: :mod:`pc_rag.forward.row_extents`); counted by wrapping
     :meth:`RunningBatch.feed` (one host read of the rows' validity per step: the counts, not the
     timings, are the result)."""
     from pc_rag.decode import loop
@@ -391,7 +391,7 @@ def reads(args: argparse.Namespace) -> dict[str, Any]:
         width = batch.cursor.end if batch.cursor.fixed else batch.length + 1  # what each row attends to
         held = int(batch.rows.valid[live, :width].sum()) + len(live) if live else 0  # + the entry this step writes
         ahead = max(0, width - batch.length - 1)
-        # what the step reads with each row within its extent (pc_rag.model.row_extents), where it applies
+        # what the step reads with each row within its extent (pc_rag.forward.row_extents), where it applies
         extents = loop._extents(batch.rows, batch.cursor, batch.spec, [token is not None for token in batch.fed])
         within = batch.batch * width if extents is None else extents.entries
         steps.append({"read": batch.batch * width, "live": held, "finished_rows": (batch.batch - len(live)) * width,
@@ -646,7 +646,7 @@ def fused(args: argparse.Namespace) -> dict[str, Any]:
 
 def extents(args: argparse.Namespace) -> dict[str, Any]:
     """A decode step over rows of private prompts, rebuilt as the scheduler rebuilds a batch: each
-    row attending within its own entries (:mod:`pc_rag.model.row_extents`) against one attention
+    row attending within its own entries (:mod:`pc_rag.forward.row_extents`) against one attention
     call over the batch's whole width, median of ``--steps`` steps each, the two alternating. Two
     layouts: ``even``, every prompt of ``--passages`` passages and every row decoding (what the
     extents cannot shorten: their cost alone), and ``spread``, prompts of a quarter to all of the

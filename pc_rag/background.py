@@ -5,7 +5,7 @@ one costs what prefilling it costs, so doing it inside the request that found it
 request slower than full prefill. Instead the request reads the document as text, and the document
 is queued here: one worker thread encodes it *after* that request (once a request has finished
 since it was queued, or after ``grace_s``), one document at a time, in turns with the scheduler's
-steps (:mod:`pc_rag.model.turns`): all the model's time when nothing is served, a share of it
+steps (:mod:`pc_rag.forward.turns`): all the model's time when nothing is served, a share of it
 while requests run, so a service that is never idle still warms its cache,
 and a request beside it is slowed by at most that share. The next request that retrieves the
 document imports its KV.
@@ -33,7 +33,7 @@ from typing import Any
 
 from . import forks
 from .errors import PromptCacheError
-from .model.turns import ModelTurns
+from .forward.turns import ModelTurns
 from .prompt.documents import DocumentRecord
 
 logger = logging.getLogger(__name__)

@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# pc_rag.model.forward.COMPILE_MODES, spelled out: importing it loads torch, which --help need not wait for
+# pc_rag.forward.forward.COMPILE_MODES, spelled out: importing it loads torch, which --help need not wait for
 SERVE_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 

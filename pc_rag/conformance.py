@@ -325,7 +325,7 @@ def _prompts(make: PromptMaker) -> list[Any]:
 
 
 def _fused_step(engine: Any) -> Any:
-    """``engine``'s C decode step (:class:`pc_rag.model.fused_step.FusedStep`), or None where it has none."""
+    """``engine``'s C decode step (:class:`pc_rag.forward.fused_step.FusedStep`), or None where it has none."""
     step = engine.forward.written_step
     return None if step is None else step.fused
 

@@ -27,13 +27,13 @@ from .background import BackgroundEncoder
 from .decode.constrained import Vocabulary
 from .engine_parts import open_kv
 from .errors import PromptCacheError
+from .forward.forward import Forward, compile_mode
+from .forward.rotation import RopeRotator
+from .forward.turns import DEFAULT_ENCODE_SHARE, ModelTurns
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
-from .model.forward import Forward, compile_mode
 from .model.loading import load_model
-from .model.rope import RopeRotator
 from .model.spec import ModelSpec, inspect_model
-from .model.turns import DEFAULT_ENCODE_SHARE, ModelTurns
 from .prefill.assemble import Assembler, Assembly, choose_assembly
 from .prefill.encode import ModuleEncoder
 from .prefill.recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, configure_recovery, recovery_tokens
@@ -115,7 +115,7 @@ class PromptCache(Registration, Serving):
         weights: a CPU model's linear layers in ``"float16"`` (float32 arithmetic), ``"int4"`` (the LM head in 8 bits) or ``"int4-a8"``
             (decode steps' inputs in 8 bits too); None: as loaded (the model is changed: :mod:`pc_rag.weights.choice`; embedded: int4).
         encode_share: the share of the model's time documents queued with ``background=True`` are
-            encoded in while requests run (all of it when none do; :mod:`pc_rag.model.turns`).
+            encoded in while requests run (all of it when none do; :mod:`pc_rag.forward.turns`).
     """
 
     def __init__(

@@ -16,7 +16,7 @@ iteration, calls into the room that owns each step (docs/architecture.md walks o
 4. take every row's next token and hand each caller its text; a finished row's caller gets its
    result at once (:func:`pc_rag.callers.hand_out`), and its slot is free for the next admission;
 5. feed: one decode step for every row still going, with a newcomer's next prefill chunk in the
-   same forward pass (:mod:`pc_rag.model.packed`).
+   same forward pass (:mod:`pc_rag.forward.packed`).
 
 Models whose attention cannot take per-row masks (ALiBi, learned positions, flash/flex
 attention) are served one request at a time by the same loop. A row whose processors, grammar,
@@ -223,7 +223,7 @@ class Scheduler:
                         serving.enter_context(self._serving())
                         held = True
                 try:
-                    with self.forward.turns.step():  # a background encoding's pass may go first (pc_rag.model.turns)
+                    with self.forward.turns.step():  # a background encoding's pass may go first (pc_rag.forward.turns)
                         self._iteration()
                 except Exception as err:  # noqa: BLE001 - the loop outlives any request's failure
                     logger.exception("scheduler step failed; failing the requests it was serving")

@@ -25,11 +25,11 @@ from .decode.constrained import Vocabulary
 from .decode.request import Generation, RequestState
 from .decode.sampling import SamplingParams, sampling_params
 from .errors import ContextWindowExceeded, PromptCacheError
+from .forward.forward import Forward
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CostModel, compute_in_prompt, load_or_compute, short_prefixes
 from .kv.remote import RemoteTier
 from .kv.store import ModuleStore
-from .model.forward import Forward
 from .model.spec import ModelSpec
 from .prefill import pipeline
 from .prefill import recovery as recovery_mod
@@ -190,7 +190,7 @@ class Serving:
         Every prompt is planned first, so every error surfaces before any work. With
         ``share_modules`` (RoPE models on SDPA), cached KV that several prompts import at the same
         positions is held once and attended to once per step for all of them (shared-module
-        attention, see :mod:`pc_rag.model.shared_attention`); what each prompt computes is prefilled in
+        attention, see :mod:`pc_rag.forward.shared_attention`); what each prompt computes is prefilled in
         one batched pass (None: unless the engine compiles its decode steps, see ``compile``).
         Greedy outputs equal those of :meth:`generate` called on each prompt.
         Models whose attention cannot take per-row masks (ALiBi, learned positions, flash/flex

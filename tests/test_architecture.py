@@ -21,6 +21,7 @@ LAYERS = (
     ("prompt",),
     ("kv",),
     ("weights",),
+    ("forward",),
     ("model",),
     ("prefill",),
     ("decode",),

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pc_rag.model import attention
-from pc_rag.model.forward import cache_keyword
+from pc_rag.forward import attention
+from pc_rag.forward.forward import cache_keyword
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

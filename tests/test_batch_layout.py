@@ -106,7 +106,7 @@ def test_arrivals_join_in_place_and_a_rebuild_packs_the_rows(engine):
 def test_rows_end_at_the_write_column_and_a_cpu_step_attends_within_each_rows_own_entries(engine, monkeypatch):
     """A rebuild and an in-place admission align each row's entries to end at the write column,
     so a row's prompt and what it decodes are one range; a CPU step's rows attend within their
-    ranges (pc_rag.model.row_extents) and a finished row to nothing. The logits are those of one
+    ranges (pc_rag.forward.row_extents) and a finished row to nothing. The logits are those of one
     attention call over the batch's whole width, and every row's tokens its lone call's."""
     from pc_rag.decode import loop
     from pc_rag.decode.layout import live_runs

@@ -19,6 +19,7 @@ from pc_rag.kernels.products import BLOCK
 from pc_rag.weights import blocks
 from pc_rag.weights.blocks import KERNEL_ROWS, BlockLinear
 from pc_rag.weights.int4 import Int4Linear
+from tests.test_llama_step import logprobs
 
 from .conftest import assert_answers_as_float32, assert_same_logits_joined_and_apart, sixteen_bit_inputs_here
 
@@ -172,9 +173,23 @@ def test_an_int4_engine_on_the_kernels_is_exact_on_every_path(make_tiny, tokeniz
     assert report.exact, str(report)
 
 
-def test_int4_on_the_kernels_refuses_compile(make_tiny, tokenizer):
-    with pytest.raises(PromptCacheError, match="runs pc-rag's kernels eagerly"):
-        PromptCache(make_tiny("llama"), tokenizer, weights="int4", compile=True)
+def test_int4_on_the_kernels_compiles_as_one_graph_and_decodes_as_eager(make_tiny, tokenizer):
+    """The products are torch operators (pc_rag.kernels.ops): a compiled step is one graph, where every
+    call into the kernels broke it before (and int4 refused compile=True)."""
+    from torch._dynamo.utils import counters
+
+    model = make_tiny("llama", seed=11)
+    eager = PromptCache(model, tokenizer, recompute=0, weights="int4")
+    eager.forward.written_step = None  # the tensor ops' step, as the compiled one computes it
+    compiled = PromptCache(make_tiny("llama", seed=11), tokenizer, recompute=0, weights="int4", compile=True)
+    counters.clear()
+    prompt = "A prompt for the compiled step, long enough to decode a few tokens."
+    for engine in (eager, compiled):
+        engine.stop_token_ids = set()
+    got, expected = (engine.generate(prompt, max_new_tokens=8, logprobs=2) for engine in (compiled, eager))
+    assert compiled.forward.compiled_steps == 7 and got.token_ids == expected.token_ids
+    assert dict(counters["graph_break"]) == {}
+    assert torch.allclose(logprobs(got), logprobs(expected), atol=1e-4)
 
 
 def test_layers_handed_the_same_input_share_one_product_bit_for_bit(make_tiny, tokenizer):

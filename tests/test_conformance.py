@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pc_rag import PromptCache
 from pc_rag.cli import main
+from pc_rag.forward import attention
 from pc_rag.kernels import loader
-from pc_rag.model import attention
 
 from .test_architectures import tiny
 

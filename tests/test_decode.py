@@ -142,8 +142,8 @@ def test_a_compiled_step_over_a_buffer_with_reserved_rows_gives_the_eager_logits
     scheduler reserves rows for newcomers): the compiled step compiled for the first failed the
     second with an inductor size assertion on the tensor the views share. Such a buffer runs
     eagerly, with the same logits, and the compiled step still serves the other."""
+    from pc_rag.forward.forward import Forward
     from pc_rag.kv.buffers import KVBuffer
-    from pc_rag.model.forward import Forward
 
     model = make_tiny("llama", seed=11)
     compiled, eager = Forward(model, compile=True), Forward(model)

@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 from pc_rag import PML, PromptCache, PromptCacheError, build_prompt
+from pc_rag.forward.rotation import RopeRotator
 from pc_rag.model import spec as model_mod
-from pc_rag.model.rope import RopeRotator
 from pc_rag.model.spec import model_fingerprint
 from pc_rag.prompt.documents import DEFAULT_SYSTEM
 

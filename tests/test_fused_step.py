@@ -1,4 +1,4 @@
-"""The decode step in one C call (``pc_rag.model.fused_step``) for models on pc-rag's block
+"""The decode step in one C call (``pc_rag.forward.fused_step``) for models on pc-rag's block
 kernels: the tensor ops' answers on every path it serves, the KV written where the model writes it,
 and never used where it would skip something (a hook) or read stale weights."""
 
@@ -11,10 +11,10 @@ import torch
 
 from pc_rag import PromptCache
 from pc_rag.errors import PromptCacheError
+from pc_rag.forward import row_extents
+from pc_rag.forward.llama_step import disagreement
 from pc_rag.kernels import loader
 from pc_rag.kv.buffers import KVBuffer
-from pc_rag.model import row_extents
-from pc_rag.model.llama_step import disagreement
 from tests.conftest import drawn_away, sixteen_bit_inputs_here
 from tests.test_llama_step import answers, logprobs
 

@@ -1,4 +1,4 @@
-"""The written-out decode step of Llama-family models (``pc_rag.model.llama_step``): the logits of
+"""The written-out decode step of Llama-family models (``pc_rag.forward.llama_step``): the logits of
 the model's own step, on every decode path, and never used where it would not be."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pc_rag import PromptCache
-from pc_rag.model.llama_step import disagreement, unsupported
+from pc_rag.forward.llama_step import disagreement, unsupported
 from pc_rag.prompt.documents import build_prompt
 from tests.conftest import drawn_away, staggered
 

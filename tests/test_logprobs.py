@@ -64,7 +64,7 @@ def test_a_stop_token_or_string_leaves_one_entry_per_generated_token(make_engine
 def same_tokens(first: list, second: list) -> bool:
     """The same tokens with the same log-probabilities to float rounding: two calls of one prompt
     (a request's first decode steps may run at another thread count while the engine measures
-    which is faster, pc_rag.model.threads, and a product summed by two threads rounds its last
+    which is faster, pc_rag.forward.threads, and a product summed by two threads rounds its last
     bits otherwise: 1 in 4 runs differed by ~1e-6 at some token)."""
     return [e.token_id for e in first] == [e.token_id for e in second] and all(
         abs(a.logprob - b.logprob) < 1e-5 and [t for t, _ in a.top] == [t for t, _ in b.top] for a, b in zip(first, second))

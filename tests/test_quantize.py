@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
+from pc_rag.forward.rotation import rotate_in_place, rotate_with
 from pc_rag.kv.buffers import ModuleKV
 from pc_rag.kv.quantize import SCHEMES, QuantizedModuleKV, quantize
 from pc_rag.kv.records import KVShape, deserialize, serialize
-from pc_rag.model.rope import rotate_in_place, rotate_with
 
 DOCS = [
     "The cathedral bell was cast in 1822 and rings every hour from the north tower of the old town square.",

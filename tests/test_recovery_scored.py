@@ -14,8 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from pc_rag import PML, PromptCache, PromptCacheError, build_prompt
-from pc_rag.model.forward import cache_keyword
-from pc_rag.model.probe import Probe
+from pc_rag.forward.forward import cache_keyword
+from pc_rag.forward.probe import Probe
 from pc_rag.prefill.pipeline import prefill_plans
 from pc_rag.prefill.recovery import Recovery
 from pc_rag.prefill.scored import Entries, top_entries

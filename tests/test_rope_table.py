@@ -1,4 +1,4 @@
-"""The C decode step's cos/sin table (``pc_rag.model.rope_table``): the model's rotary module's own
+"""The C decode step's cos/sin table (``pc_rag.forward.rope_table``): the model's rotary module's own
 values, rebuilt when the module's frequencies change, and not used where they follow the input
 or a hook asks for the module."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pc_rag.model.rope import signed_sin
-from pc_rag.model.rope_table import RopeTable
+from pc_rag.forward.rope_table import RopeTable
+from pc_rag.forward.rotation import signed_sin
 from tests.test_fused_step import HEADS_OF_64, int4_engine
 
 POSITIONS = [0, 1, 255, 256, 257, 700, 1023]

@@ -1,4 +1,4 @@
-"""Rows of a CPU decode step attending within their own extents (pc_rag.model.row_extents): the
+"""Rows of a CPU decode step attending within their own extents (pc_rag.forward.row_extents): the
 same attention as one masked call over the batch's whole width, without reading what lies outside."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from pc_rag.model.row_extents import RowExtents, attend, extents_for
-from pc_rag.model.shared_attention import _attend, _attend_extents, _own_mask
+from pc_rag.forward.row_extents import RowExtents, attend, extents_for
+from pc_rag.forward.shared_attention import _attend, _attend_extents, _own_mask
 
 ROWS, HEADS, KV_HEADS, DIM, ENTRIES = 5, 6, 2, 16, 40
 STARTS = (0, 10, 25, None, 39)  # row 3 has finished; row 4 holds only the entry this step wrote

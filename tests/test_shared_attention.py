@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import pc_rag.prefill.assemble as assemble_mod
 from pc_rag import PromptCache, PromptCacheError, build_prompt
-from pc_rag.model.rope import RopeRotator
-from pc_rag.model.shared_attention import SharedKV, SharedPart, SharedRun, row_list, share_prefixes, split_attention
+from pc_rag.forward.rotation import RopeRotator
+from pc_rag.forward.shared_attention import SharedKV, SharedPart, SharedRun, row_list, share_prefixes, split_attention
 
 DOCS = [
     "The lighthouse on the northern cape was automated in 1987 and still flashes every ten seconds.",
@@ -209,7 +209,7 @@ def test_cuda_fused_kernels_return_out_and_lse_in_the_merge_layout(dtype, masked
     shape logic on the meta device: ``out [b, h, m, d]`` and ``lse [b, h, m]`` (the efficient
     kernel pads its log-sum-exp to 32 queries and wants 16-aligned bias rows). The numbers need a
     GPU: no GPU was lent to this project, so only the shapes and the dispatch are checked here."""
-    from pc_rag.model.shared_attention import fused_attention_with_lse
+    from pc_rag.forward.shared_attention import fused_attention_with_lse
 
     query = torch.empty(1, 3, 40, 64, device="meta", dtype=dtype)
     key = torch.empty(1, 3, 100, 64, device="meta", dtype=dtype)

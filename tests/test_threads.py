@@ -1,4 +1,4 @@
-"""Decode steps on a CPU run with the thread count measured faster on them (pc_rag.model.threads),
+"""Decode steps on a CPU run with the thread count measured faster on them (pc_rag.forward.threads),
 and every other pass keeps the caller's count."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pc_rag.model.threads import SKIPPED, TRIALS, DecodeThreads, width_class
+from pc_rag.forward.threads import SKIPPED, TRIALS, DecodeThreads, width_class
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The model's turns (pc_rag.model.turns): background encoding passes never overlap the scheduler's
+"""The model's turns (pc_rag.forward.turns): background encoding passes never overlap the scheduler's
 steps, take their share of the model while requests are served, and all of it when none are."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pc_rag import PromptCacheError
-from pc_rag.model.turns import ModelTurns
+from pc_rag.forward.turns import ModelTurns
 
 
 def _busy(seconds: float) -> None:

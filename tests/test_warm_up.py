@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from pc_rag import PromptCache, PromptCacheError, build_prompt
-from pc_rag.model.forward import COMPILE_MODES
+from pc_rag.forward.forward import COMPILE_MODES
 from pc_rag.warm_up import batch_sizes
 
 from .conftest import staggered

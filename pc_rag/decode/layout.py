@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..forward.shared_attention import SharedKV, SharedPart, row_list, row_set
 from ..kv.buffers import KVBuffer, batch_capacity
-from ..model.shared_attention import SharedKV, SharedPart, row_list, row_set
 from ..prefill.rows import Rows
 from .loop import RunningBatch
 from .request import RequestState
@@ -139,7 +139,7 @@ def _widen(batch: RunningBatch, count: int, placeholder: RequestState) -> None:
 def _write_row(batch: RunningBatch, slot: int, fresh: RunningBatch, new: int, end: int) -> None:
     """Row ``new`` of ``fresh`` (its cache, positions, request) as ``batch``'s row ``slot``,
     aligned to end at the write column (its entries and what it decodes are one range:
-    :mod:`pc_rag.model.row_extents`)."""
+    :mod:`pc_rag.forward.row_extents`)."""
     rows, filled = batch.rows, fresh.length
     at = batch.length - filled
     taken = slice(at, batch.length)
@@ -184,7 +184,7 @@ def promote(batch: RunningBatch, shared: SharedKV) -> int:
     returns the rows moved.
 
     Exact: a moved module's keys are rotated in a copy and read unrotated, its queries
-    rotated back, in a part (:mod:`pc_rag.model.shared_attention`); both are the same product."""
+    rotated back, in a part (:mod:`pc_rag.forward.shared_attention`); both are the same product."""
     copies = batch.rows.copies
     if copies is None or not batch.cursor.fixed:
         return 0
@@ -219,7 +219,7 @@ def combine(sources: Sequence[tuple[RunningBatch, Sequence[int]]], *, reserve: i
     (its prompt and what it decoded, not the masked ones between) are packed into one new
     buffer, as runs of slices, aligned to end where the batch writes next; rows shorter than
     the longest start later, after masked entries (a CPU step does not read them:
-    :mod:`pc_rag.model.row_extents`). Packing keeps the batch's length that of its longest
+    :mod:`pc_rag.forward.row_extents`). Packing keeps the batch's length that of its longest
     row, however long the batch has been running. What a row read in place (shared
     parts) it still reads in place. Sources need a model whose attention follows a position
     mask (``spec.one_pass``); their buffers are left to the caller.

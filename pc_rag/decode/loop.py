@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ..model.attention import attention_mask
-from ..model.forward import Forward, NewTokens
-from ..model.row_extents import RowExtents, extents_for
+from ..forward.attention import attention_mask
+from ..forward.forward import Forward, NewTokens
+from ..forward.row_extents import RowExtents, extents_for
 from ..model.spec import ModelSpec
 from ..prefill.rows import Rows
 from .constrained import allowed_tokens
@@ -86,7 +86,7 @@ def decode_one_token_with(forward: Forward, rows: Rows, ids: torch.Tensor, curso
 
 
 def _extents(rows: Rows, cursor: Cursor, spec: ModelSpec, live: Sequence[bool] | None) -> RowExtents | None:
-    """Where each row of a step attends (:mod:`pc_rag.model.row_extents`): for a batch in a CPU's
+    """Where each row of a step attends (:mod:`pc_rag.forward.row_extents`): for a batch in a CPU's
     memory with fixed shapes (its rows' entries are where the mask says) and ``pc_rag_sdpa``
     attention, which reads them, where that reads enough less; None otherwise (one batched call)."""
     if live is None or rows.batch == 1 or not cursor.fixed or not spec.split or rows.valid.device.type != "cpu":

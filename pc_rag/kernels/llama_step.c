@@ -1,6 +1,6 @@
-/* A Llama-family decode step in one call (pc_rag/model/fused_step.py drives it): every decoder layer
+/* A Llama-family decode step in one call (pc_rag/forward/fused_step.py drives it): every decoder layer
    of a model whose linear layers are pc-rag's blocks (block_kernels.c), one new token per row, over
-   a KVBuffer's float32 cache. The same computation as pc_rag/model/llama_step.py's tensor ops, in
+   a KVBuffer's float32 cache. The same computation as pc_rag/forward/llama_step.py's tensor ops, in
    the same order where order shows (RMSNorm as weight * (x * rsqrt(mean(x^2) + eps)), rotate-half
    RoPE as x*cos + roll(x)*signed_sin, softmax attention, SiLU-gated MLP, residuals); sums are
    ordered as here, so logits agree to float rounding, not bit for bit.

@@ -12,7 +12,7 @@ reads 16 bits a weight), and no maintained package ships one for torch's tensors
 - ``wide_kernels.c``: the float-input products in AVX-512 where the CPU has it (summed in 16 lanes);
 - ``a16_kernels.c``: the 4-bit weights times inputs rounded to 16 bits a block, for the C decode
   step under ``weights="int4"`` where the CPU has AVX512-VNNI;
-- ``llama_step.c``: a Llama-family decode step over them in one call (:mod:`pc_rag.model.fused_step`),
+- ``llama_step.c``: a Llama-family decode step over them in one call (:mod:`pc_rag.forward.fused_step`),
   with its own threads (``thread_pool.c``).
 
 Where the library comes from is :mod:`.build`'s job (built at install, else here once). Loaded, it

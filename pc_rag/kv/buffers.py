@@ -107,7 +107,7 @@ class _BufferLayer(DynamicLayer):
         return self.keys, self.values
 
     def step_storage(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
-        """For a decode step that writes its new key and value itself (:mod:`pc_rag.model.fused_step`):
+        """For a decode step that writes its new key and value itself (:mod:`pc_rag.forward.fused_step`):
         this layer's key and value storage ``[batch, kv_heads, capacity, dim]`` and the entry the
         new token goes to (under fixed shapes the cursor's ``[1]`` tensor, which every layer shares:
         the caller reads it once, not once a layer); the views then cover that entry, as

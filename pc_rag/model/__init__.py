@@ -1,3 +1,3 @@
-"""The model as pc-rag drives it: what it is (:mod:`.spec`), where it comes from (:mod:`.loading`),
-how it encodes positions (:mod:`.rope`), the attention kernels pc-rag registers
-(:mod:`.attention`, :mod:`.shared_attention`, :mod:`.probe`) and the passes through it (:mod:`.forward`)."""
+"""The model as pc-rag finds it: what it is and which paths are proved exact for it (:mod:`.spec`),
+where it comes from (:mod:`.loading`) and how it encodes positions, measured (:mod:`.rope`). The
+passes through it are :mod:`pc_rag.forward`'s."""

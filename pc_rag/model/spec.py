@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
+from ..forward.rotation import RopeRotator
 from ..prompt.chat import chat_markers
 from ..prompt.layout import ChatMarkers
-from .rope import PositionKind, RopeRotator, probe_positions, rope_windows
+from .rope import PositionKind, probe_positions, rope_windows
 
 logger = logging.getLogger(__name__)
 
@@ -178,10 +179,10 @@ def _stop_token_ids(model: Any, tokenizer: Any, markers: ChatMarkers) -> set[int
 
 
 def _receives_keywords(model: Any, decoder: Any, shape: tuple[int, int, int], windows: list[int | None]) -> bool:
-    """Whether split attention may run (:func:`pc_rag.model.attention.receives_keywords`); when it
+    """Whether split attention may run (:func:`pc_rag.forward.attention.receives_keywords`); when it
     may not, the model is served by the paths that need no keyword (a batch copies what its rows
     import), and one log line says why."""
-    from . import attention
+    from ..forward import attention
 
     why = attention.receives_keywords(model, decoder, shape, windows)
     if why is not None:
@@ -229,9 +230,9 @@ def inspect_model(model: Any, tokenizer: Any, *, separator: str = "\n\n") -> Mod
 
     Runs a few tiny forward passes (the position probe), so build it once per model.
     """
+    from ..forward import attention
+    from ..forward.forward import Forward, cache_keyword
     from ..kv.shape import check_cached_shape, kv_shape
-    from . import attention
-    from .forward import Forward, cache_keyword
 
     attention.install(model)
     layers, kv_heads, head_dim = kv_shape(model)  # refuses, by name, models whose state is not reusable KV

@@ -8,7 +8,7 @@ Three ways to hand a prompt's cached KV to attention:
 - ``in_place`` (one request, split attention): each cached segment is attended to where the
   store keeps it, moved modules read unrotated (their queries rotate back instead);
 - shared (a batch, split attention): rows are sorted by their cached segments and
-  :func:`~pc_rag.model.shared_attention.share_prefixes` finds the runs two or more rows import at the
+  :func:`~pc_rag.forward.shared_attention.share_prefixes` finds the runs two or more rows import at the
   same positions (ChunkAttention's prefix tree); a run is held once (read in place when it is
   one stored module, else assembled once for the batch), what a row shares with nobody is
   copied into its own cache.
@@ -27,11 +27,11 @@ from typing import Literal
 import torch
 
 from ..errors import PromptCacheError
+from ..forward.rotation import rotate_in_place, rotate_with
+from ..forward.shared_attention import RowSet, SharedKV, SharedPart, row_set, share_prefixes
 from ..kv.buffers import BufferPool, KVBuffer, batch_capacity
 from ..kv.quantize import QuantizedModuleKV
 from ..kv.records import StoredKV
-from ..model.rope import rotate_in_place, rotate_with
-from ..model.shared_attention import RowSet, SharedKV, SharedPart, row_set, share_prefixes
 from ..model.spec import ModelSpec
 from ..prompt.plan import Plan, Segment
 from .ape import Ape, adjust_attention, moved_entries
@@ -50,7 +50,7 @@ Held = Mapping[tuple[Signature, ...], SharedPart | None]
 def signature(segment: Segment, moved: bool) -> Signature:
     """What a row reads for a cached segment: its stored entry's tokens at its positions, moved
     (APE-adjusted) or not. Rows whose segments have the same signature read the same KV alike,
-    so one copy can serve them all (:mod:`pc_rag.model.shared_attention`)."""
+    so one copy can serve them all (:mod:`pc_rag.forward.shared_attention`)."""
     return (segment.key, segment.offset, len(segment), segment.position, segment.source_position, moved)
 
 

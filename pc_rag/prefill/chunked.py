@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..forward.forward import Forward, NewTokens
 from ..kv.buffers import KVBuffer
-from ..model.forward import Forward, NewTokens
 from ..model.spec import ModelSpec
 from .assemble import Assembled
 from .passes import chunks_of, new_tokens, prefill

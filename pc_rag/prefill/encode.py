@@ -16,8 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import forks
+from ..forward.forward import Forward
 from ..kv.buffers import KVBuffer, ModuleKV
-from ..model.forward import Forward
 
 
 # ---------------------------------------------------------------------------------------------

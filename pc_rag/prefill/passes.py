@@ -7,7 +7,7 @@ hold the KV each row attends to (its own cache, plus shared KV read in place) wi
 of every cache entry, and its :class:`Inputs` the tokens each row computes. Causality follows
 positions, not cache order, so one forward pass computes every token a prompt does not reuse
 however many gaps between modules they fill; the masks come from
-:func:`pc_rag.model.attention.attention_mask`. The decode loop that follows is :mod:`pc_rag.decode.loop`.
+:func:`pc_rag.forward.attention.attention_mask`. The decode loop that follows is :mod:`pc_rag.decode.loop`.
 """
 
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from ..forward.attention import attention_mask
+from ..forward.forward import Forward, NewTokens
 from ..kv.buffers import KVBuffer
-from ..model.attention import attention_mask
-from ..model.forward import Forward, NewTokens
 from ..model.spec import ModelSpec
 from ..prompt.plan import Plan, Segment
 from .rows import Inputs, Rows

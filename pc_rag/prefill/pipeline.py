@@ -15,8 +15,8 @@ from .rows import Prefilled
 from .scored import entries, prefill_recovered
 
 if TYPE_CHECKING:
+    from ..forward.forward import Forward
     from ..kv.buffers import BufferPool
-    from ..model.forward import Forward
     from ..model.spec import ModelSpec
     from .assemble import Assembled, Assembler, Assembly, Held
 

@@ -23,7 +23,7 @@ weight multiplied by a scale (:mod:`pc_rag.prefill.ape`).
 Both strategies then run one forward pass over the chosen tokens and the prompt's own computed tokens
 (:func:`pc_rag.prefill.scored.prefill_selected`); the stale cache entries of the chosen tokens are
 masked out, never copied around. The scores come from the attention function
-(:mod:`pc_rag.model.attention`), which hands each layer's queries and keys to a :class:`Probe` passed
+(:mod:`pc_rag.forward.attention`), which hands each layer's queries and keys to a :class:`Probe` passed
 as a forward keyword, the way shared KV reaches it.
 
 This module is where a request's recovery is decided: :func:`recover` (head and tail, at
@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import PromptCacheError
-from ..model.attention import ATTENTION_NAME
+from ..forward.attention import ATTENTION_NAME
 from ..prompt.plan import Plan, PlanSource, Segment
 
 if TYPE_CHECKING:

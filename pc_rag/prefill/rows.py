@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..forward.shared_attention import SharedKV
 from ..kv.buffers import KVBuffer
-from ..model.shared_attention import SharedKV
 
 
 @dataclass

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..forward.forward import Forward
+from ..forward.probe import Probe
 from ..kv.buffers import BufferPool
-from ..model.forward import Forward
-from ..model.probe import Probe
 from ..model.spec import ModelSpec
 from ..prompt.plan import Plan
 from .ape import adjust_attention, moved_entries

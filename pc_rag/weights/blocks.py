@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
-from ..kernels import products
+from ..kernels import ops, products
 from ..kernels.loader import library
 from ..kernels.products import BLOCK
 from .siblings import Siblings, join_siblings, joined_bias
@@ -80,7 +80,7 @@ class BlockLinear(torch.nn.Module):
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
         self.siblings: Siblings | None = None  # layers always handed the same input: one product for all (join)
         self.sibling = 0  # this layer's place among them
-        # 8 (16): the C decode step (pc_rag.model.fused_step) multiplies it by inputs quantized to 8 (16) bits a block
+        # 8 (16): the C decode step (pc_rag.forward.fused_step) multiplies it by inputs quantized to 8 (16) bits a block
         self.decode_activation_bits = 32
 
     def _apply(self, fn: Any, recurse: bool = True) -> BlockLinear:
@@ -102,7 +102,9 @@ class BlockLinear(torch.nn.Module):
             raise PromptCacheError(f'weights="int4" multiplies float32 inputs on a CPU by float32 scales there; got {x.dtype} inputs on '
                                    f'{x.device} and {self.scales.dtype} scales on {self.scales.device} (the model was moved or cast '
                                    'after its layers were quantized)', param="weights")
-        if x.numel() > KERNEL_ROWS * self.in_features:
+        if torch.compiler.is_compiling():  # one node of the compiled graph (siblings' joined product and tiles are eager-only)
+            out = ops.block_product(x.reshape(-1, self.in_features), self.values, self.scales, self.minimums, self.bias)
+        elif x.numel() > KERNEL_ROWS * self.in_features:
             out = self.wide(x.reshape(-1, self.in_features))
         elif self.siblings is not None:  # the same x object for every sibling: one joined product
             return self.siblings.output(self.sibling, x)

@@ -10,7 +10,7 @@
   33.7, the first token 0.36 against 0.25 s (prefill dequantizes). Where the kernels cannot be built
   (no C compiler, no AVX2): torch's 4-bit kernel (:mod:`pc_rag.weights.int4`; bf16 activations,
   first-token KL ~1e-3).
-- ``"int4-a8"``: ``"int4"``, and the decode step in C (:mod:`pc_rag.model.fused_step`) quantizes
+- ``"int4-a8"``: ``"int4"``, and the decode step in C (:mod:`pc_rag.forward.fused_step`) quantizes
   each product's input to 8 bits a block of 32 (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 arithmetic)
   and multiplies in integers: fewer instructions a weight. Prefill (the first token) is unchanged;
   decode steps the C step does not serve (over shared KV) keep float32 inputs.
@@ -49,9 +49,6 @@ def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
         logger.warning('weights="int4-a8" runs on pc-rag\'s kernels, which are not built here: weights="int4" on torch\'s kernel instead')
         weights = "int4"
     if weights in ("int4", "int4-a8") and library() is not None:
-        if compiled:  # dynamo breaks the graph at every call into the kernels: hundreds of fragments a step
-            raise PromptCacheError('weights="int4" runs pc-rag\'s kernels eagerly (a compiled step breaks at every call into them); '
-                                   'pass compile=False, or weights="float32"', param="weights")
         return blocks.install(model, decode_activation_bits=8 if weights == "int4-a8" else 16)
     return int4.install(model, weights)
 

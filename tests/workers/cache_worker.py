@@ -37,7 +37,7 @@ def main() -> None:
         os.fsync = fsync
     engine = PromptCache.from_pretrained(model, kv_dir=kv_dir)
     # one decode thread, as the test's reference holds it: while an engine measures its thread count its first steps
-    # alternate 1 and 2 threads (pc_rag/model/threads.py), which rounds the last bits apart, and a random tiny model's
+    # alternate 1 and 2 threads (pc_rag/forward/threads.py), which rounds the last bits apart, and a random tiny model's
     # near-tied logits then flip a greedy token (1 CI run in many)
     engine.forward.decode_threads.fixed = 1
     indices = list(range(len(DOCUMENTS)))

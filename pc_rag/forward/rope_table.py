@@ -1,4 +1,4 @@
-"""The C decode step's cos and sign-folded sin by position (:mod:`pc_rag.model.fused_step`), computed
+"""The C decode step's cos and sign-folded sin by position (:mod:`pc_rag.forward.fused_step`), computed
 by the model's own rotary module once per block of positions instead of at every step.
 
 Why: a step's Python runs on caches the C step has just flushed (it streams ~170 MB), so each
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .rope import signed_sin
+from .rotation import signed_sin
 
 BLOCK = 256  # positions a rotary call fills: 256 x 64 floats, whole vectors and one thread's work
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
-from .rope import rotate_with
+from .rotation import rotate_with
 from .row_extents import RowExtents
 
 KWARG = "pc_rag_shared"
@@ -328,7 +328,7 @@ def split_attention(
 ) -> torch.Tensor:
     """Attention of ``query [rows, heads, q, dim]`` over the rows' own ``key``/``value``
     ``[rows, kv_heads, k, dim]`` (masked by ``attention_mask``: boolean, additive, or causal when None;
-    within each row's ``extents``, if given: :mod:`pc_rag.model.row_extents`) and over every shared
+    within each row's ``extents``, if given: :mod:`pc_rag.forward.row_extents`) and over every shared
     part (seen through the layer's sliding ``window``, if any); returns ``[rows, q, heads, dim]``
     like transformers' kernels."""
     rows, heads, q_len, dim = query.shape

@@ -38,7 +38,7 @@ class Pass:
     width: int
     mask: Any  # what its own forward pass would take: [rows, 1, width, keys] (or per layer type)
     shared: SharedStep | None = None  # KV read in place besides its buffer
-    extents: RowExtents | None = None  # a decode step's rows attend within these (pc_rag.model.row_extents)
+    extents: RowExtents | None = None  # a decode step's rows attend within these (pc_rag.forward.row_extents)
 
     @property
     def tokens(self) -> int:

@@ -49,7 +49,7 @@ class NewTokens:
     mask: Any  # the batch's attention mask over its buffer and the new tokens (never None)
     shared: SharedKV | None  # KV the rows read in place
     bounds: tuple[int, int]  # the smallest and largest of ``positions`` (on the host)
-    extents: RowExtents | None = None  # a decode step's rows attend within these (pc_rag.model.row_extents)
+    extents: RowExtents | None = None  # a decode step's rows attend within these (pc_rag.forward.row_extents)
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -98,7 +98,7 @@ class Forward:
         self.compiled_steps = 0  # decode steps run compiled
         self.compiled_shapes: set[tuple[int, int]] = set()  # the (rows, capacity) they ran at: a CUDA graph each
         # eager decode steps of a Llama-family model written out, without transformers' module code
-        # (pc_rag.model.llama_step), where ``written`` asks for it and it proves equal to the model's own
+        # (pc_rag.forward.llama_step), where ``written`` asks for it and it proves equal to the model's own
         self.written_step: LlamaDecodeStep | None = None
         if written and self._decode_step is None:
             split = getattr(self.model.config, "_attn_implementation", None) == ATTENTION_NAME
@@ -111,7 +111,7 @@ class Forward:
         self.encoded = 0
         self._count_lock = threading.Lock()
         forks.renew_after_fork(self, "_count_lock")
-        # the model's turns: the scheduler's steps and the background encoder's documents (pc_rag.model.turns)
+        # the model's turns: the scheduler's steps and the background encoder's documents (pc_rag.forward.turns)
         self.turns = turns if turns is not None else ModelTurns()
 
     @property
@@ -152,9 +152,9 @@ class Forward:
     ) -> torch.Tensor | None:
         """Extend ``buffer`` with ``token_ids``; return the last token's logits when asked.
 
-        ``mask`` (``[1, 1, new, buffer + new]``, see :func:`pc_rag.model.attention.position_mask`)
+        ``mask`` (``[1, 1, new, buffer + new]``, see :func:`pc_rag.forward.attention.position_mask`)
         replaces the causal mask transformers would build from buffer order. ``shared`` is KV
-        attended to besides the buffer, read in place (see :mod:`pc_rag.model.shared_attention`).
+        attended to besides the buffer, read in place (see :mod:`pc_rag.forward.shared_attention`).
         """
         positions = list(positions)
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
@@ -177,7 +177,7 @@ class Forward:
     ) -> torch.Tensor:
         """One decoding step for every row of a batched ``buffer``: ``ids [rows, 1]`` at ``positions
         [rows, 1]`` (their smallest and largest in ``bounds``): logits ``[rows, vocab]``. ``extents``:
-        the rows attend within them (eager steps; see :mod:`pc_rag.model.row_extents`)."""
+        the rows attend within them (eager steps; see :mod:`pc_rag.forward.row_extents`)."""
         with self.decode_threads.step(ids.shape[0]):
             return self._decode_batch(buffer, ids, positions, bounds, mask, shared, extents)
 
@@ -238,7 +238,7 @@ class Forward:
     @torch.inference_mode()
     def packed(self, batches: Sequence[NewTokens], window_layers: Sequence[bool] = ()) -> list[torch.Tensor]:
         """Several batches' new tokens, each batch over its own cache, in one forward pass (see
-        :mod:`pc_rag.model.packed`): for each batch the last column's logits, ``[rows, vocab]``.
+        :mod:`pc_rag.forward.packed`): for each batch the last column's logits, ``[rows, vocab]``.
         Needs ``pc_rag_sdpa`` attention (``spec.split``); ``window_layers``: which layers slide."""
         self._count(1)
         device = self.model.device
@@ -262,7 +262,7 @@ class Forward:
     @torch.inference_mode()
     def probe(self, buffer: KVBuffer, ids: torch.Tensor, positions: torch.Tensor, mask: Any, probe: Probe) -> None:
         """Run ``ids [rows, n]`` at ``positions`` through the probe's layers only (see
-        :class:`pc_rag.model.probe.Probe`); those layers' KV is left in ``buffer``, which still
+        :class:`pc_rag.forward.probe.Probe`); those layers' KV is left in ``buffer``, which still
         counts the entries it held before."""
         self._count(1)
         before = len(buffer)

@@ -9,7 +9,7 @@ whatever precision they hold: float32, ``Float16Linear``, ``Int4Linear``) and th
 op for op as transformers' Llama code does it (the same RMSNorm, RoPE and SDPA call with a key
 head's queries stacked), in one loop: 44 ms, the rest down to ~7. Where the linear layers are
 pc-rag's blocks (``weights="int4"``), the same step runs in one C call instead
-(:mod:`pc_rag.model.fused_step`), proved here alike.
+(:mod:`pc_rag.forward.fused_step`), proved here alike.
 
 It serves only what it reproduces: the decoder layer classes in :data:`LAYER_CLASSES` (Llama,
 Mistral, Qwen2: the same layer with or without biases), SiLU, SDPA, a decode step (one new token
@@ -35,7 +35,7 @@ from . import row_extents, shared_attention
 from .attention import ATTENTION_NAME, CONFIG_WINDOW
 from .decoder import decoder_of, language_model_of
 from .fused_step import FusedStep
-from .rope import signed_sin
+from .rotation import signed_sin
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 class LlamaDecodeStep:
     """One decode step of a Llama-family causal LM over a :class:`pc_rag.kv.buffers.KVBuffer`'s
     cache: ``(ids [rows, 1], positions [rows, 1], mask, cache) -> logits [rows, vocab]``, the
-    signature of :meth:`pc_rag.model.forward.Forward._model_step`."""
+    signature of :meth:`pc_rag.forward.forward.Forward._model_step`."""
 
     def __init__(self, model: Any) -> None:
         self.model = language_model_of(model)
@@ -145,8 +145,8 @@ class LlamaDecodeStep:
         """Feed ``ids [rows, 1]`` at ``positions [rows, 1]``, their KV written into ``cache`` (a
         :class:`KVBuffer`'s, fixed for decoding) and attending over it under ``mask [rows, 1, 1,
         entries]``; ``extents``: each row attends within its own (a CPU batch, see
-        :mod:`pc_rag.model.row_extents`); ``shared``: and over KV read in place (split attention,
-        :mod:`pc_rag.model.shared_attention`; see :meth:`serves`). The next logits, ``[rows, vocab]``."""
+        :mod:`pc_rag.forward.row_extents`); ``shared``: and over KV read in place (split attention,
+        :mod:`pc_rag.forward.shared_attention`; see :meth:`serves`). The next logits, ``[rows, vocab]``."""
         if shared is None and self.fused is not None:
             logits = self.fused(ids, positions, mask, cache, extents)
             if logits is not None:

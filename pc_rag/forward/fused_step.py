@@ -1,7 +1,7 @@
 """A Llama-family decode step in one C call (``llama_step.c``), for a model whose linear layers are
 pc-rag's blocks (``weights="int4"`` where :mod:`pc_rag.kernels.loader` loads).
 
-:class:`~pc_rag.model.llama_step.LlamaDecodeStep` runs a step as tensor ops: on the embedded
+:class:`~pc_rag.forward.llama_step.LlamaDecodeStep` runs a step as tensor ops: on the embedded
 SmolLM2-135M (2-core CPU, one thread, 1,265 cached entries) 37 ms, of which 18 in the products,
 10 in SDPA and ~9 in ~30 small ops a layer and the kernels' Python calls
 (``benchmarks/decode_step.py``). The C step runs the same computation: RMSNorm, the products
@@ -13,7 +13,7 @@ the model's own LM head.
 It serves the steps the tensor ops serve except over shared KV (split attention stays in torch):
 rows of one new token each, over a float32 ``KVBuffer`` cache whose batch is the rows, under a
 boolean or additive mask or none, attending by extents or not. Anything else returns None and the
-tensor ops run. :func:`~pc_rag.model.llama_step.written_step` proves the step on the model itself
+tensor ops run. :func:`~pc_rag.forward.llama_step.written_step` proves the step on the model itself
 before it is used, this path included: the step it proves calls it.
 """
 
@@ -30,8 +30,8 @@ from ..kernels.products import checked, weight_shapes
 from ..kernels.step import LINEARS, Layer, Product, Step
 from ..weights import blocks
 from ..weights.blocks import BlockLinear
-from .rope import signed_sin
 from .rope_table import RopeTable
+from .rotation import signed_sin
 from .row_extents import RowExtents
 
 
@@ -39,17 +39,18 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _product(linear: BlockLinear) -> Product:
-    """``linear`` as the C step reads it, its tensors checked against each other and its shape first."""
-    if weight_shapes(linear.values, linear.scales, linear.minimums, linear.bias) != (linear.out_features, linear.in_features):
-        raise PromptCacheError(f"a layer in blocks holds a {tuple(linear.scales.shape)} weight, not its "
-                               f"{linear.out_features} x {linear.in_features}", param="weights")
+def _product(linear: BlockLinear, shape: tuple[int, int]) -> Product:
+    """``linear`` as the C step reads it, its tensors checked against each other and against ``shape``
+    (out, in), the widths the step's buffers have for it."""
+    if weight_shapes(linear.values, linear.scales, linear.minimums, linear.bias) != shape:
+        raise PromptCacheError(f"a layer in blocks holds a {tuple(linear.scales.shape)} weight, not the {shape[0]} x {shape[1]} "
+                               "the decode step computes with", param="weights")
     return Product(linear.values.data_ptr(), linear.scales.data_ptr(), _pointer(linear.minimums), _pointer(linear.bias),
                     linear.out_features, linear.in_features, linear.bits)
 
 
 def unfused(step: Any) -> str | None:
-    """Why ``step`` (a :class:`~pc_rag.model.llama_step.LlamaDecodeStep`) cannot run in C (None: it can)."""
+    """Why ``step`` (a :class:`~pc_rag.forward.llama_step.LlamaDecodeStep`) cannot run in C (None: it can)."""
     if library() is None:
         return "pc-rag's kernels are not built"
     if any(type(getattr(layer, name)) is not BlockLinear for layer in step.layers for name in LINEARS):
@@ -66,7 +67,7 @@ def unfused(step: Any) -> str | None:
 
 class FusedStep:
     """``(ids, positions, mask, cache, extents) -> logits [rows, vocab]`` for a
-    :class:`~pc_rag.model.llama_step.LlamaDecodeStep` ``step``, or None where the step is not
+    :class:`~pc_rag.forward.llama_step.LlamaDecodeStep` ``step``, or None where the step is not
     one it serves (see the module docstring)."""
 
     def __init__(self, step: Any) -> None:
@@ -97,14 +98,20 @@ class FusedStep:
     def _build(self) -> None:
         """The layers' weights as the C step reads them (again when a weight was replaced: a model moved or cast)."""
         self.generation = blocks.weights_generation()  # before reading: a change while building shows at the next step
+        hidden, query, key, inner = self.hidden, self.step.heads * self.head_dim, self.step.kv_heads * self.head_dim, self.intermediate
+        shapes = {"q": (query, hidden), "k": (key, hidden), "v": (key, hidden), "o": (hidden, query), "gate": (inner, hidden),
+                  "up": (inner, hidden), "down": (hidden, inner)}
         layers = (Layer * len(self.step.layers))()
         for into, layer in zip(layers, self.step.layers):
+            for name in ("attention_norm", "mlp_norm"):
+                checked(name, getattr(layer, name), torch.float32, (hidden,))
             into.attention_norm, into.mlp_norm = layer.attention_norm.data_ptr(), layer.mlp_norm.data_ptr()
             into.attention_eps, into.mlp_eps, into.scaling = layer.attention_eps, layer.mlp_eps, layer.scaling
             for name in LINEARS:
-                setattr(into, name, _product(getattr(layer, name)))
+                setattr(into, name, _product(getattr(layer, name), shapes[name]))
+        checked("final_norm", self.step.norm.weight, torch.float32, (hidden,))
         self.layers = layers
-        self.head = _product(self.step.head) if self.head_in_c else Product()
+        self.head = _product(self.step.head, (self.step.head.out_features, hidden)) if self.head_in_c else Product()
 
     def _weights_current(self) -> bool:
         """Whether the layers' tensors are those :meth:`_build` read, rebuilding where any may have been
@@ -145,7 +152,8 @@ class FusedStep:
 
     def _pointed(self, layers: Any, rows: int) -> tuple[ctypes.Array, tuple[int, ...], tuple[int, ...]]:
         """This call's copy of the layers (another thread may step another cache), each pointed at its KV
-        storage, every layer's checked as ``[rows, kv_heads, capacity, head_dim]`` float32 with the first's strides; that shape and those strides."""
+        storage, every layer's checked as ``[rows, kv_heads, capacity, head_dim]`` float32 with the first's
+        strides; that shape and those strides."""
         step_layers = type(self.layers).from_buffer_copy(self.layers)
         shape = strides = None
         for into, layer in zip(step_layers, layers):  # past every refusal: claiming an entry grows a growing cache

@@ -2,7 +2,7 @@
 
 Scored recovery (:mod:`pc_rag.prefill.scored`) hands a :class:`Probe` to the model as a forward keyword
 (``PROBE_KWARG``), the way shared KV reaches it; pc-rag's attention function
-(:mod:`pc_rag.model.attention`) gives it each layer's queries and keys, and it ends the pass early
+(:mod:`pc_rag.forward.attention`) gives it each layer's queries and keys, and it ends the pass early
 (:class:`ProbeDone`) after its last layer.
 """
 
