@@ -36,6 +36,7 @@ from .sources import COMPILE_FLAGS, HERE, INSTALLED_NAME, LIBRARIES, OPENMP_FLAG
 
 logger = logging.getLogger(__name__)
 
+
 def installed_path() -> Path:
     """Where ``pip install`` puts the library it builds."""
     return HERE / f"{INSTALLED_NAME}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
