@@ -11,8 +11,9 @@ import torch
 
 from pc_rag import PromptCache
 from pc_rag.errors import PromptCacheError
-from pc_rag.forward import row_extents
+from pc_rag.forward import row_extents, shared_attention
 from pc_rag.forward.llama_step import disagreement
+from pc_rag.forward.rotation import RopeRotator
 from pc_rag.kernels import loader
 from pc_rag.kv.buffers import KVBuffer
 from tests.conftest import drawn_away, sixteen_bit_inputs_here
@@ -42,8 +43,8 @@ def test_the_c_step_answers_as_the_tensor_ops_do(make_tiny, tokenizer, arch, ker
     fused = step.fused
     assert fused is not None, "blocks on the kernels decode in C"
     assert disagreement(step, engine.forward._model_step, engine.model, split=True) < 1e-5
-    in_c = answers(engine, True)  # alone, staggered (by extents), and three rows reading shared KV (tensor ops)
-    assert fused.steps > 0
+    in_c = answers(engine, True)  # alone, staggered (by extents), and three rows reading shared KV
+    assert fused.steps > 0 and fused.shared_steps > 0, "the batch over the same documents read them shared, in C"
     step.fused = None
     try:
         in_ops = answers(engine, True)
@@ -276,6 +277,87 @@ def test_on_16_bit_inputs_a_row_decodes_the_same_alone_and_beside_others(make_ti
         assert torch.equal(step(ids[row:row + 1], positions[row:row + 1], None, alone.cache), logits[row:row + 1]), row
 
 
+def shared_kv(model, step, parts: list[tuple[int, int, object, int, float, float]], seed: int = 8) -> shared_attention.SharedKV:
+    """Random module KV read in place: per part (entries, first position, rows, shift, temperature, log_scale)."""
+    generator = torch.Generator().manual_seed(seed)
+    layers, kv_heads = len(step.layers), step.kv_heads
+    dim = step.layers[0].q.out_features // step.heads
+    built = [shared_attention.SharedPart(torch.randn(layers, 2, kv_heads, n, dim, generator=generator), torch.arange(first, first + n),
+                                         rows, shift, temperature, log_scale) for n, first, rows, shift, temperature, log_scale in parts]
+    return shared_attention.SharedKV(built, heads_per_kv=step.heads // kv_heads, dtype=torch.float32, rotator=RopeRotator(model))
+
+
+# three rows: all read a 600-entry part (three spans), rows 0 and 2 a moved one under APE, row 1 a moved one of 9
+PARTS = [(600, 0, slice(0, 3), 0, 1.0, 0.0), (300, 600, (0, 2), 7, 1.3, 0.25), (9, 900, (1,), -4, 1.0, -0.5)]
+
+
+@pytest.mark.parametrize("heads", ["of 16", "of 64"])
+@pytest.mark.parametrize("by_extents", [False, True])
+def test_shared_kv_read_in_place_decodes_in_c_as_the_tensor_ops_do(make_tiny, tokenizer, heads, by_extents, kernel_form):
+    """RelayAttention in the C step: parts read by some rows or all, spread over spans, moved (queries rotated
+    back) and adjusted (APE), merged with each row's own entries: the tensor ops' logits."""
+    engine = int4_engine(make_tiny, tokenizer, "qwen2", **(HEADS_OF_64 if heads == "of 64" else {}))
+    step, model = engine.forward.written_step, engine.model
+    kv = shared_kv(model, step, PARTS)
+    ids, positions = torch.tensor([[7], [11], [5]]), torch.tensor([[930], [925], [912]])
+    attend = torch.ones(3, 1, 1, 21, dtype=torch.bool)
+    attend[1, ..., :4] = False
+    case = {"extents": row_extents.RowExtents((0, 3, 0), 21)} if by_extents else {}
+    before = (step.fused.steps, step.fused.shared_steps)
+    got = step(ids, positions, attend, random_cache(model, 20, fixed=True, rows=3, room=1, seed=5).cache,
+               shared=kv.for_queries(positions, (912, 930)), **case)
+    assert (step.fused.steps, step.fused.shared_steps) == (before[0] + 1, before[1] + 1)
+    fused, step.fused = step.fused, None
+    try:
+        expected = step(ids, positions, attend, random_cache(model, 20, fixed=True, rows=3, room=1, seed=5).cache,
+                        shared=kv.for_queries(positions, (912, 930)), **case)
+    finally:
+        step.fused = fused
+    alone = step(ids, positions, attend, random_cache(model, 20, fixed=True, rows=3, room=1, seed=5).cache, **case)
+    scale = expected.abs().max().item()
+    assert torch.allclose(got, expected, atol=1e-4 * scale)
+    assert not torch.allclose(alone, expected, atol=1e-2 * scale)  # the shared parts count
+
+
+def test_a_row_reading_shared_kv_decodes_the_same_alone_and_beside_others(make_tiny, tokenizer):
+    """On 16-bit inputs a row's arithmetic does not depend on the rows beside it, shared parts included:
+    a caller's tokens are the same whoever shares its step."""
+    sixteen_bit_inputs_here()
+    engine = int4_engine(make_tiny, tokenizer, "llama", inputs=16, **HEADS_OF_64)
+    step, model = engine.forward.written_step, engine.model
+    ids, positions = torch.tensor([[7], [11], [5]]), torch.tensor([[930], [925], [912]])
+    together = random_cache(model, 20, fixed=True, rows=3, room=1, seed=6)
+    logits = step(ids, positions, None, together.cache, shared=shared_kv(model, step, PARTS).for_queries(positions, (912, 930)))
+    for row in range(3):
+        alone = random_cache(model, 20, fixed=True, rows=1, room=1)
+        alone.storage.copy_(together.storage[:, :, row:row + 1])
+        own = [(n, first, (0,), shift, t, s) for n, first, rows, shift, t, s in PARTS if row in shared_attention.row_list(rows)]
+        kv = shared_kv(model, step, PARTS).select([row], 0)  # the same tensors, read by the row alone
+        kv = shared_attention.SharedKV(kv, heads_per_kv=step.heads // step.kv_heads, dtype=torch.float32, rotator=RopeRotator(model))
+        assert len(kv.parts) == len(own)
+        got = step(ids[row:row + 1], positions[row:row + 1], None, alone.cache,
+                   shared=kv.for_queries(positions[row:row + 1], (int(positions[row]), int(positions[row]))))
+        assert torch.equal(got, logits[row:row + 1]), row
+
+
+def test_shared_kv_a_query_must_not_wholly_see_goes_to_the_tensor_ops_logged_once(make_tiny, tokenizer, caplog):
+    """A part placed after a row's query needs a mask over shared keys, which the C step does not take: the
+    tensor ops run that step (one log line says why, once) and answer as the model does."""
+    engine = int4_engine(make_tiny, tokenizer)
+    step, model = engine.forward.written_step, engine.model
+    kv = shared_kv(model, step, [(40, 0, slice(0, 2), 0, 1.0, 0.0)])
+    ids, positions = torch.tensor([[7], [11]]), torch.tensor([[60], [30]])  # row 1 sits before the part's last keys
+    before = step.fused.steps
+    with caplog.at_level("INFO", logger="pc_rag.forward.fused_step"):
+        for _ in range(2):
+            got = step(ids, positions, None, random_cache(model, 8, fixed=True, rows=2, room=1).cache, shared=kv.for_queries(positions, (30, 60)))
+    assert step.fused.steps == before
+    assert sum("mask over shared parts" in r.getMessage() for r in caplog.records) == 1
+    expected = engine.forward._model_step(ids, positions, None, random_cache(model, 8, fixed=True, rows=2, room=1).cache,
+                                          **{shared_attention.KWARG: kv.for_queries(positions, (30, 60))})
+    assert torch.allclose(got, expected, atol=1e-4 * expected.abs().max().item())
+
+
 # -- the boundary: what the C reads is checked before it reads it ------------------------------------
 
 @pytest.mark.parametrize("fixed", [True, False])
@@ -314,6 +396,22 @@ def test_a_kv_buffer_of_another_layout_is_refused_before_the_c_step_reads_it(mak
         step(torch.tensor([[7]]), torch.tensor([[9]]), None, narrow.cache)
 
 
+def test_the_c_step_itself_refuses_shared_parts_it_cannot_read():
+    """A part read by a row the step does not have, by a row twice, or with no entries: refused by the C
+    before any work is sized, whatever the caller checked."""
+    from pc_rag.kernels.step import Shared, Step
+    lib = loader.library()
+    keys = torch.zeros(4, 8)
+    for rows, entries in (([0, 2], 4), ([1, 1], 4), ([0], 0), ([-1], 4)):
+        reading = torch.tensor(rows, dtype=torch.int64)
+        part = Shared(keys.data_ptr(), keys.data_ptr(), entries, 32, 32, 8, reading.data_ptr(), len(rows), None, None, 1.0, 0.0)
+        args = Step(n_layers=1, rows=2, hidden=8, heads=1, kv_heads=1, head_dim=8, intermediate=8, entries=1, capacity=1,
+                    shared=ctypes.addressof(part), n_shared=1)
+        assert lib.llama_step_work(ctypes.byref(args)) == -1, (rows, entries)
+    args.n_shared = 0
+    assert lib.llama_step_work(ctypes.byref(args)) > 0
+
+
 def test_the_step_structures_are_checked_against_the_librarys_layout():
     from pc_rag.kernels import step as step_structures
 
@@ -322,7 +420,8 @@ def test_the_step_structures_are_checked_against_the_librarys_layout():
 
     lib = loader.library()
     assert step_structures.layout_agrees(lib) is None
-    problem = step_structures.layout_agrees(lib, (step_structures.Product, step_structures.Layer, StepWithoutCapacity))
+    problem = step_structures.layout_agrees(lib, (step_structures.Product, step_structures.Layer, StepWithoutCapacity,
+                                                   step_structures.Shared))
     assert problem is not None and "laid out" in problem
 
 

@@ -10,16 +10,20 @@ through the same block kernels, rotate-half RoPE, the new key and value written 
 entries, SiLU-gated MLP and residuals, in one call for all layers; the final norm's output goes to
 the model's own LM head.
 
-It serves the steps the tensor ops serve except over shared KV (split attention stays in torch):
-rows of one new token each, over a float32 ``KVBuffer`` cache whose batch is the rows, under a
-boolean or additive mask or none, attending by extents or not. Anything else returns None and the
-tensor ops run. :func:`~pc_rag.forward.llama_step.written_step` proves the step on the model itself
+It serves the steps the tensor ops serve: rows of one new token each, over a float32 ``KVBuffer``
+cache whose batch is the rows, under a boolean or additive mask or none, attending by extents or
+not, and over module KV read where it is stored (:mod:`pc_rag.forward.shared_attention`'s parts:
+RelayAttention's two-part softmax, each part's keys read once a step for every row that reads it,
+its queries rotated back by the part's move, APE's temperature and scale per part). Anything else
+returns None and the tensor ops run; why is logged once (:meth:`FusedStep.refused`). :func:`~pc_rag.forward.llama_step.written_step` proves the step on the model itself
 before it is used, this path included: the step it proves calls it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import weakref
 from typing import Any
 
 import torch
@@ -27,12 +31,17 @@ import torch
 from ..errors import PromptCacheError
 from ..kernels.loader import library
 from ..kernels.products import checked, weight_shapes
-from ..kernels.step import LINEARS, Layer, Product, Step
+from ..kernels.step import LINEARS, Layer, Product, Shared, Step
 from ..weights import blocks
 from ..weights.blocks import BlockLinear
 from .rope_table import RopeTable
 from .rotation import signed_sin
 from .row_extents import RowExtents
+from .shared_attention import SharedKV, SharedStep, row_list
+
+logger = logging.getLogger(__name__)
+
+MAX_SHARED = 4096  # parts one step reads (llama_step.c's MAX_SHARED)
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -82,6 +91,10 @@ class FusedStep:
         # the layers' hook tables (torch adds to them in place): any hook means a step the C code would skip
         self.hooks = [table for linear in self.linears for table in (linear._forward_hooks, linear._forward_pre_hooks)]
         self.steps = 0  # steps run in C (tests read it)
+        self.shared_steps = 0  # of them, steps that read shared KV
+        self._refusals: set[str] = set()  # why a step went to the tensor ops, each logged once
+        # the last shared KV's parts as the C step reads them: a batch's SharedKV serves all its steps
+        self._parts: tuple[weakref.ref, Any, list[torch.Tensor]] | None = None
         # 8: products multiply inputs quantized to 8 bits a block (weights="int4-a8": every layer asked for it);
         # 16: the 4-bit ones to 16 bits (weights="int4" where the CPU has AVX512-VNNI: a16_kernels.c); else float32
         asked = {linear.decode_activation_bits for linear in self.linears}
@@ -171,9 +184,63 @@ class FusedStep:
         assert shape is not None and strides is not None
         return step_layers, shape, strides
 
+    def refused(self, why: str) -> None:
+        """A step handed back to the tensor ops, and why: logged once a reason."""
+        if why not in self._refusals:
+            self._refusals.add(why)
+            logger.info("a decode step runs as tensor ops, not in C: %s", why)
+
+    def _shared_parts(self, shared: SharedStep, rows: int) -> tuple[Any, int] | str:
+        """``shared``'s parts as the C step reads them (an array of :class:`Shared` and its length), each
+        checked here; or why the C step cannot read them."""
+        kv = shared.shared
+        held = self._parts
+        if held is None or held[0]() is not kv:
+            built = self._build_parts(kv, rows)
+            if isinstance(built, str):
+                return built
+            held = self._parts = (weakref.ref(kv), *built)
+        low = shared.bounds[0]
+        if any(low <= group.last_position for group in kv.groups):
+            return "a query does not see every key of the KV it shares (a mask over shared parts)"
+        if any(rows <= max(row_list(group.rows)) for group in kv.groups):
+            return "shared KV read by rows the step does not have"
+        return held[1], len(held[1])
+
+    def _build_parts(self, kv: SharedKV, rows: int) -> tuple[Any, list[torch.Tensor]] | str:
+        layers, kv_heads, dim = len(self.layers), self.step.kv_heads, self.head_dim
+        parts = [(group, index, part) for group in kv.groups for index, part in enumerate(group.parts)]
+        if len(parts) > MAX_SHARED:
+            return f"{len(parts)} shared parts, more than the {MAX_SHARED} a step reads"
+        array, alive = (Shared * len(parts))(), []
+        for into, (group, index, part) in zip(array, parts):
+            tensor = part.kv
+            if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+                return f"shared KV in {tensor.dtype} on {tensor.device.type}, not float32 on a CPU"
+            if (tensor.dim() != 5 or tuple(tensor.shape[:3]) != (layers, 2, kv_heads) or tensor.shape[4] != dim
+                    or tensor.shape[3] < 1 or tensor.stride(-1) != 1 or min(tensor.stride()) < 0):
+                return (f"a shared part of shape {list(tensor.shape)} (strides {tensor.stride()}) is not [{layers} layers, 2, "
+                        f"{kv_heads} key heads, entries, {dim}] over whole entries")
+            reading = torch.tensor(row_list(group.rows), dtype=torch.int64)
+            into.keys, into.values = tensor[0, 0].data_ptr(), tensor[0, 1].data_ptr()
+            into.entries, into.layer_stride, into.head_stride, into.entry_stride = tensor.shape[3], *tensor.stride()[:1], *tensor.stride()[2:4]
+            into.rows, into.n_rows = reading.data_ptr(), len(reading)
+            into.score_scale, into.log_scale = 1.0 / part.temperature, part.log_scale
+            alive += [tensor, reading]
+            if group.cos is not None:
+                if group.per_layer or group.interleaved:
+                    return "shared parts moved by per-layer or interleaved RoPE"
+                cos, sin = group.cos[index].reshape(-1), group.sin[index].reshape(-1)
+                if cos.numel() != dim:
+                    return f"shared parts moved by RoPE over {cos.numel()} of {dim} dims"
+                cos, sin = cos.float().contiguous(), signed_sin(sin.float()).contiguous()
+                into.cos, into.sin = cos.data_ptr(), sin.data_ptr()
+                alive += [cos, sin]
+        return array, alive
+
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: Any,
-                 extents: RowExtents | None = None) -> torch.Tensor | None:
+                 extents: RowExtents | None = None, shared: SharedStep | None = None) -> torch.Tensor | None:
         rows = ids.shape[0]
         layers = getattr(cache, "layers", ())
         if ids.dim() != 2 or ids.shape[1] != 1 or len(layers) != len(self.layers) or not hasattr(layers[0], "step_storage"):
@@ -184,6 +251,12 @@ class FusedStep:
         masks = self._mask(mask, rows, keys.shape[-2] + (layers[0].column is None))
         if masks is None or not self._weights_current() or any(self.hooks):
             return None
+        parts: tuple[Any, int] | str = (None, 0)
+        if shared is not None and shared.shared.groups:
+            parts = self._shared_parts(shared, rows)
+            if isinstance(parts, str):
+                self.refused(parts)
+                return None
         state = self.step.embed(ids.reshape(rows))  # [rows, hidden], a new tensor the step writes
         table = self.rope.rows(positions) if self.rope is not None else None
         if table is None:
@@ -206,7 +279,11 @@ class FusedStep:
                     self.step.norm.variance_epsilon, cos.data_ptr(), sin.data_ptr(), column, entries, shape[2],
                     *strides[:3], _pointer(masks[0]), _pointer(masks[1]), _pointer(lo), _pointer(hi), None, 0,
                     torch.get_num_threads())
-        work = torch.empty(self.lib.llama_step_work(ctypes.byref(args)))
+        args.shared, args.n_shared = (ctypes.addressof(parts[0]) if parts[1] else None), parts[1]
+        floats = self.lib.llama_step_work(ctypes.byref(args))
+        if floats < 0:
+            raise PromptCacheError("the C decode step refused the shared KV it was given (a row outside the step, no entries)")
+        work = torch.empty(floats)
         args.work, args.work_floats = work.data_ptr(), work.numel()
         logits = torch.empty(rows, self.step.head.out_features) if self.head_in_c else None
         args.head, args.logits, args.activation_bits = self.head, _pointer(logits), self.activation_bits
@@ -215,4 +292,5 @@ class FusedStep:
             raise PromptCacheError(f"the C decode step refused its arguments ({'entries outside the KV storage' if refused == -2 else ''}"
                                    f"{work.numel()} work floats, head dim {self.head_dim}, column {column} of {shape[2]})")
         self.steps += 1
+        self.shared_steps += parts[1] > 0
         return logits if logits is not None else self.step.head(state.view(rows, 1, self.hidden))[:, -1]

@@ -35,7 +35,7 @@ from . import row_extents, shared_attention
 from .attention import ATTENTION_NAME, CONFIG_WINDOW
 from .decoder import decoder_of, language_model_of
 from .fused_step import FusedStep
-from .rotation import signed_sin
+from .rotation import RopeRotator, signed_sin
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +147,12 @@ class LlamaDecodeStep:
         entries]``; ``extents``: each row attends within its own (a CPU batch, see
         :mod:`pc_rag.forward.row_extents`); ``shared``: and over KV read in place (split attention,
         :mod:`pc_rag.forward.shared_attention`; see :meth:`serves`). The next logits, ``[rows, vocab]``."""
-        if shared is None and self.fused is not None:
-            logits = self.fused(ids, positions, mask, cache, extents)
+        self.shared_steps += shared is not None
+        if self.fused is not None:
+            logits = self.fused(ids, positions, mask, cache, extents, shared)
             if logits is not None:
                 return logits
         rows = ids.shape[0]
-        self.shared_steps += shared is not None
         hidden = self.embed(ids)  # [rows, 1, hidden]
         cos, sin = self.rotary(hidden, positions)
         cos, sin = cos[:, None], signed_sin(sin[:, None])  # [rows, 1, 1, dim]: every head
@@ -229,9 +229,17 @@ def disagreement(step: LlamaDecodeStep, reference: Step, model: Any, *, split: b
         cases.append({"extents": extents})
         if not step.windowed:
             kv = torch.randn((*buffer.storage.shape[:2], buffer.storage.shape[3], 4, buffer.storage.shape[5]), generator=generator)
-            part = shared_attention.SharedPart(kv.to(device=device, dtype=buffer.storage.dtype), torch.arange(4, device=device),
-                                               slice(0, 2))
-            shared = shared_attention.SharedKV([part], heads_per_kv=step.heads // step.kv_heads, dtype=buffer.storage.dtype)
+            kv = kv.to(device=device, dtype=buffer.storage.dtype)
+            both = shared_attention.SharedPart(kv, torch.arange(4, device=device), slice(0, 2))
+            # the second row alone also reads a module moved 5 positions on (its queries rotate back), under APE
+            moved = shared_attention.SharedPart(kv.flip(3), torch.arange(4, 8, device=device), (1,), shift=5,
+                                                temperature=1.25, log_scale=0.3)
+            try:
+                rotator = RopeRotator(model)
+            except ValueError:  # not one set of frequencies: nothing read in place is moved (pc_rag.model.rope)
+                rotator = None
+            shared = shared_attention.SharedKV([both, moved] if rotator is not None else [both], heads_per_kv=step.heads // step.kv_heads,
+                                               dtype=buffer.storage.dtype, rotator=rotator)
             cases += [{"shared": shared.for_queries(positions, (10, 13))},
                       {"shared": shared.for_queries(positions, (10, 13)), "extents": extents}]
     keywords = {"extents": row_extents.KWARG, "shared": shared_attention.KWARG}

@@ -26,6 +26,15 @@ typedef struct {
     float *keys, *values; /* this layer's [rows, kv_heads, capacity, head_dim] view, set each step */
 } layer_t;
 
+typedef struct { /* module KV that rows read where it is stored, once a step for all of them (RelayAttention) */
+    const float *keys, *values;    /* layer 0's keys and values, [kv_heads, entries, head_dim] by the strides below */
+    int64_t entries, layer_stride, head_stride, entry_stride; /* in floats */
+    const int64_t *rows;           /* [n_rows] the step's rows that read it */
+    int64_t n_rows;
+    const float *cos, *sin;        /* [head_dim]: a query rotated back by the part's move (sin's first half negated), or null */
+    float score_scale, log_scale;  /* APE: scores times score_scale (1 / temperature), the part's weight times e^log_scale */
+} shared_t;
+
 typedef struct {
     layer_t *layers;
     int64_t n_layers, rows, hidden, heads, kv_heads, head_dim, intermediate;
@@ -47,7 +56,11 @@ typedef struct {
     float *logits;                 /* [rows, head.out_features] */
     int activation_bits;           /* 8: products quantize their inputs to 8 bits a block (a8_kernels.c); 16: 4-bit ones
                                       to 16 bits (a16_kernels.c, where a16_kernels() says so); else 32 */
+    const shared_t *shared;        /* [n_shared] KV read in place besides the rows' own (queries after all of it: no mask) */
+    int64_t n_shared;
 } step_t;
+
+#define MAX_SHARED 4096 /* parts a step reads (their places are on the stack) */
 
 /* e^x, 8 lanes (Cephes' polynomial: ~1 ulp over [-87, 88]; below, ~0 as a masked score must be) */
 static inline __m256 exp8(__m256 x) {
@@ -212,53 +225,120 @@ static void attend_span(const float *q, int group, int64_t dim, const float *key
     }
 }
 
+typedef struct { /* where one shared part's items, partials, queries and scores sit in a step's */
+    int64_t first_item, first_partial, first_query, spans;
+} place_t;
+
 typedef struct {
     const step_t *s;
     const layer_t *L;
+    int64_t layer;
     const float *q;
-    float *partial, *scores; /* per (row, key head, span): its group's out, top and total; its scores */
-    int64_t spans;           /* of each row's key head */
+    float *partial, *scores; /* per (row, key head, span): its group's out, top and total; per item: its scores */
+    int64_t spans;           /* of each row's key head in its own entries */
+    int64_t own_items;       /* items [0, own_items) are (row, key head, span) of the rows' own entries, the rest shared */
+    const place_t *places;   /* [n_shared + 1] */
+    float *queries;          /* the shared parts' queries rotated back by their moves */
 } attention_job;
 
 static inline int64_t span_floats(const step_t *s) { return (s->heads / s->kv_heads) * (s->head_dim + 2); }
 static inline int64_t spans_of(const step_t *s) { return s->entries > 0 ? (s->entries + SPAN - 1) / SPAN : 1; }
 
-/* attention of (row, key head, span) triples [start, stop), unnormalized (merge_spans finishes it) */
+/* Each shared part's items ((key head, span), every reading row inside one), partials (one per item and
+   reading row) and rotated queries after the rows' own, into places[0..n_shared] (the last: the totals);
+   0, or -1 where a part is not one the step reads (too many, no entries, a row outside the step). */
+static int place_shared(const step_t *s, place_t *places) {
+    if (s->n_shared < 0 || s->n_shared > MAX_SHARED || (s->n_shared && !s->shared)) return -1;
+    const int64_t own_items = s->rows * s->kv_heads * spans_of(s);
+    place_t at = {own_items, own_items * span_floats(s), 0, 0};
+    for (int64_t p = 0; p < s->n_shared; p++) {
+        const shared_t *part = s->shared + p;
+        if (part->entries < 1 || part->n_rows < 1 || !part->rows || !part->keys || !part->values) return -1;
+        for (int64_t i = 0; i < part->n_rows; i++) /* ascending: a row reads a part once (merge_spans counts on it) */
+            if (part->rows[i] < (i ? part->rows[i - 1] + 1 : 0) || part->rows[i] >= s->rows) return -1;
+        at.spans = (part->entries + SPAN - 1) / SPAN;
+        places[p] = at;
+        at.first_item += s->kv_heads * at.spans;
+        at.first_partial += s->kv_heads * at.spans * part->n_rows * span_floats(s);
+        at.first_query += part->cos ? part->n_rows * s->heads * s->head_dim : 0;
+    }
+    places[s->n_shared] = at;
+    return 0;
+}
+
+/* a row's query heads over its part: rotated back by the part's move, or the row's own */
+static inline const float *part_query(const attention_job *j, int64_t p, int64_t i) {
+    const step_t *s = j->s;
+    const int64_t qw = s->heads * s->head_dim;
+    return s->shared[p].cos ? j->queries + j->places[p].first_query + i * qw : j->q + s->shared[p].rows[i] * qw;
+}
+
+/* attention of items [start, stop), unnormalized (merge_spans finishes it): (row, key head, span) of the
+   rows' own entries, then (part, key head, span) for every row that reads the part, its keys read once */
 static void attention_part(void *context, int64_t start, int64_t stop) {
     const attention_job *j = context;
     const step_t *s = j->s;
     const int64_t D = s->head_dim, qw = s->heads * D, E = s->entries, per = span_floats(s);
     const int group = (int)(s->heads / s->kv_heads);
     for (int64_t item = start; item < stop; item++) {
-        const int64_t span = item % j->spans, pair = item / j->spans, r = pair / s->kv_heads, kh = pair % s->kv_heads;
-        const int64_t row_lo = s->lo ? s->lo[r] : 0, row_hi = s->hi && s->hi[r] < E ? s->hi[r] : E; /* never past the entries */
-        int64_t lo = 0, hi = 0; /* a finished row (row_lo < 0): nothing */
-        if (row_lo >= 0) lo = row_lo + span * SPAN, hi = row_hi < lo + SPAN ? row_hi : lo + SPAN;
-        const int64_t base = r * s->row_stride + kh * s->head_stride;
-        float *out = j->partial + item * per;
-        attend_span(j->q + r * qw + kh * group * D, group, D, j->L->keys + base, j->L->values + base, s->entry_stride, lo, hi,
-                    s->mask_add ? s->mask_add + r * E : 0, s->mask_keep ? s->mask_keep + r * E : 0, j->L->scaling,
-                    j->scores + item * group * SPAN, out, out + group * D, out + group * D + group);
+        float *scores = j->scores + item * group * SPAN;
+        if (item < j->own_items) {
+            const int64_t span = item % j->spans, pair = item / j->spans, r = pair / s->kv_heads, kh = pair % s->kv_heads;
+            const int64_t row_lo = s->lo ? s->lo[r] : 0, row_hi = s->hi && s->hi[r] < E ? s->hi[r] : E; /* never past the entries */
+            int64_t lo = 0, hi = 0; /* a finished row (row_lo < 0): nothing */
+            if (row_lo >= 0) lo = row_lo + span * SPAN, hi = row_hi < lo + SPAN ? row_hi : lo + SPAN;
+            const int64_t base = r * s->row_stride + kh * s->head_stride;
+            float *out = j->partial + item * per;
+            attend_span(j->q + r * qw + kh * group * D, group, D, j->L->keys + base, j->L->values + base, s->entry_stride, lo, hi,
+                        s->mask_add ? s->mask_add + r * E : 0, s->mask_keep ? s->mask_keep + r * E : 0, j->L->scaling,
+                        scores, out, out + group * D, out + group * D + group);
+            continue;
+        }
+        int64_t p = 0;
+        while (j->places[p + 1].first_item <= item) p++;
+        const shared_t *part = s->shared + p;
+        const place_t *place = j->places + p;
+        const int64_t local = item - place->first_item, span = local % place->spans, kh = local / place->spans;
+        const int64_t lo = span * SPAN, hi = part->entries < lo + SPAN ? part->entries : lo + SPAN;
+        const int64_t base = j->layer * part->layer_stride + kh * part->head_stride;
+        for (int64_t i = 0; i < part->n_rows; i++) { /* the span stays in cache from one row to the next */
+            float *out = j->partial + place->first_partial + ((kh * place->spans + span) * part->n_rows + i) * per;
+            float *top = out + group * D;
+            attend_span(part_query(j, p, i) + kh * group * D, group, D, part->keys + base, part->values + base,
+                        part->entry_stride, lo, hi, 0, 0, j->L->scaling * part->score_scale, scores, out, top, top + group);
+            if (part->log_scale != 0.f)
+                for (int g = 0; g < group; g++) top[g] += part->log_scale; /* -inf stays -inf */
+        }
     }
 }
 
-/* each (row, key head)'s spans merged in order: softmax(q.K * scale + mask) V; nothing attended: zeros, as SDPA gives */
+/* each (row, key head)'s partials merged: its own spans in order, then each part it reads, span by span:
+   softmax over all of them of (q.K * scale + mask) V; nothing attended: zeros, as SDPA gives */
 static void merge_spans(const attention_job *j, float *att) {
     const step_t *s = j->s;
     const int64_t D = s->head_dim, per = span_floats(s);
     const int group = (int)(s->heads / s->kv_heads);
-    for (int64_t pair = 0; pair < s->rows * s->kv_heads; pair++)
+    const float *from[j->spans + (j->places[s->n_shared].first_item - j->own_items)]; /* at most every item once */
+    for (int64_t pair = 0; pair < s->rows * s->kv_heads; pair++) {
+        const int64_t r = pair / s->kv_heads, kh = pair % s->kv_heads;
+        int64_t n = 0;
+        for (int64_t c = 0; c < j->spans; c++) from[n++] = j->partial + (pair * j->spans + c) * per;
+        for (int64_t p = 0; p < s->n_shared; p++) {
+            const shared_t *part = s->shared + p;
+            const place_t *place = j->places + p;
+            for (int64_t i = 0; i < part->n_rows; i++)
+                if (part->rows[i] == r)
+                    for (int64_t c = 0; c < place->spans; c++)
+                        from[n++] = j->partial + place->first_partial + ((kh * place->spans + c) * part->n_rows + i) * per;
+        }
         for (int g = 0; g < group; g++) {
             float largest = -INFINITY, total = 0.f;
-            for (int64_t c = 0; c < j->spans; c++) {
-                const float top = j->partial[(pair * j->spans + c) * per + group * D + g];
-                largest = top > largest ? top : largest;
-            }
+            for (int64_t c = 0; c < n; c++) largest = from[c][group * D + g] > largest ? from[c][group * D + g] : largest;
             float *out = att + (pair * group + g) * D; /* row r's heads are contiguous: pair * group + g = r * heads + head */
             memset(out, 0, sizeof(float) * D);
             if (largest == -INFINITY) continue;
-            for (int64_t c = 0; c < j->spans; c++) {
-                const float *part = j->partial + (pair * j->spans + c) * per;
+            for (int64_t c = 0; c < n; c++) {
+                const float *part = from[c];
                 if (part[group * D + g] == -INFINITY) continue;
                 const float weight = expf(part[group * D + g] - largest);
                 total += weight * part[group * D + group + g];
@@ -267,6 +347,7 @@ static void merge_spans(const attention_job *j, float *att) {
             const float norm = 1.f / total;
             for (int64_t i = 0; i < D; i++) out[i] *= norm;
         }
+    }
 }
 
 static inline float silu(float x) { return x / (1.f + expf(-x)); }
@@ -289,28 +370,35 @@ static inline int64_t widest_input(const step_t *s) { /* of the step's products:
     return a > b ? a : b;
 }
 
-/* The work floats a step needs (fused_step.py allocates them). */
+/* The work floats a step needs (fused_step.py allocates them); -1 where its shared parts are not ones it reads. */
 int64_t llama_step_work(const step_t *s) {
     const int64_t qw = s->heads * s->head_dim, kvw = s->kv_heads * s->head_dim, widest = widest_input(s);
     const int64_t per_row = (s->hidden + qw) + s->hidden + 2 * qw + 2 * kvw + 2 * s->intermediate + widest + 2 * widest / 32;
-    return s->rows * (per_row + s->heads * spans_of(s) * (SPAN + s->head_dim + 2));
+    if (s->kv_heads <= 0 || s->heads % s->kv_heads) return -1;
+    place_t places[s->n_shared >= 0 && s->n_shared <= MAX_SHARED ? s->n_shared + 1 : 1];
+    if (place_shared(s, places)) return -1;
+    const place_t *all = places + s->n_shared; /* items (own and shared) with their scores, partials, rotated queries */
+    return s->rows * per_row + all->first_item * (s->heads / s->kv_heads) * SPAN + all->first_partial + all->first_query;
 }
 
 /* Every layer of one decode step; 0, -1 when the work buffer is too small or the heads are not ones
    it computes, -2 when the new entry or the entries attended are not within the KV storage. The
    caller checked all of this already (fused_step.py); these are the checks the C can make cheaply. */
 int llama_step(const step_t *s) {
-    if (s->work_floats < llama_step_work(s) || s->head_dim % 8 || s->head_dim > 512 || s->kv_heads <= 0 ||
-        s->heads % s->kv_heads || s->rows <= 0)
-        return -1;
+    if (s->head_dim % 8 || s->head_dim > 512 || s->kv_heads <= 0 || s->heads % s->kv_heads || s->rows <= 0) return -1;
+    const int64_t needed = llama_step_work(s);
+    if (needed < 0 || s->work_floats < needed) return -1;
     if (s->column < 0 || s->column >= s->capacity || s->entries < 1 || s->entries > s->capacity) return -2;
     const int64_t R = s->rows, H = s->hidden, D = s->head_dim, F = s->intermediate;
     const int64_t qw = s->heads * D, kvw = s->kv_heads * D;
     const int64_t widest = widest_input(s);
+    place_t places[s->n_shared + 1];
+    place_shared(s, places);
     float *x = s->work, *q = x + R * (H + qw), *k = q + R * qw, *v = k + R * kvw, *att = v + R * kvw;
     float *tmp = att + R * qw, *gate = tmp + R * H, *up = gate + R * F;
     float *scratch = up + R * F, *scores = scratch + R * (widest + 2 * widest / 32);
-    float *partial = scores + R * s->heads * spans_of(s) * SPAN, *h = s->state;
+    float *partial = scores + places[s->n_shared].first_item * (s->heads / s->kv_heads) * SPAN;
+    float *queries = partial + places[s->n_shared].first_partial, *h = s->state;
     const int team = pool_begin(s->threads);
     prepared_t prepared = {0, 0, scratch};
     for (int64_t l = 0; l < s->n_layers; l++) {
@@ -327,8 +415,15 @@ int llama_step(const step_t *s) {
                 memcpy(L->values + at, v + r * kvw + kh * D, sizeof(float) * D);
             }
         }
-        attention_job job = {s, L, q, partial, scores, spans_of(s)};
-        pool_run(team, R * s->kv_heads * job.spans, attention_part, &job);
+        for (int64_t p = 0; p < s->n_shared; p++) /* R(p) q . R(s + d) k == R(p - d) q . R(s) k: moved keys read unrotated */
+            if (s->shared[p].cos)
+                for (int64_t i = 0; i < s->shared[p].n_rows; i++) {
+                    float *moved = queries + places[p].first_query + i * qw;
+                    memcpy(moved, q + s->shared[p].rows[i] * qw, sizeof(float) * qw);
+                    rotate(moved, s->heads, D, s->shared[p].cos, s->shared[p].sin);
+                }
+        attention_job job = {s, L, l, q, partial, scores, spans_of(s), R * s->kv_heads * spans_of(s), places, queries};
+        pool_run(team, places[s->n_shared].first_item, attention_part, &job);
         merge_spans(&job, att);
         prepared.x = 0; /* att is new */
         product(s, &L->o, att, R, tmp, &prepared, team);
@@ -350,12 +445,12 @@ int llama_step(const step_t *s) {
 }
 
 /* The layout of the structures above as this compiler laid them out, for the caller to compare with its
-   own (fused_step.py's ctypes structures): sizes of product_t, layer_t and step_t, then each field's
-   offset in declaration order. Returns how many values it wrote (at most `n`). */
+   own (fused_step.py's ctypes structures): sizes of product_t, layer_t, step_t and shared_t,
+   then each field's offset in declaration order. Returns how many values it wrote (at most `n`). */
 int64_t llama_step_layout(int64_t *out, int64_t n) {
 #define PUT(value) do { if (written < n) out[written] = (int64_t)(value); written++; } while (0)
     int64_t written = 0;
-    PUT(sizeof(product_t)); PUT(sizeof(layer_t)); PUT(sizeof(step_t));
+    PUT(sizeof(product_t)); PUT(sizeof(layer_t)); PUT(sizeof(step_t)); PUT(sizeof(shared_t));
     PUT(offsetof(product_t, values)); PUT(offsetof(product_t, scales)); PUT(offsetof(product_t, minimums));
     PUT(offsetof(product_t, bias)); PUT(offsetof(product_t, out_features)); PUT(offsetof(product_t, in_features));
     PUT(offsetof(product_t, bits));
@@ -371,7 +466,12 @@ int64_t llama_step_layout(int64_t *out, int64_t n) {
     PUT(offsetof(step_t, head_stride)); PUT(offsetof(step_t, entry_stride)); PUT(offsetof(step_t, mask_add));
     PUT(offsetof(step_t, mask_keep)); PUT(offsetof(step_t, lo)); PUT(offsetof(step_t, hi)); PUT(offsetof(step_t, work));
     PUT(offsetof(step_t, work_floats)); PUT(offsetof(step_t, threads)); PUT(offsetof(step_t, head));
-    PUT(offsetof(step_t, logits)); PUT(offsetof(step_t, activation_bits));
+    PUT(offsetof(step_t, logits)); PUT(offsetof(step_t, activation_bits)); PUT(offsetof(step_t, shared));
+    PUT(offsetof(step_t, n_shared));
+    PUT(offsetof(shared_t, keys)); PUT(offsetof(shared_t, values)); PUT(offsetof(shared_t, entries));
+    PUT(offsetof(shared_t, layer_stride)); PUT(offsetof(shared_t, head_stride)); PUT(offsetof(shared_t, entry_stride));
+    PUT(offsetof(shared_t, rows)); PUT(offsetof(shared_t, n_rows)); PUT(offsetof(shared_t, cos)); PUT(offsetof(shared_t, sin));
+    PUT(offsetof(shared_t, score_scale)); PUT(offsetof(shared_t, log_scale));
 #undef PUT
     return written;
 }

@@ -1,4 +1,4 @@
-"""The C decode step's arguments (``llama_step.c``'s ``product_t``, ``layer_t`` and ``step_t``) as
+"""The C decode step's arguments (``llama_step.c``'s ``product_t``, ``layer_t``, ``step_t`` and ``shared_t``) as
 ctypes structures, and their layout checked against the library's own when it loads.
 
 The structures are written twice, in C and here; :func:`layout_agrees` compares every size and
@@ -37,17 +37,30 @@ class Step(ctypes.Structure):
                 *((name, c_int64) for name in ("column", "entries", "capacity", "row_stride", "head_stride", "entry_stride")),
                 ("mask_add", c_void_p), ("mask_keep", c_void_p), ("lo", c_void_p), ("hi", c_void_p), ("work", c_void_p),
                 ("work_floats", c_int64), ("threads", c_int), ("head", Product), ("logits", c_void_p),
-                ("activation_bits", c_int)]
+                ("activation_bits", c_int), ("shared", c_void_p), ("n_shared", c_int64)]
 
 
-def expected_layout(structures: tuple[type[ctypes.Structure], ...] = (Product, Layer, Step)) -> list[int]:
-    """Sizes of the three structures, then every field's offset in declaration order, as ctypes lays them out."""
+class Shared(ctypes.Structure):
+    """Module KV that several rows read where it is stored (``shared_t``): layer 0's keys and values, the
+    strides to the others, the rows that read it, the rotation back by its move, APE's adjustment."""
+
+    _fields_ = [("keys", c_void_p), ("values", c_void_p),
+                *((name, c_int64) for name in ("entries", "layer_stride", "head_stride", "entry_stride")),
+                ("rows", c_void_p), ("n_rows", c_int64), ("cos", c_void_p), ("sin", c_void_p), ("score_scale", c_float),
+                ("log_scale", c_float)]
+
+
+STRUCTURES = (Product, Layer, Step, Shared)
+
+
+def expected_layout(structures: tuple[type[ctypes.Structure], ...] = STRUCTURES) -> list[int]:
+    """Sizes of the structures, then every field's offset in declaration order, as ctypes lays them out."""
     return [ctypes.sizeof(s) for s in structures] + [getattr(s, name).offset for s in structures for name, _ in s._fields_]
 
 
-def layout_agrees(lib: ctypes.CDLL, structures: tuple[type[ctypes.Structure], ...] = (Product, Layer, Step)) -> str | None:
+def layout_agrees(lib: ctypes.CDLL, structures: tuple[type[ctypes.Structure], ...] = STRUCTURES) -> str | None:
     """None where the library lays the step's arguments out as ``structures`` (:class:`Product`,
-    :class:`Layer`, :class:`Step`) do; else how they differ."""
+    :class:`Layer`, :class:`Step`, :class:`Shared`) do; else how they differ."""
     expected = expected_layout(structures)
     buffer = (c_int64 * (len(expected) + 8))()
     function = lib.llama_step_layout
