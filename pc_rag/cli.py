@@ -216,7 +216,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pc-rag", description="Prompt Cache: reuse attention states of prompt modules.")
     common = argparse.ArgumentParser(add_help=False)  # every command loads a model
-    common.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M-Instruct)")
+    common.add_argument("--model", default=None, help="hub id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     common.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     common.add_argument("--encoding", choices=ENCODINGS, default=None, help="module encoding mode")
     common.add_argument("--kv-dir", "--cache-dir", dest="kv_dir", default=None, help="persist module KV here (--cache-dir: its old name)")

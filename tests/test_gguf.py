@@ -48,3 +48,29 @@ def test_a_file_that_is_not_a_gguf_and_a_damaged_gguf_are_refused_clearly(tmp_pa
     damaged.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(PromptCacheError, match="cannot load GGUF file 'model.gguf'"):
         PromptCache.from_pretrained(damaged)
+
+
+def test_the_tokenizer_alone_is_read_from_the_file_as_the_engine_reads_it(gguf, from_the_file):
+    """What replicas' router loads (no weights): the GGUF's own vocabulary, not a folder lookup that fails."""
+    from pc_rag.model.loading import load_tokenizer
+
+    assert load_tokenizer(gguf)(PROMPT).input_ids == from_the_file.tokenizer(PROMPT).input_ids
+    with pytest.raises(PromptCacheError, match="model.gguf"):
+        damaged = gguf.parent / "missing-model.gguf"
+        load_tokenizer(damaged)
+
+
+def test_pc_rag_serve_takes_a_gguf_path(gguf, tmp_path):
+    import openai
+
+    from tests.servers import ServerProcess
+
+    server = ServerProcess(tmp_path, "--model", str(gguf))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [gguf.name]
+        reply = client.chat.completions.create(model=gguf.name, messages=[{"role": "user", "content": "Name a primary colour."}],
+                                               max_tokens=6)
+        assert reply.choices[0].message.content and reply.usage.completion_tokens == 6
+    finally:
+        server.close()

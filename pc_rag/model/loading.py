@@ -125,6 +125,22 @@ def load_model(
     return lm, tokenizer
 
 
+def load_tokenizer(model: str | os.PathLike | None, **hub: Any) -> Any:
+    """The tokenizer :func:`load_model` would load for ``model`` (a hub id, a folder, a GGUF file: its own
+    vocabulary; ``None``: the embedded default), alone: what a router needs without the weights."""
+    from transformers import AutoTokenizer
+
+    source = default_model_dir() if model is None else _model_source(model, hub)
+    if isinstance(source, Path) and source.is_file():
+        source, hub["gguf_file"] = source.parent, source.name
+    try:
+        return AutoTokenizer.from_pretrained(source, **hub)
+    except (OSError, ValueError, ImportError, KeyError, NotImplementedError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PromptCacheError(f"cannot load the tokenizer of {str(source)!r}{' (' + hub['gguf_file'] + ')' if 'gguf_file' in hub else ''}: "
+                               f"{reason}") from err
+
+
 def _model_source(model: str | os.PathLike, hub: dict[str, Any]) -> str | os.PathLike:
     """A local folder (``~`` and variables expanded) or a hub id. A path that names no folder,
     and a hub id that is neither in the local hub cache nor on a reachable hub, are one-line

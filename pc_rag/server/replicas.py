@@ -142,13 +142,11 @@ class RayBackend:
     """Engine replicas through a Ray Serve handle (the router picks the replica)."""
 
     def __init__(self, handle: Any, model: str | None) -> None:
-        from transformers import AutoTokenizer
-
-        from ..model.loading import default_model_dir
+        from ..model.loading import load_tokenizer
         from ..prompt.chat import chat_markers
 
         self.handle = handle
-        self.tokenizer = AutoTokenizer.from_pretrained(model or default_model_dir())
+        self.tokenizer = load_tokenizer(model)  # a GGUF file's own vocabulary where the model is one
         self.markers = chat_markers(self.tokenizer)
 
     def render_chat(self, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
