@@ -74,3 +74,12 @@ def test_pc_rag_serve_takes_a_gguf_path(gguf, tmp_path):
         assert reply.choices[0].message.content and reply.usage.completion_tokens == 6
     finally:
         server.close()
+
+
+def test_pc_rag_check_takes_a_gguf_path(gguf, capsys):
+    """``pc-rag check --model file.gguf``: the file's model and tokenizer, every path exact."""
+    from pc_rag.cli import main
+
+    assert main(["check", "--model", str(gguf), "--no-fidelity"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: exact on every path it serves" in out and "ok   module in place, decode steps" in out
