@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pc_rag.forward.threads import SKIPPED, TRIALS, DecodeThreads, width_class
+from pc_rag.forward.threads import NARROW_PASS_TOKENS, SKIPPED, TRIALS, DecodeThreads, attention_threads, narrow_pass, width_class
+from pc_rag.kernels.products import kernel_threads
 
 
 @pytest.fixture
@@ -79,3 +80,55 @@ def test_decode_steps_run_with_the_measured_count_and_prefill_with_all(make_engi
     engine.generate("<doc id='tower'/> Where does the tower stand?", max_new_tokens=3)
     assert [threads for width, threads in passes if width > 1] == [2]  # the count was put back after the steps
     assert [threads for width, threads in passes if width == 1] == [chosen[1]] * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Narrow prefill passes: torch's own ops on one thread, products and attention on the caller's count
+# ---------------------------------------------------------------------------------------------
+def test_a_narrow_pass_runs_torch_on_one_thread_and_the_kernels_and_attention_on_all(two_threads):
+    seen = []
+    with pytest.raises(RuntimeError):
+        with narrow_pass(58, enabled=True):
+            seen.append((torch.get_num_threads(), kernel_threads()))
+            with attention_threads():
+                seen.append((torch.get_num_threads(), kernel_threads()))
+                with attention_threads():  # packed attention calls attention again: the count it found is put back
+                    pass
+                seen.append((torch.get_num_threads(), kernel_threads()))
+            seen.append((torch.get_num_threads(), kernel_threads()))
+            raise RuntimeError("the model failed")
+    assert seen == [(1, 2), (2, 2), (2, 2), (1, 2)]
+    assert (torch.get_num_threads(), kernel_threads()) == (2, 2)  # put back, whatever the pass raised
+    with attention_threads():  # outside a narrow pass: nothing changes
+        assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("tokens, enabled", [(NARROW_PASS_TOKENS + 1, True), (58, False)])
+def test_a_wide_pass_or_a_model_off_the_kernels_keeps_every_thread(two_threads, tokens, enabled):
+    with narrow_pass(tokens, enabled=enabled):
+        assert (torch.get_num_threads(), kernel_threads()) == (2, 2)
+
+
+def test_a_cached_prompt_on_int4_runs_its_norms_on_one_thread_and_its_products_on_two(make_tiny, tokenizer, two_threads):
+    """Through the engine: the computed tokens of a cached prompt are a narrow pass on an int4 model
+    (the norms' hook sees one thread, the kernels two); full prefill of a long prompt, and every pass
+    of a float32 model (its products are torch's), keep both threads; the first token is full prefill's."""
+    from pc_rag import PromptCache, build_prompt
+
+    answers = {}
+    for weights in ("int4", "float32"):
+        model = make_tiny("llama", seed=3)
+        engine = PromptCache(model, tokenizer, weights=weights, recompute=0)
+        assert engine.forward.narrow_passes == (weights == "int4")
+        seen: list[tuple[int, int]] = []
+        model.model.norm.register_forward_hook(lambda *_: seen.append((torch.get_num_threads(), kernel_threads())))
+        document = " ".join(f"word{i}" for i in range(120))
+        assert len(engine.tokenize(document)) > NARROW_PASS_TOKENS  # cached; full prefill is wider than a narrow pass
+        prompt = build_prompt("What is this?", engine.add_documents([document]))
+        seen.clear()
+        answers[weights] = engine.generate(prompt, max_new_tokens=1).text
+        assert seen == ([(1, 2)] if weights == "int4" else [(2, 2)])  # the cached prompt's one prefill pass
+        seen.clear()
+        assert engine.generate(prompt, max_new_tokens=1, use_cache=False).text == answers[weights]
+        assert seen == [(2, 2)]  # full prefill: wider than a narrow pass
+    assert torch.get_num_threads() == 2

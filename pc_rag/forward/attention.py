@@ -20,6 +20,7 @@ from ..errors import PromptCacheError
 from . import packed as packed_mod
 from . import row_extents, shared_attention
 from .probe import PROBE_KWARG
+from .threads import attention_threads
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,15 @@ _SPECIAL = ("position_bias", "cache", "softcap")
 _registered = False
 
 
-def _pc_rag_sdpa(
+def _pc_rag_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention (see the module docstring), on every thread inside a narrow
+    prefill pass (:func:`pc_rag.forward.threads.narrow_pass`)."""
+    with attention_threads():
+        return _attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,

@@ -15,6 +15,7 @@ import torch
 from .. import forks
 from ..errors import PromptCacheError
 from ..kv.buffers import KVBuffer, ModuleKV
+from ..weights.blocks import BlockLinear
 from .attention import ATTENTION_NAME
 from .decoder import decoder_of, language_model_of
 from .llama_step import LlamaDecodeStep, written_step
@@ -24,7 +25,7 @@ from .probe import PROBE_KWARG, Probe, ProbeDone
 from .row_extents import KWARG as EXTENTS_KWARG
 from .row_extents import RowExtents
 from .shared_attention import KWARG, SharedKV
-from .threads import DecodeThreads
+from .threads import DecodeThreads, narrow_pass
 from .turns import ModelTurns
 
 
@@ -104,6 +105,9 @@ class Forward:
             split = getattr(self.model.config, "_attn_implementation", None) == ATTENTION_NAME
             self.written_step = written_step(model, self._model_step, split=split)
         self.decode_threads = DecodeThreads(model.device)  # a CPU's decode steps: one thread or all, measured
+        # a cached prompt's few computed tokens: torch's small ops on one thread, the kernels' products on all (narrow_pass)
+        linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, BlockLinear))]
+        self.narrow_passes = torch.device(model.device).type == "cpu" and bool(linears) and all(isinstance(m, BlockLinear) for m in linears)
         # what transformers is handed as the mask of a packed pass (a 4D mask passes through as it
         # is; each pass applies its own): made once, not per step
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
@@ -221,7 +225,8 @@ class Forward:
     ) -> torch.Tensor:
         """Run ``ids [rows, n]`` (left-padded, so every row's last column is a real token) at
         ``positions`` (their smallest and largest in ``bounds``): the last column's logits, ``[rows, vocab]``."""
-        return self._step(buffer, ids, positions, mask, shared, bounds)
+        with narrow_pass(ids.numel(), self.narrow_passes):
+            return self._step(buffer, ids, positions, mask, shared, bounds)
 
     @torch.inference_mode()
     def _step(

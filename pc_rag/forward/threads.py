@@ -109,3 +109,59 @@ class DecodeThreads:
                 torch.set_num_threads(current)
         if timed:
             self.record(rows, threads, time.perf_counter() - started, current)
+
+
+# ---------------------------------------------------------------------------------------------
+# Narrow prefill passes: a cached prompt's computed tokens
+# ---------------------------------------------------------------------------------------------
+# passes of up to this many tokens (all rows) run as narrow_pass says: a cached prompt's question and
+# recovered tokens (38-230 at 0.5-8K prompt tokens); its products take pc-rag's kernels up to as many
+# rows (pc_rag.weights.blocks.KERNEL_ROWS)
+NARROW_PASS_TOKENS = 256
+_narrow = threading.local()  # the caller's count while a narrow pass runs on this thread
+
+
+@contextmanager
+def narrow_pass(tokens: int, enabled: bool) -> Iterator[None]:
+    """A prefill pass of few ``tokens`` on a CPU whose linear layers run on pc-rag's kernels
+    (``enabled``): torch's own ops (norms, rotations, activations, the residual adds) on this thread
+    alone, the products (:func:`pc_rag.kernels.products.threads_for_kernels`) and attention
+    (:func:`attention_threads`) on the caller's count.
+
+    Why: an op of a few hundred rows is over torch's grain (32K values) and is parallelised, and on the
+    scheduler thread, with the caller's OpenMP team in the same process, each parallel region wakes
+    threads through the kernel: a multiply of 58 x 1536 values took 51 us there against 12 us on one
+    thread (7 us with both threads on the thread that made the first team); a cached prompt's pass of
+    58 tokens is some 600 of them. Measured on the 2-core development CPU, the embedded model, 1,064
+    prompt tokens: the time to first token 224 ms with every op on both threads, 180 with this.
+    """
+    current = torch.get_num_threads()
+    if not enabled or current <= 1 or tokens > NARROW_PASS_TOKENS:
+        yield
+        return
+    from ..kernels.products import threads_for_kernels
+
+    torch.set_num_threads(1)
+    _narrow.count = current
+    try:
+        with threads_for_kernels(current):
+            yield
+    finally:
+        _narrow.count = None
+        torch.set_num_threads(current)
+
+
+@contextmanager
+def attention_threads() -> Iterator[None]:
+    """Attention inside a :func:`narrow_pass` on the caller's count (a few large regions: the pass's
+    queries over the whole cached context); elsewhere nothing changes."""
+    count = getattr(_narrow, "count", None)
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -10,6 +10,9 @@ never reaches the C (which would read or write past it). ``lib`` is the loaded l
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -18,6 +21,24 @@ from ..errors import PromptCacheError
 BLOCK = 32  # weights per scale (and minimum): GGUF's Q4_1 and Q8_0 blocks
 # a16_kernels.c's prepared input, a block of 32: its 16-bit values as two signed bytes each (64) and 5 floats
 A16_BYTES_PER_BLOCK = 84
+_kernel_threads = threading.local()  # a pass's count for the kernels where torch's own ops run on one thread
+
+
+def kernel_threads() -> int:
+    """The threads a product is shared among: the count :func:`threads_for_kernels` set on this
+    thread (a narrow prefill pass, :func:`pc_rag.forward.threads.narrow_pass`), else torch's."""
+    return getattr(_kernel_threads, "count", None) or torch.get_num_threads()
+
+
+@contextmanager
+def threads_for_kernels(count: int) -> Iterator[None]:
+    """Inside, this thread's products run on ``count`` threads whatever torch's own count is."""
+    before = getattr(_kernel_threads, "count", None)
+    _kernel_threads.count = count
+    try:
+        yield
+    finally:
+        _kernel_threads.count = before
 
 
 def checked(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -92,7 +113,7 @@ def q4_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, minimu
     out = torch.empty(rows, out_features)
     scratch = torch.empty(rows * (features + 2 * features // BLOCK))
     lib.q4_matmul(x.data_ptr(), rows, features, words.data_ptr(), scales.data_ptr(), minimums.data_ptr(),
-                  out_features, _pointer(bias), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+                  out_features, _pointer(bias), out.data_ptr(), scratch.data_ptr(), kernel_threads())
     return out
 
 
@@ -103,7 +124,7 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torc
     rows = _inputs(x, features)
     out = torch.empty(rows, out_features)
     lib.q8_matmul(x.data_ptr(), rows, features, q.data_ptr(), scales.data_ptr(), out_features,
-                  _pointer(bias), out.data_ptr(), torch.get_num_threads())
+                  _pointer(bias), out.data_ptr(), kernel_threads())
     return out
 
 
@@ -115,7 +136,7 @@ def a8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, minim
     rows = _inputs(x, features)
     out = torch.empty(rows, out_features)
     scratch = torch.empty(rows * (features + 8 * features // BLOCK), dtype=torch.uint8)
-    ends = (_pointer(bias), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+    ends = (_pointer(bias), out.data_ptr(), scratch.data_ptr(), kernel_threads())
     if minimums is not None:
         lib.q4a8_matmul(x.data_ptr(), rows, features, values.data_ptr(), scales.data_ptr(), minimums.data_ptr(), out_features, *ends)
     else:
@@ -137,7 +158,7 @@ def a16_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, minim
     out = torch.empty(rows, out_features)
     scratch = torch.empty(rows * A16_BYTES_PER_BLOCK * (features // BLOCK), dtype=torch.uint8)
     lib.a16_matmul(x.data_ptr(), rows, features, words.data_ptr(), scales.data_ptr(), minimums.data_ptr(), out_features,
-                   _pointer(bias), out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+                   _pointer(bias), out.data_ptr(), scratch.data_ptr(), kernel_threads())
     return out
 
 
@@ -154,7 +175,7 @@ def dequantize_into(out: torch.Tensor, start: int, stop: int, values: torch.Tens
     checked("out", out, torch.float32, tuple(out.shape))
     if minimums is not None:
         lib.q4_dequantize(values.data_ptr(), scales.data_ptr(), minimums.data_ptr(), features, start, stop, out.data_ptr(),
-                          torch.get_num_threads())
+                          kernel_threads())
     else:
-        lib.q8_dequantize(values.data_ptr(), scales.data_ptr(), features, start, stop, out.data_ptr(), torch.get_num_threads())
+        lib.q8_dequantize(values.data_ptr(), scales.data_ptr(), features, start, stop, out.data_ptr(), kernel_threads())
     return out

@@ -12,8 +12,8 @@ weight for the 4-bit layers. A layer none of whose blocks are exact at 4 bits bu
 kept at 8; a user's own float checkpoint is quantized from each block's minimum to maximum (lossy,
 as asked), its LM head in 8 bits.
 
-Inputs of up to :data:`KERNEL_ROWS` rows (decode steps, a short question) go through the
-kernels, which read each weight once for up to 8 rows. Wider inputs (prefill) dequantize the
+Inputs of up to :data:`KERNEL_ROWS` rows (decode steps, a cached prompt's computed tokens) go
+through the kernels, which read each weight once for up to 8 rows. Wider inputs (prefill) dequantize the
 weight a tile at a time into one reused float32 buffer and run torch's GEMM on it: one copy of
 the weights in memory, the 4-bit one. Both are bound by arithmetic on an AVX2 CPU beyond a few
 rows, so prompts prefill up to ~1.7x slower than with FBGEMM's fp16 weights (see KERNEL_ROWS);
@@ -36,11 +36,12 @@ from .siblings import Siblings, join_siblings, joined_bias
 
 logger = logging.getLogger(__name__)
 
-# inputs up to this many rows take the kernels (decode batches, short prompts); wider ones torch's GEMM over
-# dequantized tiles. A forward of the embedded model (2 threads; ms, min of 3): 16 rows 83 here against 231
-# dequantizing (fp16 weights: 68); 38 rows 129-180 either way (fp16: 96-112); 128 rows 414-516 against 446-472
-# (fp16: 271-310); 512 rows 1785-2073 against 981-1245 (fp16: 1029-1108)
-KERNEL_ROWS = 32
+# inputs up to this many rows take the kernels (decode batches, a cached prompt's computed tokens); wider ones
+# (full prefill, encoding) torch's GEMM over dequantized tiles. Every linear layer of the embedded model once, on
+# an engine's scheduler thread (2 threads; ms, min of 2): 64 rows 136 here against 191 dequantizing, 128 rows
+# 229 against 245, 256 rows 453 against 501; on a thread whose OpenMP team is the process's only one, 256 rows
+# 390 against 356, 512 rows 1785-2073 against 981-1245 (wider, the GEMM's blocking wins)
+KERNEL_ROWS = 256
 TILE_FLOATS = 4 << 20  # a wide input's dequantized tile: at most 16 MB of float32 at a time
 _TINY = torch.finfo(torch.float32).tiny
 _tiles = threading.local()  # one dequantization buffer per thread, shared by every layer
