@@ -111,15 +111,17 @@ WIDE_TARGET static void wide_one_row(const uint32_t *w, const float *d, const fl
     }
 }
 
-/* up to 8 input rows: each block's weights converted and scaled by d once for all of them */
+/* up to 8 input rows: each block's weights converted and scaled by d once for all of them; each row sums its
+   block halves in two accumulators (two FMAs a block and row, where a multiply, an FMA and an add were three) */
 #define WIDE_ROW_PRODUCT(r)                                                                      \
     if (rows > r) {                                                                              \
         const float *xr = xp + (int64_t)r * groups * 32 + 32 * g;                                \
-        acc##r = _mm512_add_ps(acc##r, _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xr)))); \
+        acc##r = _mm512_fmadd_ps(q0, _mm512_loadu_ps(xr), acc##r);                                \
+        bcc##r = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), bcc##r);                           \
     }
 #define WIDE_ROW_OUT(r)                                                                          \
     if (rows > r)                                                                                \
-        out[r * out_stride + o] = _mm512_reduce_add_ps(with_block_terms(acc##r, dof, xc + r * groups, m + o * groups, xs + r * groups, groups)) \
+        out[r * out_stride + o] = _mm512_reduce_add_ps(with_block_terms(_mm512_add_ps(acc##r, bcc##r), dof, xc + r * groups, m + o * groups, xs + r * groups, groups)) \
                                   + (bias ? bias[o] : 0.f);
 
 WIDE_TARGET static inline __attribute__((always_inline)) void
@@ -130,6 +132,7 @@ wide_rows_n(const uint32_t *w, const float *d, const float *m, int64_t groups, c
         const uint32_t *wo = w + o * groups * 4;
         const float *dof = d + o * groups;
         __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
+        __m512 bcc0 = acc0, bcc1 = acc0, bcc2 = acc0, bcc3 = acc0, bcc4 = acc0, bcc5 = acc0, bcc6 = acc0, bcc7 = acc0;
         for (int64_t g = 0; g < groups; g++) {
             const __m512 dg = _mm512_set1_ps(dof[g]);
             const __m512 q0 = _mm512_mul_ps(pair_nibbles(wo + 4 * g, mask), dg), q1 = _mm512_mul_ps(pair_nibbles(wo + 4 * g + 2, mask), dg);
