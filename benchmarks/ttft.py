@@ -134,7 +134,10 @@ def main() -> None:
     except ImportError:
         chosen = None
     embedded = args.model is None and not args.synthetic_7b
-    weights = chosen(args.weights, embedded=embedded, device=args.device) if chosen is not None else args.weights
+    try:
+        weights = chosen(args.weights, from_gguf=embedded, device=args.device) if chosen is not None else args.weights
+    except TypeError:  # a commit before from_gguf= (before_after.py)
+        weights = chosen(args.weights, embedded=embedded, device=args.device)
 
     if args.synthetic_7b:
         model, tokenizer = synthetic_7b(args.device or "cuda")

@@ -32,7 +32,7 @@ from .forward.rotation import RopeRotator
 from .forward.turns import DEFAULT_ENCODE_SHARE, ModelTurns
 from .kv.buffers import BufferPool
 from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
-from .model.loading import load_model
+from .model.loading import gguf_file_of, load_model
 from .model.spec import ModelSpec, inspect_model
 from .prefill.assemble import Assembler, Assembly, choose_assembly
 from .prefill.encode import ModuleEncoder
@@ -114,6 +114,7 @@ class PromptCache(Registration, Serving):
             CPU model with over 32 MB of linear weights. Set on the model's layers (for every user of that model object).
         weights: a CPU model's linear layers in ``"float16"`` (float32 arithmetic), ``"int4"`` (the LM head in 8 bits) or ``"int4-a8"``
             (decode steps' inputs in 8 bits too); None: as loaded (the model is changed: :mod:`pc_rag.weights.choice`; embedded: int4).
+        weights_from: the GGUF file ``model`` was read from: ``"int4"`` holds its own blocks (:mod:`pc_rag.weights.gguf_blocks`).
         encode_share: the share of the model's time documents queued with ``background=True`` are
             encoded in while requests run (all of it when none do; :mod:`pc_rag.forward.turns`).
     """
@@ -153,12 +154,12 @@ class PromptCache(Registration, Serving):
         compile: bool | str = False,
         small_batch_linear: bool | None = None,
         encode_share: float = DEFAULT_ENCODE_SHARE,
-        weights: Literal["float32", "float16", "int4", "int4-a8"] | None = None,
+        weights: Literal["float32", "float16", "int4", "int4-a8"] | None = None, weights_from: str | os.PathLike | None = None,
     ) -> None:
         self.encoding: Encoding = _checked(encoding or DEFAULT_ENCODING, memory_budget, kv_location, remote_sync_interval_s)
         turns = ModelTurns(encode_share)  # background encoding's share of the model while requests run (refused if not a share)
         self.model, self.tokenizer = model, tokenizer
-        self.weights, self.quantized_layers = weights or "float32", model_weights.install(model, weights, compiled=compile_mode(compile) is not None)
+        self.weights, self.quantized_layers = weights or "float32", model_weights.install(model, weights, compile_mode(compile) is not None, weights_from)
         self.small_batch_linear = small_batch.install(model, small_batch_linear)
         self.spec: ModelSpec = inspect_model(model, tokenizer, separator=SEPARATOR)
         self.recovery = configure_recovery(self.spec, strategy=recovery, budget=recovery_budget, recompute=recompute,
@@ -220,9 +221,10 @@ class PromptCache(Registration, Serving):
         ``cache_dir`` (the download cache), ...).
         """
         engine_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name in _ENGINE_ARGUMENTS}
-        engine_kwargs["weights"] = model_weights.chosen(engine_kwargs.get("weights"), embedded=model is None and dtype is None,
-                                                        device=device, compile=engine_kwargs.get("compile", False))
         lm, tokenizer = load_model(model, device=device, dtype=dtype, **kwargs)
+        gguf = engine_kwargs.setdefault("weights_from", gguf_file_of(model, kwargs.get("gguf_file"), kwargs.get("revision")))
+        engine_kwargs["weights"] = model_weights.chosen(engine_kwargs.get("weights"), from_gguf=model is None or gguf is not None, dtype=dtype,
+                                                        device=device, compile=engine_kwargs.get("compile", False))
         return cls(lm, tokenizer, **engine_kwargs)
 
     # -- recovery (see pc_rag.prefill.recovery) -------------------------------------------------
@@ -268,9 +270,8 @@ class PromptCache(Registration, Serving):
         """Where module KV came from since this engine started: ``encoded`` (modules encoded by
         this process), ``hits_memory``, ``hits_disk``, ``hits_remote`` (read from ``remote_store``),
         ``misses`` (lookups no tier could answer), ``evictions``, ``bytes_memory``, ``bytes_disk``,
-        ``tokens_memory`` (module tokens held in memory) and ``bytes_per_token`` (as stored, over them:
-        ``kv_quantization`` shows here),
-        ``background_pending`` (documents queued by ``add_documents(background=True)``),
+        ``tokens_memory`` (module tokens held in memory) and ``bytes_per_token`` (as stored, over them: ``kv_quantization``
+        shows here), ``background_pending`` (documents queued by ``add_documents(background=True)``),
         ``recomputed_tokens`` (cached tokens computed in the prompt because their tier was slower
         than prefill: :mod:`pc_rag.kv.load_or_compute`; the rates themselves: ``engine.costs.snapshot()``);
         with a remote tier, ``remote_errors`` (commands that failed: the tier was skipped) and

@@ -61,19 +61,20 @@ def test_float16_refuses_what_it_cannot_run(make_tiny, tokenizer):
         PromptCache(make_tiny("llama"), tokenizer, weights="fp8")
 
 
-def test_only_the_embedded_model_defaults_to_4_bits_and_only_eagerly_on_a_cpu(tmp_path, monkeypatch):
-    assert weights.chosen(None, embedded=True, device="cpu") == "int4"  # its GGUF's own blocks, on pc-rag's kernels
-    assert weights.chosen(None, embedded=True, device="cpu", compile=True) is None
-    assert weights.chosen(None, embedded=True, device="meta") is None
-    assert weights.chosen(None, embedded=False, device="cpu") is None  # a user's checkpoint: as loaded
-    assert weights.chosen("int4", embedded=True, device="cpu") == "int4"
-    assert weights.chosen("float32", embedded=True, device="cpu") == "float32"
+def test_only_a_gguf_model_defaults_to_4_bits_and_only_eagerly_on_a_cpu_at_its_own_dtype(tmp_path, monkeypatch):
+    assert weights.chosen(None, from_gguf=True, device="cpu") == "int4"  # its GGUF's own blocks, on pc-rag's kernels
+    assert weights.chosen(None, from_gguf=True, dtype=torch.bfloat16, device="cpu") is None  # a dtype asked for: as loaded
+    assert weights.chosen(None, from_gguf=True, device="cpu", compile=True) is None
+    assert weights.chosen(None, from_gguf=True, device="meta") is None
+    assert weights.chosen(None, from_gguf=False, device="cpu") is None  # a user's checkpoint: as loaded
+    assert weights.chosen("int4", from_gguf=True, device="cpu") == "int4"
+    assert weights.chosen("float32", from_gguf=True, device="cpu") == "float32"
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))  # where pc-rag's kernels cannot be built: fp16
     monkeypatch.setenv("PC_RAG_KERNELS", "build")  # (no library from the install either)
     monkeypatch.setenv("PC_RAG_HOME", str(tmp_path))
     loader.forget()
     try:
-        assert weights.chosen(None, embedded=True, device="cpu") == "float16"
+        assert weights.chosen(None, from_gguf=True, device="cpu") == "float16"
     finally:
         loader.forget()
 

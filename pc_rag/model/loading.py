@@ -125,6 +125,22 @@ def load_model(
     return lm, tokenizer
 
 
+def gguf_file_of(model: str | os.PathLike | None, gguf_file: str | None = None, revision: str | None = None) -> Path | None:
+    """The GGUF file :func:`load_model` read ``model`` from (a ``.gguf`` path; a folder, or a hub id in the
+    local hub cache, with ``gguf_file=``), or None for any other source."""
+    if model is None:
+        return None
+    local = expand(os.fspath(model))
+    if gguf_file is None:
+        return local if local.is_file() and local.suffix.lower() == ".gguf" else None
+    if local.is_dir():
+        return local / gguf_file if (local / gguf_file).is_file() else None
+    import huggingface_hub
+
+    cached = huggingface_hub.try_to_load_from_cache(os.fspath(model), gguf_file, revision=revision)
+    return Path(cached) if isinstance(cached, str) else None
+
+
 def load_tokenizer(model: str | os.PathLike | None, **hub: Any) -> Any:
     """The tokenizer :func:`load_model` would load for ``model`` (a hub id, a folder, a GGUF file: its own
     vocabulary; ``None``: the embedded default), alone: what a router needs without the weights."""

@@ -222,9 +222,10 @@ def bits_for(linear: torch.nn.Linear, *, head: bool) -> int:
     return chosen_blocks(linear, head=head)[0]
 
 
-def install(model: Any, *, decode_activation_bits: int = 32) -> int:
+def install(model: Any, *, decode_activation_bits: int = 32, given: dict[str, tuple[int, Quantized]] | None = None) -> int:
     """Replace ``model``'s linear layers (inputs in whole blocks of 32) by :class:`BlockLinear`;
-    returns how many were replaced. A float32 CPU model only. ``decode_activation_bits=8``: the C
+    returns how many were replaced. A float32 CPU model only. ``given``: bits and blocks for layers by
+    qualified name (a GGUF file's own: :mod:`pc_rag.weights.gguf_blocks`). ``decode_activation_bits=8``: the C
     decode step quantizes their inputs to 8 bits a block (``weights="int4-a8"``); ``16``: the 4-bit
     layers' inputs to 16 bits where the CPU has AVX512-VNNI (``weights="int4"``: ``a16_kernels.c``)."""
     if torch.device(model.device).type != "cpu" or model.dtype != torch.float32:
@@ -233,9 +234,10 @@ def install(model: Any, *, decode_activation_bits: int = 32) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is torch.nn.Linear and child.in_features % BLOCK == 0]
+    names = {id(module): name for name, module in model.named_modules()} if given else {}
     layers = []
     for parent, name, child in targets:
-        layer = BlockLinear(child, *chosen_blocks(child, head=child is head))
+        layer = BlockLinear(child, *((given or {}).get(names.get(id(child), "")) or chosen_blocks(child, head=child is head)))
         setattr(parent, name, layer)
         layers.append(layer)
     for module in model.modules():  # layers an earlier engine put in blocks too: the engine built now decides

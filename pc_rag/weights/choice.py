@@ -22,22 +22,24 @@ built (:func:`chosen`).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 
 from ..errors import PromptCacheError
 from ..kernels.loader import library
-from . import blocks, float16, int4
+from . import blocks, float16, gguf_blocks, int4
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS = ("float32", "float16", "int4", "int4-a8")
 
 
-def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
+def install(model: Any, weights: str | None, compiled: bool = False, weights_from: str | os.PathLike | None = None) -> int:
     """Put ``model``'s linear layers in ``weights``; returns how many were replaced (0 as loaded).
-    ``compiled``: the decode step runs through ``torch.compile``."""
+    ``compiled``: the decode step runs through ``torch.compile``; ``weights_from``: the GGUF file the
+    model was read from, whose own blocks pc-rag's kernels hold (:mod:`pc_rag.weights.gguf_blocks`)."""
     if weights not in (None, *WEIGHTS):
         raise PromptCacheError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}", param="weights")
     if weights == "float16":
@@ -49,15 +51,18 @@ def install(model: Any, weights: str | None, *, compiled: bool = False) -> int:
         logger.warning('weights="int4-a8" runs on pc-rag\'s kernels, which are not built here: weights="int4" on torch\'s kernel instead')
         weights = "int4"
     if weights in ("int4", "int4-a8") and library() is not None:
-        return blocks.install(model, decode_activation_bits=8 if weights == "int4-a8" else 16)
+        given = gguf_blocks.file_blocks(weights_from, model) if weights_from is not None else None
+        return blocks.install(model, decode_activation_bits=8 if weights == "int4-a8" else 16, given=given)
     return int4.install(model, weights)
 
 
-def chosen(asked: str | None, *, embedded: bool, device: str | torch.device | None, compile: bool | str = False) -> str | None:
-    """The weights :meth:`~pc_rag.PromptCache.from_pretrained` builds with: those ``asked`` for, or for
-    the embedded model (at its own dtype) on a CPU, eagerly: int4 where pc-rag's kernels build (its
-    GGUF's own 4-bit blocks), else float16 where FBGEMM runs; else as loaded."""
-    if asked is not None or not embedded:
+def chosen(asked: str | None, *, from_gguf: bool, dtype: Any = None, device: str | torch.device | None,
+           compile: bool | str = False) -> str | None:
+    """The weights :meth:`~pc_rag.PromptCache.from_pretrained` builds with: those ``asked`` for, or for a
+    model read from a GGUF file (``from_gguf``: the embedded model's safetensors copy of one, or a file
+    by path) at its own dtype (``dtype`` None) on a CPU, eagerly: int4 where pc-rag's kernels build (the
+    file's own blocks), else float16 where FBGEMM runs; else as loaded."""
+    if asked is not None or not from_gguf or dtype is not None:
         return asked
     if torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu").type != "cpu" or compile:
         return None
