@@ -25,6 +25,7 @@ from transformers import (
     MistralConfig,
     Olmo2Config,
     Qwen2Config,
+    Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
 )
@@ -88,6 +89,8 @@ def tiny_config(arch: str, vocab: int, **overrides):
     if arch == "granite":  # attention, residual, embedding and logit multipliers
         return GraniteConfig(**{**common, "attention_multiplier": 0.3, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
                                 "logits_scaling": 4.0, **overrides})
+    if arch == "qwen3":  # per-head RMS norm of queries and keys before RoPE
+        return Qwen3Config(**{**common, "head_dim": 16, **overrides})
     if arch == "qwen3_moe":  # mixture of experts; per-head RMS norm of queries and keys before RoPE
         return Qwen3MoeConfig(**{**common, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                  **overrides})

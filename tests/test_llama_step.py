@@ -46,8 +46,10 @@ def answers(engine: PromptCache, written: bool) -> list:
         engine.forward.written_step = step
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8})],
-                         ids=["llama", "qwen2-biases", "mistral-window"])
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {}),
+                                            ("olmo2", {}), ("granite", {}), ("gemma3", {})],
+                         ids=["llama", "qwen2-biases", "mistral-window", "qwen3-head-norms", "olmo2-norms-after", "granite-multipliers",
+                              "gemma3-local-and-global"])
 def test_the_written_step_answers_as_the_model_does(make_tiny, tokenizer, arch, overrides):
     engine = engine_for(make_tiny, tokenizer, arch, **overrides)
     step = engine.forward.written_step
@@ -75,13 +77,13 @@ def test_the_embedded_model_decodes_written_out_as_its_own_step(smollm):
 
 
 def test_other_families_keep_the_models_own_step(make_tiny, tokenizer):
-    for arch in ("gemma2", "olmo2", "granite"):  # RMSNorm of 1 + weight, norms after the blocks, multipliers
+    for arch in ("gemma2", "qwen3_moe"):  # RMSNorm of 1 + weight and four norms a layer; experts
         engine = PromptCache(make_tiny(arch), tokenizer)
         assert engine.forward.written_step is None
-        assert "not LlamaDecoderLayer or MistralDecoderLayer or Qwen2DecoderLayer" in unsupported(engine.model)
+        assert "not one of LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer" in unsupported(engine.model)
     assert unsupported(make_tiny("gpt2")) == "its decoder has no layer list"
     gelu = make_tiny("llama", hidden_act="gelu")
-    assert unsupported(gelu) == "its MLP activation is 'gelu', not 'silu'"
+    assert unsupported(gelu) == "its MLP activation is 'gelu', not 'silu' or 'gelu_pytorch_tanh'"
     assert PromptCache(gelu, tokenizer).forward.written_step is None
 
 

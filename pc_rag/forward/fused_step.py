@@ -31,7 +31,7 @@ import torch
 from ..errors import PromptCacheError
 from ..kernels.loader import library
 from ..kernels.products import checked, weight_shapes
-from ..kernels.step import LINEARS, Layer, Product, Shared, Step
+from ..kernels.step import LINEARS, NORMS, Layer, Product, Shared, Step
 from ..weights import blocks
 from ..weights.blocks import BlockLinear
 from .rope_table import RopeTable
@@ -42,6 +42,7 @@ from .shared_attention import SharedKV, SharedStep, row_list
 logger = logging.getLogger(__name__)
 
 MAX_SHARED = 4096  # parts one step reads (llama_step.c's MAX_SHARED)
+ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # the MLP activations llama_step.c computes, by the config's name
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -68,8 +69,8 @@ def unfused(step: Any) -> str | None:
     head_dim = first.q.out_features // step.heads
     if step.heads % step.kv_heads or head_dim % 8 or head_dim > 512 or first.o.in_features != step.heads * head_dim:
         return f"{step.heads} heads over {step.kv_heads} key heads of {head_dim}: not whole groups of a multiple of 8 up to 512"
-    tensors = [step.norm.weight, *(t for layer in step.layers for t in (layer.attention_norm, layer.mlp_norm))]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+    tensors = [step.norm.weight, *(getattr(layer, name) for layer in step.layers for name in NORMS)]
+    if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()) for t in tensors):
         return "its norms are not contiguous float32 on a CPU"
     return None
 
@@ -99,8 +100,9 @@ class FusedStep:
         # 16: the 4-bit ones to 16 bits (weights="int4" where the CPU has AVX512-VNNI: a16_kernels.c); else float32
         asked = {linear.decode_activation_bits for linear in self.linears}
         self.activation_bits = 8 if asked == {8} else 16 if asked == {16} and self.lib.a16_kernels(-1) else 32
-        # cos/sin by position, filled by the model's rotary module (None: its frequencies follow the input)
-        self.rope = RopeTable.build(step.rotary, step.norm.weight)
+        # cos/sin by position, filled by the model's rotary module (None: its frequencies follow the input, or differ by layer type)
+        self.rope = RopeTable.build(step.rotary, step.norm.weight) if step.rope_kinds == [None] else None
+        self.activation = ACTIVATION_CODES[step.activation_name]  # llama_step.c's code for the MLP's activation
         self._build()
 
     @classmethod
@@ -115,11 +117,17 @@ class FusedStep:
         shapes = {"q": (query, hidden), "k": (key, hidden), "v": (key, hidden), "o": (hidden, query), "gate": (inner, hidden),
                   "up": (inner, hidden), "down": (hidden, inner)}
         layers = (Layer * len(self.step.layers))()
+        widths = {"query_norm": self.head_dim if self.step.layers[0].per_head else query,
+                  "key_norm": self.head_dim if self.step.layers[0].per_head else key}
         for into, layer in zip(layers, self.step.layers):
-            for name in ("attention_norm", "mlp_norm"):
-                checked(name, getattr(layer, name), torch.float32, (hidden,))
-            into.attention_norm, into.mlp_norm = layer.attention_norm.data_ptr(), layer.mlp_norm.data_ptr()
-            into.attention_eps, into.mlp_eps, into.scaling = layer.attention_eps, layer.mlp_eps, layer.scaling
+            for name in NORMS:
+                norm = getattr(layer, name)
+                if norm is not None:
+                    checked(name, norm, torch.float32, (widths.get(name, hidden),))
+                setattr(into, name, _pointer(norm))
+            for name in ("attention_eps", "mlp_eps", "attention_out_eps", "mlp_out_eps", "query_key_eps", "scaling", "residual_scale"):
+                setattr(into, name, getattr(layer, name))
+            into.per_head = layer.per_head
             for name in LINEARS:
                 setattr(into, name, _product(getattr(layer, name), shapes[name]))
         checked("final_norm", self.step.norm.weight, torch.float32, (hidden,))
@@ -148,6 +156,26 @@ class FusedStep:
         if mask.dtype == torch.bool:
             return None, flat.view(torch.uint8)
         return (flat, None) if mask.dtype == torch.float32 else None
+
+    def _masks(self, mask: torch.Tensor | dict[str, torch.Tensor] | None, rows: int,
+               entries: int) -> dict[str | None, tuple[torch.Tensor | None, torch.Tensor | None] | None]:
+        """:meth:`_mask` of ``mask``, or of each layer type's where it is a dict of them (None: all layers')."""
+        if isinstance(mask, dict):
+            return {kind: self._mask(mask.get(kind), rows, entries) if kind in mask else None for kind in set(self.step.layer_types)}
+        return {None: self._mask(mask, rows, entries)}
+
+    def _rope_tables(self, state: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """cos and signed sin ``[rows, head_dim]`` at ``positions``, by layer type (None: every layer's): from the
+        table where it serves, else from the model's rotary module (once per layer type)."""
+        rows = state.shape[0]
+        table = self.rope.rows(positions) if self.rope is not None else None
+        tables = {None: table} if table is not None else {
+            kind: (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous())
+            for kind, (cos, sin) in self.step.rope(state[:, None], positions).items()}
+        for cos, sin in tables.values():
+            checked("cos", cos, torch.float32, (rows, self.head_dim))
+            checked("sin", sin, torch.float32, (rows, self.head_dim))
+        return tables
 
     def _claim(self, layers: Any, rows: int) -> tuple[int, int]:
         """The entry this step writes and the entries it attends (the new one included), checked within the
@@ -248,8 +276,8 @@ class FusedStep:
         keys = layers[0].keys
         if keys.dtype != torch.float32 or keys.device.type != "cpu" or keys.shape[0] != rows or keys.stride(-1) != 1:
             return None
-        masks = self._mask(mask, rows, keys.shape[-2] + (layers[0].column is None))
-        if masks is None or not self._weights_current() or any(self.hooks):
+        by_type = self._masks(mask, rows, keys.shape[-2] + (layers[0].column is None))
+        if any(masks is None for masks in by_type.values()) or not self._weights_current() or any(self.hooks):
             return None
         parts: tuple[Any, int] | str = (None, 0)
         if shared is not None and shared.shared.groups:
@@ -258,13 +286,15 @@ class FusedStep:
                 self.refused(parts)
                 return None
         state = self.step.embed(ids.reshape(rows))  # [rows, hidden], a new tensor the step writes
-        table = self.rope.rows(positions) if self.rope is not None else None
-        if table is None:
-            cos, sin = self.step.rotary(state[:, None], positions)
-            table = cos.reshape(rows, -1).contiguous(), signed_sin(sin.reshape(rows, -1))
-        cos, sin = table
+        if self.step.embedding_scale != 1.0:
+            state = state * self.step.embedding_scale
+        tables = self._rope_tables(state, positions)
         column, entries = self._claim(layers, rows)
         step_layers, shape, strides = self._pointed(layers, rows)
+        for into, layer in zip(step_layers, self.step.layers):  # each layer's RoPE and mask: its type's, or the step's one
+            cos, sin = tables[layer.layer_type if None not in tables else None]
+            mask_add, mask_keep = by_type[layer.layer_type if None not in by_type else None]
+            into.cos, into.sin, into.mask_add, into.mask_keep = cos.data_ptr(), sin.data_ptr(), _pointer(mask_add), _pointer(mask_keep)
         lo = hi = None
         if extents is not None:
             lo, hi = torch.full((rows,), -1, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
@@ -272,13 +302,11 @@ class FusedStep:
                 if not 0 <= span.start <= span.stop <= entries:
                     raise PromptCacheError(f"rows attend entries [{span.start}, {span.stop}), not within the {entries} a step reads")
                 lo[taken], hi[taken] = span.start, span.stop
-        for name, tensor in (("state", state), ("cos", cos), ("sin", sin)):
-            checked(name, tensor, torch.float32, (rows, self.hidden if name == "state" else self.head_dim))
+        checked("state", state, torch.float32, (rows, self.hidden))
         args = Step(ctypes.addressof(step_layers), len(step_layers), rows, self.hidden, self.step.heads, self.step.kv_heads,
-                    self.head_dim, self.intermediate, state.data_ptr(), self.step.norm.weight.data_ptr(),
-                    self.step.norm.variance_epsilon, cos.data_ptr(), sin.data_ptr(), column, entries, shape[2],
-                    *strides[:3], _pointer(masks[0]), _pointer(masks[1]), _pointer(lo), _pointer(hi), None, 0,
-                    torch.get_num_threads())
+                    self.head_dim, self.intermediate, state.data_ptr(), self.step.norm.weight.data_ptr(), self.step.final_eps,
+                    self.step.family.norm_offset, self.activation, column, entries, shape[2], *strides[:3], _pointer(lo),
+                    _pointer(hi), None, 0, torch.get_num_threads())
         args.shared, args.n_shared = (ctypes.addressof(parts[0]) if parts[1] else None), parts[1]
         floats = self.lib.llama_step_work(ctypes.byref(args))
         if floats < 0:
@@ -293,4 +321,4 @@ class FusedStep:
                                    f"{work.numel()} work floats, head dim {self.head_dim}, column {column} of {shape[2]})")
         self.steps += 1
         self.shared_steps += parts[1] > 0
-        return logits if logits is not None else self.step.head(state.view(rows, 1, self.hidden))[:, -1]
+        return self.step.scaled_logits(logits if logits is not None else self.step.head(state.view(rows, 1, self.hidden))[:, -1])

@@ -11,8 +11,10 @@ head's queries stacked), in one loop: 44 ms, the rest down to ~7. Where the line
 pc-rag's blocks (``weights="int4"``), the same step runs in one C call instead
 (:mod:`pc_rag.forward.fused_step`), proved here alike.
 
-It serves only what it reproduces: the decoder layer classes in :data:`LAYER_CLASSES` (Llama,
-Mistral, Qwen2: the same layer with or without biases), SiLU, SDPA, a decode step (one new token
+It serves only what it reproduces: the decoder layer classes in :data:`FAMILIES` (Llama,
+Mistral, Qwen2: the same layer with or without biases; Qwen3's query and key norms per head, OLMo 2's
+over the whole projection and its norms after attention and MLP instead of before, Granite's
+multipliers), SiLU, SDPA, a decode step (one new token
 per row) under one mask tensor, attending by extents and over shared KV as ``pc_rag_sdpa`` does
 (shared KV only without a sliding window), and no forward hook on a module it does not call
 (:meth:`LlamaDecodeStep.serves`). Everything else runs the model as before. :func:`written_step`
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,9 +42,31 @@ from .rotation import RopeRotator, signed_sin
 
 logger = logging.getLogger(__name__)
 
-# decoder layers whose decode step is the one written out here (transformers 5.x): RMSNorm before
-# attention and MLP, q/k/v/o projections (biases optional: Qwen2), rotate-half RoPE, SiLU-gated MLP
-LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+
+@dataclass(frozen=True)
+class Family:
+    """How a decoder layer class departs from Llama's layer (RMSNorm before attention and MLP, q/k/v/o
+    projections, biases optional, rotate-half RoPE, SiLU-gated MLP, plain residuals)."""
+
+    query_key_norm: str | None = None  # RMSNorm of queries and keys before RoPE: "head" (each head), "projection" (all)
+    # where the norms are: "before" attention and the MLP; "after" them, on their outputs before the residual
+    # (OLMo 2); "around": both (Gemma 3: input, post-attention, pre- and post-feedforward norms)
+    norms: str = "before"
+    norm_offset: float = 0.0  # every RMSNorm scales by offset + weight (Gemma: 1 + weight)
+    multipliers: bool = False  # Granite: embeddings, residual branches and logits scaled by the config's multipliers
+    rope_by_layer_type: bool = False  # the rotary module takes the layer's type: frequencies per type (Gemma 3)
+    activation_key: str = "hidden_act"  # the config's name for the MLP's activation
+
+
+# decoder layers whose decode step is the one written out here (transformers 5.x), by class name
+FAMILIES = {"LlamaDecoderLayer": Family(), "MistralDecoderLayer": Family(), "Qwen2DecoderLayer": Family(),
+            "Qwen3DecoderLayer": Family(query_key_norm="head"), "GraniteDecoderLayer": Family(multipliers=True),
+            "Olmo2DecoderLayer": Family(query_key_norm="projection", norms="after"),
+            "Gemma3DecoderLayer": Family(query_key_norm="head", norms="around", norm_offset=1.0, rope_by_layer_type=True,
+                                         activation_key="hidden_activation")}
+# the MLP activations it computes, by the config's name: SiLU, and GELU's tanh form (as F.gelu(approximate="tanh"))
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+LAYER_CLASSES = tuple(FAMILIES)
 # largest |logit difference| against the model's own step, relative to the largest logit. The tensor ops
 # agree bitwise; the C step (fused_step) sums in its own order, and the proof's random cache amplifies
 # rounding: embeddings scaled by 1 + 1e-7 noise moved the embedded model's logits by 4.2e-5 of the largest
@@ -50,25 +75,39 @@ TOLERANCE = 1e-3
 
 @dataclass(frozen=True)
 class _Layer:
-    """What one decoder layer's step reads."""
+    """What one decoder layer's step reads. A norm's weight is None where the layer has no such norm."""
 
-    attention_norm: torch.Tensor
+    attention_norm: torch.Tensor | None  # before attention
     attention_eps: float
     q: Any
     k: Any
     v: Any
     o: Any
-    mlp_norm: torch.Tensor
+    mlp_norm: torch.Tensor | None  # before the MLP
     mlp_eps: float
     gate: Any
     up: Any
     down: Any
     scaling: float
     attention: Any  # the layer's attention module (split attention reads its index)
+    query_norm: torch.Tensor | None = None  # of the queries and keys before RoPE, over each head or the whole projection
+    key_norm: torch.Tensor | None = None
+    query_key_eps: float = 0.0
+    per_head: bool = True
+    attention_out_norm: torch.Tensor | None = None  # of attention's output before the residual (OLMo 2)
+    attention_out_eps: float = 0.0
+    mlp_out_norm: torch.Tensor | None = None  # of the MLP's output before the residual
+    mlp_out_eps: float = 0.0
+    residual_scale: float = 1.0  # each branch's output times this before the residual (Granite)
+    layer_type: str | None = None  # the config's type of it: which of a dict of masks it reads ("sliding_attention", ...)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm, op for op (float32 inside, the input's dtype out)."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """transformers' Llama RMSNorm, op for op (float32 inside, the input's dtype out); with ``offset``,
+    Gemma's: ``(x * rsqrt(mean(x^2) + eps)) * (offset + weight)`` in float32."""
+    if offset:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * (offset + weight.float())).type_as(x)
     if x.dtype == torch.float32:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     dtype = x.dtype
@@ -98,10 +137,21 @@ class LlamaDecodeStep:
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm
+        self.final_eps = self.norm.variance_epsilon if hasattr(self.norm, "variance_epsilon") else self.norm.eps
         self.head = self.model.get_output_embeddings()
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.layers = [self._layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
+        self.family = FAMILIES[type(decoder.layers[0]).__name__]
+        self.activation_name = getattr(config, self.family.activation_key)
+        self.activation = ACTIVATIONS[self.activation_name]
+        self.layer_types = list(getattr(config, "layer_types", None) or ()) or [None] * config.num_hidden_layers
+        self.layers = [self._layer(layer, self.family, kind) for layer, kind in zip(decoder.layers[: config.num_hidden_layers],
+                                                                                    self.layer_types)]
+        # the rotary module's calls a step makes: one, or one per layer type (Gemma 3's local and global frequencies)
+        self.rope_kinds = sorted(set(self.layer_types)) if self.family.rope_by_layer_type else [None]
+        # Granite: the embeddings times this, the logits divided by that (1.0: neither)
+        self.embedding_scale = float(config.embedding_multiplier) if self.family.multipliers else 1.0
+        self.logits_divisor = float(config.logits_scaling) if self.family.multipliers else 1.0
         self.shared_steps = 0  # steps run that read shared KV (tests read it)
         # a layer that slides its window over keys (Mistral; Qwen2's sliding layers): shared KV, whose
         # masks follow the window the model hands its attention, is left to the model's own step
@@ -110,17 +160,20 @@ class LlamaDecodeStep:
             getattr(layer.attention, CONFIG_WINDOW, None) for layer in self.layers)
         # the modules whose forward this step does not call (it calls the linear layers): a hook on
         # one (a steering vector, a probe added after the engine was built) sends steps back to the model
+        called = {id(getattr(layer, name)) for layer in self.layers for name in ("q", "k", "v", "o", "gate", "up", "down")}
         self._unhooked = [decoder, self.embed, self.norm, self.model, *(
-            part for layer in decoder.layers for part in (layer, layer.self_attn, layer.mlp, layer.input_layernorm,
-                                                          layer.post_attention_layernorm))]
+            part for layer in decoder.layers for part in layer.modules() if id(part) not in called)]
         # their hook tables (torch adds to them in place): one `any` over them a step, not ~300 attribute reads
         self._hook_tables = [table for module in self._unhooked for table in (module._forward_hooks, module._forward_pre_hooks)]
         # the whole step in one C call where the linear layers are pc-rag's blocks (None: tensor ops only)
         self.fused = FusedStep.build(self)
 
-    def serves(self, shared: Any) -> bool:
-        """Whether this step runs a decode step that reads ``shared`` KV (None: none) as the model
-        would: not where a hook would be skipped, nor shared KV through a sliding window."""
+    def serves(self, shared: Any, mask: Any = None) -> bool:
+        """Whether this step runs a decode step that reads ``shared`` KV (None: none) under ``mask`` as the
+        model would: not where a hook would be skipped, nor shared KV through a sliding window; ``mask`` a
+        tensor, or a dict holding a tensor for every layer's type (None: not asked)."""
+        if isinstance(mask, dict) and not all(isinstance(mask.get(kind), torch.Tensor) for kind in self.layer_types):
+            return False
         return not self.hooked and (shared is None or not self.windowed)
 
     @property
@@ -130,21 +183,66 @@ class LlamaDecodeStep:
             self._hook_tables)
 
     @staticmethod
-    def _layer(layer: Any) -> _Layer:
+    def _layer(layer: Any, family: Family, layer_type: str | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
+
+        def norm(module: Any) -> tuple[torch.Tensor, float]:  # Llama's norms hold variance_epsilon, Gemma's eps
+            return module.weight, module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+
+        none = (None, 0.0)
+        before = after = (none, none)
+        if family.norms == "before":
+            before = norm(layer.input_layernorm), norm(layer.post_attention_layernorm)
+        else:  # after attention and the MLP, and where "around" before them too (Gemma 3's four norms)
+            after = norm(layer.post_attention_layernorm), norm(layer.post_feedforward_layernorm)
+            if family.norms == "around":
+                before = norm(layer.input_layernorm), norm(layer.pre_feedforward_layernorm)
+        query_key = {}
+        if family.query_key_norm is not None:
+            query_key = dict(query_norm=attn.q_norm.weight, key_norm=attn.k_norm.weight, query_key_eps=norm(attn.q_norm)[1],
+                             per_head=family.query_key_norm == "head")
         return _Layer(
-            layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-            attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-            layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-            mlp.gate_proj, mlp.up_proj, mlp.down_proj, attn.scaling, attn,
+            *before[0], attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *before[1], mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+            attn.scaling, attn, **query_key, attention_out_norm=after[0][0], attention_out_eps=after[0][1],
+            mlp_out_norm=after[1][0], mlp_out_eps=after[1][1],
+            residual_scale=float(layer.residual_multiplier) if family.multipliers else 1.0, layer_type=layer_type,
         )
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return _rms_norm(x, weight, eps, self.family.norm_offset)
+
+    def rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """cos and signed sin at ``positions [rows, 1]``, each ``[rows, 1, dim]``, by the layer type they are for (None: all)."""
+        out = {}
+        for kind in self.rope_kinds:
+            cos, sin = self.rotary(hidden, positions, kind) if kind is not None else self.rotary(hidden, positions)
+            out[kind] = cos, signed_sin(sin)
+        return out
+
+    def _projections(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of ``x [rows, 1, hidden]``, ``[rows, heads, 1, dim]`` by a view (with one token,
+        heads-major is the projection's own order), queries and keys normed where the layer norms them."""
+        rows = x.shape[0]
+        q, k, v = layer.q(x), layer.k(x), layer.v(x)
+        if layer.query_norm is not None and not layer.per_head:  # over the whole projection, as OLMo 2 does
+            q, k = self._norm(q, layer.query_norm, layer.query_key_eps), self._norm(k, layer.key_norm, layer.query_key_eps)
+        q, k, v = q.view(rows, self.heads, 1, -1), k.view(rows, self.kv_heads, 1, -1), v.view(rows, self.kv_heads, 1, -1)
+        if layer.query_norm is not None and layer.per_head:  # each head over its dims, as Qwen3 and Gemma 3 do
+            q, k = self._norm(q, layer.query_norm, layer.query_key_eps), self._norm(k, layer.key_norm, layer.query_key_eps)
+        return q, k, v
+
+    def _residual(self, hidden: torch.Tensor, branch: torch.Tensor, norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor:
+        """``hidden`` plus a branch's output, normed first where the layer norms it (OLMo 2), scaled where it scales it (Granite)."""
+        if norm is not None:
+            branch = self._norm(branch, norm, eps)
+        return hidden + (branch * scale if scale != 1.0 else branch)
+
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | dict[str, torch.Tensor], cache: Any,
                  extents: row_extents.RowExtents | None = None, shared: shared_attention.SharedStep | None = None) -> torch.Tensor:
         """Feed ``ids [rows, 1]`` at ``positions [rows, 1]``, their KV written into ``cache`` (a
         :class:`KVBuffer`'s, fixed for decoding) and attending over it under ``mask [rows, 1, 1,
-        entries]``; ``extents``: each row attends within its own (a CPU batch, see
+        entries]`` (or a dict of them by layer type, see :meth:`serves`); ``extents``: each row attends within its own (a CPU batch, see
         :mod:`pc_rag.forward.row_extents`); ``shared``: and over KV read in place (split attention,
         :mod:`pc_rag.forward.shared_attention`; see :meth:`serves`). The next logits, ``[rows, vocab]``."""
         self.shared_steps += shared is not None
@@ -154,15 +252,16 @@ class LlamaDecodeStep:
                 return logits
         rows = ids.shape[0]
         hidden = self.embed(ids)  # [rows, 1, hidden]
-        cos, sin = self.rotary(hidden, positions)
-        cos, sin = cos[:, None], signed_sin(sin[:, None])  # [rows, 1, 1, dim]: every head
+        if self.embedding_scale != 1.0:
+            hidden = hidden * self.embedding_scale
+        tables = {kind: (cos[:, None], sin[:, None]) for kind, (cos, sin) in self.rope(hidden, positions).items()}  # every head
         group = self.heads // self.kv_heads
+        masks = mask if isinstance(mask, dict) else None
         for index, layer in enumerate(self.layers):
-            x = _rms_norm(hidden, layer.attention_norm, layer.attention_eps)
-            # [rows, heads, 1, dim] by a view: with one token, heads-major is the projection's own order
-            q = layer.q(x).view(rows, self.heads, 1, -1)
-            k = layer.k(x).view(rows, self.kv_heads, 1, -1)
-            v = layer.v(x).view(rows, self.kv_heads, 1, -1)
+            cos, sin = tables[layer.layer_type if self.family.rope_by_layer_type else None]
+            mask = masks[layer.layer_type] if masks is not None else mask
+            x = self._norm(hidden, layer.attention_norm, layer.attention_eps) if layer.attention_norm is not None else hidden
+            q, k, v = self._projections(layer, x)
             keys, values = cache.layers[index].update(_rotate(k, cos, sin), v)
             q = _rotate(q, cos, sin)
             if shared is not None:
@@ -174,11 +273,16 @@ class LlamaDecodeStep:
                 out = F.scaled_dot_product_attention(q.view(rows, self.kv_heads, group, -1), keys, values, attn_mask=mask,
                                                      scale=layer.scaling)
             out = out.reshape(rows, 1, -1)  # heads-major again, as o_proj reads them
-            hidden = hidden + layer.o(out)
-            x = _rms_norm(hidden, layer.mlp_norm, layer.mlp_eps)
-            hidden = hidden + layer.down(F.silu(layer.gate(x)) * layer.up(x))
-        hidden = _rms_norm(hidden, self.norm.weight, self.norm.variance_epsilon)
-        return self.head(hidden)[:, -1]
+            hidden = self._residual(hidden, layer.o(out), layer.attention_out_norm, layer.attention_out_eps, layer.residual_scale)
+            x = self._norm(hidden, layer.mlp_norm, layer.mlp_eps) if layer.mlp_norm is not None else hidden
+            hidden = self._residual(hidden, layer.down(self.activation(layer.gate(x)) * layer.up(x)), layer.mlp_out_norm,
+                                    layer.mlp_out_eps, layer.residual_scale)
+        hidden = self._norm(hidden, self.norm.weight, self.final_eps)
+        return self.scaled_logits(self.head(hidden)[:, -1])
+
+    def scaled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's output as the model returns it (Granite divides it by its logits scaling)."""
+        return logits / self.logits_divisor if self.logits_divisor != 1.0 else logits
 
 
 def unsupported(model: Any) -> str | None:
@@ -190,10 +294,13 @@ def unsupported(model: Any) -> str | None:
     if not layers:
         return "its decoder has no layer list"
     names = {type(layer).__name__ for layer in layers}
-    if not names <= set(LAYER_CLASSES):
-        return f"its layers are {', '.join(sorted(names))}, not {' or '.join(LAYER_CLASSES)}"
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"its MLP activation is {getattr(config, 'hidden_act', None)!r}, not 'silu'"
+    if len(names) != 1 or not names <= set(LAYER_CLASSES):
+        return f"its layers are {', '.join(sorted(names))}, not one of {', '.join(LAYER_CLASSES)}"
+    activation = getattr(config, FAMILIES[names.pop()].activation_key, None)
+    if activation not in ACTIVATIONS:
+        return f"its MLP activation is {activation!r}, not {' or '.join(map(repr, ACTIVATIONS))}"
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
+        return "its attention scores are soft-capped or bidirectional"
     if getattr(config, "_attn_implementation", None) not in ("sdpa", ATTENTION_NAME):
         return f"its attention is {getattr(config, '_attn_implementation', None)!r}, not SDPA"
     if getattr(model, "logits_soft_cap", None) or getattr(config, "final_logit_softcapping", None):
@@ -242,11 +349,20 @@ def disagreement(step: LlamaDecodeStep, reference: Step, model: Any, *, split: b
                                                dtype=buffer.storage.dtype, rotator=rotator)
             cases += [{"shared": shared.for_queries(positions, (10, 13))},
                       {"shared": shared.for_queries(positions, (10, 13)), "extents": extents}]
+    kinds = sorted({kind for kind in step.layer_types if kind is not None})
+    if len(kinds) > 1:  # a mask per layer type (Gemma 3's windowed local layers): each layer must read its own
+        windowed = mask.clone()
+        windowed[0, ..., :6] = False
+        by_type = {kind: windowed if "sliding" in kind else mask for kind in kinds}
+        cases += [{"mask": by_type}] + ([{"mask": by_type, "extents": extents}] if split else [])
     keywords = {"extents": row_extents.KWARG, "shared": shared_attention.KWARG}
     worst = 0.0
     for case in cases:
-        expected = reference(ids, positions, mask, buffer.cache, **{keywords[name]: value for name, value in case.items()}).float()
-        got = step(ids, positions, mask, buffer.cache, **case).float()
+        case = dict(case)
+        case_mask = case.pop("mask", mask)
+        expected = reference(ids, positions, case_mask, buffer.cache,
+                             **{keywords[name]: value for name, value in case.items()}).float()
+        got = step(ids, positions, case_mask, buffer.cache, **case).float()
         worst = max(worst, ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item())
     return worst
 

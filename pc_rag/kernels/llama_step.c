@@ -19,11 +19,19 @@ typedef struct { /* one linear layer in blocks (pc_rag.weights.blocks.BlockLinea
     int64_t out_features, in_features, bits;
 } product_t;
 
-typedef struct {
-    const float *attention_norm, *mlp_norm;
-    float attention_eps, mlp_eps, scaling;
+typedef struct { /* one decoder layer: a norm that is null is not there (forward/llama_step.py's _Layer) */
+    const float *attention_norm, *mlp_norm;         /* RMSNorm before attention and before the MLP */
+    const float *attention_out_norm, *mlp_out_norm; /* RMSNorm of their outputs before the residual (OLMo 2) */
+    const float *query_norm, *key_norm;             /* RMSNorm of q and k before RoPE (Qwen3, OLMo 2) */
+    float attention_eps, mlp_eps, attention_out_eps, mlp_out_eps, query_key_eps, scaling;
+    float residual_scale;                           /* each branch times this into the residual (Granite; else 1) */
+    int per_head;                                   /* query_norm, key_norm: over each head's dims (1) or all (0) */
     product_t q, k, v, o, gate, up, down;
-    float *keys, *values; /* this layer's [rows, kv_heads, capacity, head_dim] view, set each step */
+    /* set each step: */
+    float *keys, *values;          /* this layer's [rows, kv_heads, capacity, head_dim] view */
+    const float *cos, *sin;        /* [rows, head_dim]: RoPE at each row's position for this layer, sin's first half negated */
+    const float *mask_add;         /* [rows, entries] added to the scores, or */
+    const uint8_t *mask_keep;      /* [rows, entries] 1 = attended, or neither (a layer type's own: Gemma 3's windows) */
 } layer_t;
 
 typedef struct { /* module KV that rows read where it is stored, once a step for all of them (RelayAttention) */
@@ -41,13 +49,12 @@ typedef struct {
     float *state;                  /* [rows, hidden]: the embeddings in, the final norm's output out */
     const float *final_norm;
     float final_eps;
-    const float *cos, *sin;        /* [rows, head_dim]: RoPE at each row's position, sin's first half negated */
+    float norm_offset;             /* every RMSNorm scales by norm_offset + weight (Gemma: 1) */
+    int activation;                /* the MLP's: 0 SiLU, 1 GELU's tanh form */
     int64_t column;                /* the cache entry a row's new key and value are written at */
     int64_t entries;               /* entries attended (the views' length) */
     int64_t capacity;              /* entries the KV storage holds a row's key head (column and entries are within it) */
     int64_t row_stride, head_stride, entry_stride; /* of the KV views, in floats */
-    const float *mask_add;         /* [rows, entries] added to the scores, or */
-    const uint8_t *mask_keep;      /* [rows, entries] 1 = attended, or neither */
     const int64_t *lo, *hi;        /* [rows] entries [lo, hi) attended (lo < 0: a finished row, zeros), or null: all */
     float *work;
     int64_t work_floats;
@@ -145,15 +152,16 @@ static void product(const step_t *s, const product_t *p, const float *x, int64_t
     products(s, 1, &p, &out, x, rows, prepared, team);
 }
 
-/* out = weight * (x * rsqrt(mean(x^2) + eps)) */
-static void rms_norm(const float *x, const float *weight, float eps, int64_t n, float *out) {
+/* out = (offset + weight) * (x * rsqrt(mean(x^2) + eps)): Llama's weight * (...) where offset is 0, exactly
+   (0 + w == w), Gemma's (...) * (1 + w) where it is 1 (a product's factors commute exactly) */
+static void rms_norm(const float *x, const float *weight, float offset, float eps, int64_t n, float *out) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
     float sum = hsum(acc);
     for (; i < n; i++) sum += x[i] * x[i];
     const float inv = 1.f / sqrtf(sum / (float)n + eps);
-    for (i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
+    for (i = 0; i < n; i++) out[i] = (offset + weight[i]) * (x[i] * inv);
 }
 
 /* rotate-half RoPE of each head of x [heads, dim] in place */
@@ -290,7 +298,7 @@ static void attention_part(void *context, int64_t start, int64_t stop) {
             const int64_t base = r * s->row_stride + kh * s->head_stride;
             float *out = j->partial + item * per;
             attend_span(j->q + r * qw + kh * group * D, group, D, j->L->keys + base, j->L->values + base, s->entry_stride, lo, hi,
-                        s->mask_add ? s->mask_add + r * E : 0, s->mask_keep ? s->mask_keep + r * E : 0, j->L->scaling,
+                        j->L->mask_add ? j->L->mask_add + r * E : 0, j->L->mask_keep ? j->L->mask_keep + r * E : 0, j->L->scaling,
                         scores, out, out + group * D, out + group * D + group);
             continue;
         }
@@ -352,17 +360,42 @@ static void merge_spans(const attention_job *j, float *att) {
 
 static inline float silu(float x) { return x / (1.f + expf(-x)); }
 
-/* gate[i] = silu(gate[i]) * up[i], 8 lanes at a time (exp8): 1,536 of them a layer ran scalar expf on
-   the step's first thread while the others spun (~0.7% of its time in a profile of the embedded model) */
-static void gated(float *gate, const float *up, int64_t n) {
-    const __m256 one = _mm256_set1_ps(1.f);
+static inline float gelu_tanh(float x) { /* 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (1 + e^2u) */
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (2.f - 2.f / (1.f + expf(2.f * u)));
+}
+
+/* gate[i] = act(gate[i]) * up[i] (activation 0: SiLU, 1: GELU's tanh form), 8 lanes at a time (exp8): 1,536 of
+   them a layer ran scalar expf on the step's first thread while the others spun (~0.7% of its time in a profile
+   of the embedded model) */
+static void gated(float *gate, const float *up, int64_t n, int activation) {
+    const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f);
     int64_t i = 0;
+    if (activation == 1) {
+        for (; i + 8 <= n; i += 8) {
+            const __m256 x = _mm256_loadu_ps(gate + i);
+            const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, x));
+            const __m256 t = _mm256_sub_ps(two, _mm256_div_ps(two, _mm256_add_ps(one, exp8(_mm256_mul_ps(two, u)))));
+            _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), t), _mm256_loadu_ps(up + i)));
+        }
+        for (; i < n; i++) gate[i] = gelu_tanh(gate[i]) * up[i];
+        return;
+    }
     for (; i + 8 <= n; i += 8) {
         const __m256 x = _mm256_loadu_ps(gate + i);
         const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
         _mm256_storeu_ps(gate + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
     }
     for (; i < n; i++) gate[i] = silu(gate[i]) * up[i];
+}
+
+/* h += branch (normed first where norm is not null, then times scale: exact where it is 1), [rows, hidden] */
+static void residual(float *h, float *branch, const float *norm, float offset, float eps, float scale, int64_t rows,
+                     int64_t hidden) {
+    if (norm)
+        for (int64_t r = 0; r < rows; r++) rms_norm(branch + r * hidden, norm, offset, eps, hidden, branch + r * hidden);
+    for (int64_t i = 0; i < rows * hidden; i++) h[i] += branch[i] * scale;
 }
 
 static inline int64_t widest_input(const step_t *s) { /* of the step's products: hidden, intermediate, heads x dim */
@@ -403,12 +436,19 @@ int llama_step(const step_t *s) {
     prepared_t prepared = {0, 0, scratch};
     for (int64_t l = 0; l < s->n_layers; l++) {
         const layer_t *L = s->layers + l;
-        for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, L->attention_norm, L->attention_eps, H, x + r * H);
+        const float *in = L->attention_norm ? x : h;
+        if (L->attention_norm)
+            for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, L->attention_norm, s->norm_offset, L->attention_eps, H, x + r * H);
         prepared.x = 0; /* x is new */
-        products(s, 3, (const product_t *[]){&L->q, &L->k, &L->v}, (float *[]){q, k, v}, x, R, &prepared, team);
+        products(s, 3, (const product_t *[]){&L->q, &L->k, &L->v}, (float *[]){q, k, v}, in, R, &prepared, team);
+        if (L->query_norm) { /* in place: rms_norm reads each value before it writes it */
+            const int64_t qn = L->per_head ? D : qw, kn = L->per_head ? D : kvw;
+            for (int64_t i = 0; i < R * qw; i += qn) rms_norm(q + i, L->query_norm, s->norm_offset, L->query_key_eps, qn, q + i);
+            for (int64_t i = 0; i < R * kvw; i += kn) rms_norm(k + i, L->key_norm, s->norm_offset, L->query_key_eps, kn, k + i);
+        }
         for (int64_t r = 0; r < R; r++) {
-            rotate(q + r * qw, s->heads, D, s->cos + r * D, s->sin + r * D);
-            rotate(k + r * kvw, s->kv_heads, D, s->cos + r * D, s->sin + r * D);
+            rotate(q + r * qw, s->heads, D, L->cos + r * D, L->sin + r * D);
+            rotate(k + r * kvw, s->kv_heads, D, L->cos + r * D, L->sin + r * D);
             for (int64_t kh = 0; kh < s->kv_heads; kh++) {
                 const int64_t at = r * s->row_stride + kh * s->head_stride + s->column * s->entry_stride;
                 memcpy(L->keys + at, k + r * kvw + kh * D, sizeof(float) * D);
@@ -427,16 +467,18 @@ int llama_step(const step_t *s) {
         merge_spans(&job, att);
         prepared.x = 0; /* att is new */
         product(s, &L->o, att, R, tmp, &prepared, team);
-        for (int64_t i = 0; i < R * H; i++) h[i] += tmp[i];
-        for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, L->mlp_norm, L->mlp_eps, H, x + r * H);
+        residual(h, tmp, L->attention_out_norm, s->norm_offset, L->attention_out_eps, L->residual_scale, R, H);
+        in = L->mlp_norm ? x : h;
+        if (L->mlp_norm)
+            for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, L->mlp_norm, s->norm_offset, L->mlp_eps, H, x + r * H);
         prepared.x = 0; /* x is new */
-        products(s, 2, (const product_t *[]){&L->gate, &L->up}, (float *[]){gate, up}, x, R, &prepared, team);
-        gated(gate, up, R * F);
+        products(s, 2, (const product_t *[]){&L->gate, &L->up}, (float *[]){gate, up}, in, R, &prepared, team);
+        gated(gate, up, R * F, s->activation);
         prepared.x = 0; /* gate is new */
         product(s, &L->down, gate, R, tmp, &prepared, team);
-        for (int64_t i = 0; i < R * H; i++) h[i] += tmp[i];
+        residual(h, tmp, L->mlp_out_norm, s->norm_offset, L->mlp_out_eps, L->residual_scale, R, H);
     }
-    for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, s->final_norm, s->final_eps, H, x + r * H);
+    for (int64_t r = 0; r < R; r++) rms_norm(h + r * H, s->final_norm, s->norm_offset, s->final_eps, H, x + r * H);
     memcpy(h, x, sizeof(float) * R * H);
     prepared.x = 0; /* h is new */
     if (s->head.values) product(s, &s->head, h, R, s->logits, &prepared, team);
@@ -454,17 +496,21 @@ int64_t llama_step_layout(int64_t *out, int64_t n) {
     PUT(offsetof(product_t, values)); PUT(offsetof(product_t, scales)); PUT(offsetof(product_t, minimums));
     PUT(offsetof(product_t, bias)); PUT(offsetof(product_t, out_features)); PUT(offsetof(product_t, in_features));
     PUT(offsetof(product_t, bits));
-    PUT(offsetof(layer_t, attention_norm)); PUT(offsetof(layer_t, mlp_norm)); PUT(offsetof(layer_t, attention_eps));
-    PUT(offsetof(layer_t, mlp_eps)); PUT(offsetof(layer_t, scaling)); PUT(offsetof(layer_t, q)); PUT(offsetof(layer_t, k));
+    PUT(offsetof(layer_t, attention_norm)); PUT(offsetof(layer_t, mlp_norm)); PUT(offsetof(layer_t, attention_out_norm));
+    PUT(offsetof(layer_t, mlp_out_norm)); PUT(offsetof(layer_t, query_norm)); PUT(offsetof(layer_t, key_norm));
+    PUT(offsetof(layer_t, attention_eps)); PUT(offsetof(layer_t, mlp_eps)); PUT(offsetof(layer_t, attention_out_eps));
+    PUT(offsetof(layer_t, mlp_out_eps)); PUT(offsetof(layer_t, query_key_eps)); PUT(offsetof(layer_t, scaling));
+    PUT(offsetof(layer_t, residual_scale)); PUT(offsetof(layer_t, per_head)); PUT(offsetof(layer_t, q)); PUT(offsetof(layer_t, k));
     PUT(offsetof(layer_t, v)); PUT(offsetof(layer_t, o)); PUT(offsetof(layer_t, gate)); PUT(offsetof(layer_t, up));
-    PUT(offsetof(layer_t, down)); PUT(offsetof(layer_t, keys)); PUT(offsetof(layer_t, values));
+    PUT(offsetof(layer_t, down)); PUT(offsetof(layer_t, keys)); PUT(offsetof(layer_t, values)); PUT(offsetof(layer_t, cos));
+    PUT(offsetof(layer_t, sin)); PUT(offsetof(layer_t, mask_add)); PUT(offsetof(layer_t, mask_keep));
     PUT(offsetof(step_t, layers)); PUT(offsetof(step_t, n_layers)); PUT(offsetof(step_t, rows)); PUT(offsetof(step_t, hidden));
     PUT(offsetof(step_t, heads)); PUT(offsetof(step_t, kv_heads)); PUT(offsetof(step_t, head_dim));
     PUT(offsetof(step_t, intermediate)); PUT(offsetof(step_t, state)); PUT(offsetof(step_t, final_norm));
-    PUT(offsetof(step_t, final_eps)); PUT(offsetof(step_t, cos)); PUT(offsetof(step_t, sin)); PUT(offsetof(step_t, column));
+    PUT(offsetof(step_t, final_eps)); PUT(offsetof(step_t, norm_offset)); PUT(offsetof(step_t, activation));
+    PUT(offsetof(step_t, column));
     PUT(offsetof(step_t, entries)); PUT(offsetof(step_t, capacity)); PUT(offsetof(step_t, row_stride));
-    PUT(offsetof(step_t, head_stride)); PUT(offsetof(step_t, entry_stride)); PUT(offsetof(step_t, mask_add));
-    PUT(offsetof(step_t, mask_keep)); PUT(offsetof(step_t, lo)); PUT(offsetof(step_t, hi)); PUT(offsetof(step_t, work));
+    PUT(offsetof(step_t, head_stride)); PUT(offsetof(step_t, entry_stride)); PUT(offsetof(step_t, lo)); PUT(offsetof(step_t, hi)); PUT(offsetof(step_t, work));
     PUT(offsetof(step_t, work_floats)); PUT(offsetof(step_t, threads)); PUT(offsetof(step_t, head));
     PUT(offsetof(step_t, logits)); PUT(offsetof(step_t, activation_bits)); PUT(offsetof(step_t, shared));
     PUT(offsetof(step_t, n_shared));

@@ -12,6 +12,8 @@ import ctypes
 from ctypes import c_float, c_int, c_int64, c_void_p
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+# a layer's norm weights (null where it has none)
+NORMS = ("attention_norm", "mlp_norm", "attention_out_norm", "mlp_out_norm", "query_norm", "key_norm")
 
 
 class Product(ctypes.Structure):
@@ -22,10 +24,12 @@ class Product(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """One decoder layer's norms, products and KV storage (``layer_t``)."""
+    """One decoder layer's norms, products, and what each step points it at: its KV storage, RoPE and mask (``layer_t``)."""
 
-    _fields_ = [("attention_norm", c_void_p), ("mlp_norm", c_void_p), ("attention_eps", c_float), ("mlp_eps", c_float),
-                ("scaling", c_float), *((name, Product) for name in LINEARS), ("keys", c_void_p), ("values", c_void_p)]
+    _fields_ = [*((name, c_void_p) for name in NORMS), *((name, c_float) for name in (
+                    "attention_eps", "mlp_eps", "attention_out_eps", "mlp_out_eps", "query_key_eps", "scaling", "residual_scale")),
+                ("per_head", c_int), *((name, Product) for name in LINEARS),
+                *((name, c_void_p) for name in ("keys", "values", "cos", "sin", "mask_add", "mask_keep"))]
 
 
 class Step(ctypes.Structure):
@@ -33,9 +37,9 @@ class Step(ctypes.Structure):
 
     _fields_ = [("layers", c_void_p), *((name, c_int64) for name in ("n_layers", "rows", "hidden", "heads", "kv_heads", "head_dim",
                                                                    "intermediate")),
-                ("state", c_void_p), ("final_norm", c_void_p), ("final_eps", c_float), ("cos", c_void_p), ("sin", c_void_p),
+                ("state", c_void_p), ("final_norm", c_void_p), ("final_eps", c_float), ("norm_offset", c_float), ("activation", c_int),
                 *((name, c_int64) for name in ("column", "entries", "capacity", "row_stride", "head_stride", "entry_stride")),
-                ("mask_add", c_void_p), ("mask_keep", c_void_p), ("lo", c_void_p), ("hi", c_void_p), ("work", c_void_p),
+                ("lo", c_void_p), ("hi", c_void_p), ("work", c_void_p),
                 ("work_floats", c_int64), ("threads", c_int), ("head", Product), ("logits", c_void_p),
                 ("activation_bits", c_int), ("shared", c_void_p), ("n_shared", c_int64)]
 
