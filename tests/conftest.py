@@ -24,6 +24,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -89,6 +90,8 @@ def tiny_config(arch: str, vocab: int, **overrides):
     if arch == "granite":  # attention, residual, embedding and logit multipliers
         return GraniteConfig(**{**common, "attention_multiplier": 0.3, "residual_multiplier": 0.5, "embedding_multiplier": 2.0,
                                 "logits_scaling": 4.0, **overrides})
+    if arch == "phi3":  # one projection for q, k and v, one for gate and up
+        return Phi3Config(**{**common, **overrides})
     if arch == "qwen3":  # per-head RMS norm of queries and keys before RoPE
         return Qwen3Config(**{**common, "head_dim": 16, **overrides})
     if arch == "qwen3_moe":  # mixture of experts; per-head RMS norm of queries and keys before RoPE

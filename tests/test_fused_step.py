@@ -39,8 +39,9 @@ HEADS_OF_64 = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_head
 
 # qwen2: biases on q, k and v; qwen3: queries and keys normed per head; olmo2: over the whole projection, and norms
 # after attention and the MLP, none before; granite: embeddings, residual branches and logits scaled; gemma3: norms of
-# 1 + weight before and after both, GELU (tanh), RoPE frequencies and a mask (an 8-token window) per layer type
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "olmo2", "granite", "gemma3"])
+# 1 + weight before and after both, GELU (tanh), RoPE frequencies and a mask (an 8-token window) per layer type;
+# phi3: q, k and v one product, gate and up another (their rows read in place)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "olmo2", "granite", "gemma3", "phi3"])
 def test_the_c_step_answers_as_the_tensor_ops_do(make_tiny, tokenizer, arch, kernel_form):
     engine = int4_engine(make_tiny, tokenizer, arch)
     step = engine.forward.written_step

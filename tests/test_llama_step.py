@@ -47,9 +47,9 @@ def answers(engine: PromptCache, written: bool) -> list:
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {}),
-                                            ("olmo2", {}), ("granite", {}), ("gemma3", {})],
+                                            ("olmo2", {}), ("granite", {}), ("gemma3", {}), ("phi3", {})],
                          ids=["llama", "qwen2-biases", "mistral-window", "qwen3-head-norms", "olmo2-norms-after", "granite-multipliers",
-                              "gemma3-local-and-global"])
+                              "gemma3-local-and-global", "phi3-joined-projections"])
 def test_the_written_step_answers_as_the_model_does(make_tiny, tokenizer, arch, overrides):
     engine = engine_for(make_tiny, tokenizer, arch, **overrides)
     step = engine.forward.written_step
@@ -85,6 +85,7 @@ def test_other_families_keep_the_models_own_step(make_tiny, tokenizer):
     gelu = make_tiny("llama", hidden_act="gelu")
     assert unsupported(gelu) == "its MLP activation is 'gelu', not 'silu' or 'gelu_pytorch_tanh'"
     assert PromptCache(gelu, tokenizer).forward.written_step is None
+    assert unsupported(make_tiny("phi3", partial_rotary_factor=0.5)) == "RoPE turns 0.5 of each head's dims, not all"
 
 
 def test_a_hooked_model_is_run_by_its_own_forward(make_tiny, tokenizer):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,25 +46,51 @@ MAX_SHARED = 4096  # parts one step reads (llama_step.c's MAX_SHARED)
 ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # the MLP activations llama_step.c computes, by the config's name
 
 
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
+@dataclass(frozen=True)
+class Rows:
+    """Output features ``[start, stop)`` of a linear layer that computes several (Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``): the C step reads them in place, as a product of its own."""
+
+    linear: Any
+    start: int
+    stop: int
+
+    @property
+    def out_features(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def in_features(self) -> int:
+        return int(self.linear.in_features)
 
 
-def _product(linear: BlockLinear, shape: tuple[int, int]) -> Product:
+def module_of(linear: Any) -> Any:
+    """The module that computes ``linear``'s features (itself, or the layer :class:`Rows` are part of)."""
+    return linear.linear if isinstance(linear, Rows) else linear
+
+
+def _pointer(tensor: torch.Tensor | None, offset: int = 0) -> int | None:
+    """``tensor``'s address ``offset`` rows in (None for None)."""
+    return None if tensor is None else tensor.data_ptr() + offset * tensor.stride(0) * tensor.element_size()
+
+
+def _product(linear: BlockLinear | Rows, shape: tuple[int, int]) -> Product:
     """``linear`` as the C step reads it, its tensors checked against each other and against ``shape``
-    (out, in), the widths the step's buffers have for it."""
-    if weight_shapes(linear.values, linear.scales, linear.minimums, linear.bias) != shape:
-        raise PromptCacheError(f"a layer in blocks holds a {tuple(linear.scales.shape)} weight, not the {shape[0]} x {shape[1]} "
+    (out, in), the widths the step's buffers have for it; :class:`Rows`: their rows of the layer's."""
+    module, start = module_of(linear), linear.start if isinstance(linear, Rows) else 0
+    held = weight_shapes(module.values, module.scales, module.minimums, module.bias)
+    if (linear.out_features, held[1]) != shape or not 0 <= start < start + shape[0] <= held[0]:
+        raise PromptCacheError(f"a layer in blocks holds a {tuple(module.scales.shape)} weight, not the {shape[0]} x {shape[1]} "
                                "the decode step computes with", param="weights")
-    return Product(linear.values.data_ptr(), linear.scales.data_ptr(), _pointer(linear.minimums), _pointer(linear.bias),
-                    linear.out_features, linear.in_features, linear.bits)
+    return Product(_pointer(module.values, start), _pointer(module.scales, start), _pointer(module.minimums, start),
+                   _pointer(module.bias, start), shape[0], shape[1], module.bits)
 
 
 def unfused(step: Any) -> str | None:
     """Why ``step`` (a :class:`~pc_rag.forward.llama_step.LlamaDecodeStep`) cannot run in C (None: it can)."""
     if library() is None:
         return "pc-rag's kernels are not built"
-    if any(type(getattr(layer, name)) is not BlockLinear for layer in step.layers for name in LINEARS):
+    if any(type(module_of(getattr(layer, name))) is not BlockLinear for layer in step.layers for name in LINEARS):
         return "its linear layers are not all in blocks"
     first = step.layers[0]
     head_dim = first.q.out_features // step.heads
@@ -88,7 +115,8 @@ class FusedStep:
         self.intermediate = first.gate.out_features
         # the LM head too where it is in blocks (then the step returns logits; else the model's head runs)
         self.head_in_c = type(step.head) is BlockLinear and step.head.in_features == self.hidden
-        self.linears = [getattr(layer, name) for layer in step.layers for name in LINEARS] + [step.head] * self.head_in_c
+        linears = [module_of(getattr(layer, name)) for layer in step.layers for name in LINEARS] + [step.head] * self.head_in_c
+        self.linears = list({id(linear): linear for linear in linears}.values())  # each module once (joined ones hold several)
         # the layers' hook tables (torch adds to them in place): any hook means a step the C code would skip
         self.hooks = [table for linear in self.linears for table in (linear._forward_hooks, linear._forward_pre_hooks)]
         self.steps = 0  # steps run in C (tests read it)

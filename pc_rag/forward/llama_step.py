@@ -37,7 +37,7 @@ from ..kv.buffers import KVBuffer
 from . import row_extents, shared_attention
 from .attention import ATTENTION_NAME, CONFIG_WINDOW
 from .decoder import decoder_of, language_model_of
-from .fused_step import FusedStep
+from .fused_step import FusedStep, Rows, module_of
 from .rotation import RopeRotator, signed_sin
 
 logger = logging.getLogger(__name__)
@@ -56,12 +56,14 @@ class Family:
     multipliers: bool = False  # Granite: embeddings, residual branches and logits scaled by the config's multipliers
     rope_by_layer_type: bool = False  # the rotary module takes the layer's type: frequencies per type (Gemma 3)
     activation_key: str = "hidden_act"  # the config's name for the MLP's activation
+    joined: bool = False  # one projection computes q, k and v, one gate and up (Phi-3's qkv_proj, gate_up_proj)
 
 
 # decoder layers whose decode step is the one written out here (transformers 5.x), by class name
 FAMILIES = {"LlamaDecoderLayer": Family(), "MistralDecoderLayer": Family(), "Qwen2DecoderLayer": Family(),
             "Qwen3DecoderLayer": Family(query_key_norm="head"), "GraniteDecoderLayer": Family(multipliers=True),
             "Olmo2DecoderLayer": Family(query_key_norm="projection", norms="after"),
+            "Phi3DecoderLayer": Family(joined=True),
             "Gemma3DecoderLayer": Family(query_key_norm="head", norms="around", norm_offset=1.0, rope_by_layer_type=True,
                                          activation_key="hidden_activation")}
 # the MLP activations it computes, by the config's name: SiLU, and GELU's tanh form (as F.gelu(approximate="tanh"))
@@ -160,7 +162,7 @@ class LlamaDecodeStep:
             getattr(layer.attention, CONFIG_WINDOW, None) for layer in self.layers)
         # the modules whose forward this step does not call (it calls the linear layers): a hook on
         # one (a steering vector, a probe added after the engine was built) sends steps back to the model
-        called = {id(getattr(layer, name)) for layer in self.layers for name in ("q", "k", "v", "o", "gate", "up", "down")}
+        called = {id(module_of(getattr(layer, name))) for layer in self.layers for name in ("q", "k", "v", "o", "gate", "up", "down")}
         self._unhooked = [decoder, self.embed, self.norm, self.model, *(
             part for layer in decoder.layers for part in layer.modules() if id(part) not in called)]
         # their hook tables (torch adds to them in place): one `any` over them a step, not ~300 attribute reads
@@ -201,8 +203,15 @@ class LlamaDecodeStep:
         if family.query_key_norm is not None:
             query_key = dict(query_norm=attn.q_norm.weight, key_norm=attn.k_norm.weight, query_key_eps=norm(attn.q_norm)[1],
                              per_head=family.query_key_norm == "head")
+        if family.joined:  # rows of one product each, in the order the model slices them
+            query, key = attn.config.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
+            inner = mlp.gate_up_proj.out_features // 2
+            q, k, v = Rows(attn.qkv_proj, 0, query), Rows(attn.qkv_proj, query, query + key), Rows(attn.qkv_proj, query + key, query + 2 * key)
+            gate, up = Rows(mlp.gate_up_proj, 0, inner), Rows(mlp.gate_up_proj, inner, 2 * inner)
+        else:
+            q, k, v, gate, up = attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
         return _Layer(
-            *before[0], attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *before[1], mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+            *before[0], q, k, v, attn.o_proj, *before[1], gate, up, mlp.down_proj,
             attn.scaling, attn, **query_key, attention_out_norm=after[0][0], attention_out_eps=after[0][1],
             mlp_out_norm=after[1][0], mlp_out_eps=after[1][1],
             residual_scale=float(layer.residual_multiplier) if family.multipliers else 1.0, layer_type=layer_type,
@@ -223,13 +232,24 @@ class LlamaDecodeStep:
         """Queries, keys and values of ``x [rows, 1, hidden]``, ``[rows, heads, 1, dim]`` by a view (with one token,
         heads-major is the projection's own order), queries and keys normed where the layer norms them."""
         rows = x.shape[0]
-        q, k, v = layer.q(x), layer.k(x), layer.v(x)
+        if isinstance(layer.q, Rows):  # one product, sliced as Phi-3 slices it
+            qkv = layer.q.linear(x)
+            q, k, v = qkv[..., : layer.k.start], qkv[..., layer.k.start : layer.v.start], qkv[..., layer.v.start : layer.v.stop]
+        else:
+            q, k, v = layer.q(x), layer.k(x), layer.v(x)
         if layer.query_norm is not None and not layer.per_head:  # over the whole projection, as OLMo 2 does
             q, k = self._norm(q, layer.query_norm, layer.query_key_eps), self._norm(k, layer.key_norm, layer.query_key_eps)
         q, k, v = q.view(rows, self.heads, 1, -1), k.view(rows, self.kv_heads, 1, -1), v.view(rows, self.kv_heads, 1, -1)
         if layer.query_norm is not None and layer.per_head:  # each head over its dims, as Qwen3 and Gemma 3 do
             q, k = self._norm(q, layer.query_norm, layer.query_key_eps), self._norm(k, layer.key_norm, layer.query_key_eps)
         return q, k, v
+
+    def _gated(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's ``act(gate(x)) * up(x)`` (Phi-3's ``up * act(gate)`` from one product: the same bits)."""
+        if isinstance(layer.gate, Rows):
+            gate, up = layer.gate.linear(x).chunk(2, dim=-1)
+            return up * self.activation(gate)
+        return self.activation(layer.gate(x)) * layer.up(x)
 
     def _residual(self, hidden: torch.Tensor, branch: torch.Tensor, norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor:
         """``hidden`` plus a branch's output, normed first where the layer norms it (OLMo 2), scaled where it scales it (Granite)."""
@@ -275,8 +295,8 @@ class LlamaDecodeStep:
             out = out.reshape(rows, 1, -1)  # heads-major again, as o_proj reads them
             hidden = self._residual(hidden, layer.o(out), layer.attention_out_norm, layer.attention_out_eps, layer.residual_scale)
             x = self._norm(hidden, layer.mlp_norm, layer.mlp_eps) if layer.mlp_norm is not None else hidden
-            hidden = self._residual(hidden, layer.down(self.activation(layer.gate(x)) * layer.up(x)), layer.mlp_out_norm,
-                                    layer.mlp_out_eps, layer.residual_scale)
+            hidden = self._residual(hidden, layer.down(self._gated(layer, x)), layer.mlp_out_norm, layer.mlp_out_eps,
+                                    layer.residual_scale)
         hidden = self._norm(hidden, self.norm.weight, self.final_eps)
         return self.scaled_logits(self.head(hidden)[:, -1])
 
@@ -299,6 +319,8 @@ def unsupported(model: Any) -> str | None:
     activation = getattr(config, FAMILIES[names.pop()].activation_key, None)
     if activation not in ACTIVATIONS:
         return f"its MLP activation is {activation!r}, not {' or '.join(map(repr, ACTIVATIONS))}"
+    if getattr(config, "partial_rotary_factor", None) not in (None, 1.0):
+        return f"RoPE turns {config.partial_rotary_factor} of each head's dims, not all"
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
         return "its attention scores are soft-capped or bidirectional"
     if getattr(config, "_attn_implementation", None) not in ("sdpa", ATTENTION_NAME):
