@@ -78,6 +78,7 @@ class FidelityResult:
     setting: str
     agreement: float
     kl: float
+    settings: dict[str, Any] = field(default_factory=dict)  # the engine's keyword arguments for it ({}: the defaults)
 
     @property
     def good(self) -> bool:
@@ -269,9 +270,9 @@ def _fidelity(helpers: Helpers, probe: list[dict[str, Any]]) -> list[FidelityRes
     try:
         prompts = [build_prompt(item["question"], helper.add_documents(item["passages"], progress=False)) for item in probe]
         full = [helper.next_token_logits(prompt, use_cache=False) for prompt in prompts]
-        results = [_measure("defaults", helper, prompts, full)]
+        results = [_measure("defaults", helper, prompts, full, {})]
         helper.recompute, helper.recompute_tail = 32, 8
-        results.append(_measure("recompute=32, recompute_tail=8", helper, prompts, full))
+        results.append(_measure("recompute=32, recompute_tail=8", helper, prompts, full, {"recompute": 32, "recompute_tail": 8}))
     finally:
         _close(helper)
     label = 'recovery="query", recovery_budget=0.3'
@@ -283,18 +284,18 @@ def _fidelity(helpers: Helpers, probe: list[dict[str, Any]]) -> list[FidelityRes
     try:
         for item in probe:  # the same documents under the same names: the prompts above read them here
             helper.add_documents(item["passages"], progress=False)
-        return [*results, _measure(label, helper, prompts, full)]
+        return [*results, _measure(label, helper, prompts, full, {"recovery": "query", "recovery_budget": 0.3})]
     finally:
         _close(helper)
 
 
-def _measure(label: str, engine: Any, prompts: list[str], full: list[torch.Tensor]) -> FidelityResult:
+def _measure(label: str, engine: Any, prompts: list[str], full: list[torch.Tensor], settings: dict[str, Any]) -> FidelityResult:
     agree, kls = 0, []
     for prompt, expected in zip(prompts, full):
         cached = engine.next_token_logits(prompt)
         agree += int(cached.argmax() == expected.argmax())
         kls.append(torch.nn.functional.kl_div(cached.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="sum").item())
-    return FidelityResult(label, agree / len(prompts), sum(kls) / len(kls))
+    return FidelityResult(label, agree / len(prompts), sum(kls) / len(kls), settings)
 
 
 # -- parts ----------------------------------------------------------------------------------------

@@ -34,9 +34,10 @@ from .kv.buffers import BufferPool
 from .kv.load_or_compute import CALIBRATION_TOKENS, CostModel
 from .model.loading import gguf_file_of, load_model
 from .model.spec import ModelSpec, inspect_model
+from .prefill import calibration
 from .prefill.assemble import Assembler, Assembly, choose_assembly
 from .prefill.encode import ModuleEncoder
-from .prefill.recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, configure_recovery, recovery_tokens
+from .prefill.recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, recovery_tokens
 from .prompt.documents import SEPARATOR, check_name
 from .prompt.layout import ENCODINGS, Encoding
 from .registration import Registration
@@ -59,15 +60,14 @@ __all__ = ["DEFAULT_ENCODING", "DEFAULT_RECOMPUTE", "DEFAULT_RECOMPUTE_TAIL", "P
 class PromptCache(Registration, Serving):
     """Prompt Cache over a Hugging Face causal LM.
 
-    Build one with :meth:`from_pretrained`, register schemas with :meth:`add_schema` (or documents
-    with :meth:`add_documents`), then call :meth:`generate`, :meth:`stream` or
-    :meth:`generate_batch` with PML prompts (``<prompt schema="...">``) or plain text.
+    Build one with :meth:`from_pretrained`, register schemas with :meth:`add_schema` (or documents with :meth:`add_documents`),
+    then call :meth:`generate`, :meth:`stream` or :meth:`generate_batch` with PML prompts (``<prompt schema="...">``) or plain text.
 
     Args:
         model: a transformers causal LM (:meth:`from_pretrained` loads one).
         tokenizer: its tokenizer.
-        encoding: what modules are encoded behind: ``"shared_prefix"`` (the schema's system prompt;
-            default), ``"isolated"`` (nothing) or ``"scaffold"`` (a PML schema's text along its paths).
+        encoding: what modules are encoded behind: ``"shared_prefix"`` (the schema's system prompt; default), ``"isolated"``
+            (nothing) or ``"scaffold"`` (a PML schema's text along its paths).
         drop_in: find stored modules' verbatim text inside plain prompts and reuse their KV.
 
     Fidelity (:mod:`pc_rag.prefill.recovery`, docs/quality.md):
@@ -75,9 +75,9 @@ class PromptCache(Registration, Serving):
             ``"query"`` or ``"deviation"`` (the best-scored ``recovery_budget``).
         recovery_budget: for the scored strategies, a fraction (float) or a count (int) of tokens.
         recompute: head tokens recomputed per moved module (``"head_tail"``).
-        recompute_tail: tail tokens recomputed per moved module.
-        attention_temperature: APE's temperature on computed queries' attention to moved modules.
-        attention_scale: APE's scale of that attention.
+        recompute_tail: tail tokens recomputed per moved module. These four None: as ``check()`` recorded for this model in
+            ``kv_dir`` (:mod:`pc_rag.prefill.calibration`), else the defaults.
+        attention_temperature, attention_scale: APE's temperature and scale of computed queries' attention to moved modules.
         assembly: ``"copy"`` (default) or ``"in_place"`` (modules attended to where they are stored).
 
     Storage (:mod:`pc_rag.kv.store`):
@@ -162,8 +162,8 @@ class PromptCache(Registration, Serving):
         self.weights, self.quantized_layers = weights or "float32", model_weights.install(model, weights, compile_mode(compile) is not None, weights_from)
         self.small_batch_linear = small_batch.install(model, small_batch_linear)
         self.spec: ModelSpec = inspect_model(model, tokenizer, separator=SEPARATOR)
-        self.recovery = configure_recovery(self.spec, strategy=recovery, budget=recovery_budget, recompute=recompute,
-                                           recompute_tail=recompute_tail, temperature=attention_temperature, scale=attention_scale)
+        asked = dict(recovery=recovery, recovery_budget=recovery_budget, recompute=recompute, recompute_tail=recompute_tail)
+        self.recovery = calibration.recovery(self.spec, kv_dir, asked=asked, temperature=attention_temperature, scale=attention_scale)
         self.assembly: Assembly = choose_assembly(assembly, DEFAULT_ASSEMBLY, self.spec)
         self.kv_quantization = kv_quantization
         if remote_collections is not None:

@@ -31,7 +31,7 @@ from .kv.load_or_compute import CostModel, compute_in_prompt, load_or_compute, s
 from .kv.remote import RemoteTier
 from .kv.store import ModuleStore
 from .model.spec import ModelSpec
-from .prefill import pipeline
+from .prefill import calibration, pipeline
 from .prefill import recovery as recovery_mod
 from .prefill.assemble import Assembled, Assembler, Assembly, Held
 from .prefill.encode import ModuleEncoder
@@ -223,10 +223,13 @@ class Serving:
         every path pc-rag serves it by against what must equal it, on the real weights, then (with
         ``fidelity``) moved-module fidelity on a built-in RAG probe set at the default and stronger
         recovery settings. Returns a :class:`~pc_rag.conformance.CheckReport`; ``print`` it for the
-        verdict and the settings it recommends."""
+        verdict and the settings it recommends, which are kept in ``kv_dir`` for engines over the same
+        model that choose no recovery setting (:mod:`pc_rag.prefill.calibration`)."""
         from .conformance import check
 
-        return check(self, fidelity=fidelity)
+        report = check(self, fidelity=fidelity)
+        calibration.keep(self.kv_dir, self.spec.fingerprint, report)
+        return report
 
     def min_json_tokens(self, json_schema: Any) -> int | None:
         """Tokens of the shortest document of ``json_schema`` that constrained decoding closes a
