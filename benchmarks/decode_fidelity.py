@@ -13,6 +13,7 @@ whole answers equal, and the mean number of tokens before they part. The first t
 
     python benchmarks/decode_fidelity.py                       # hotpotqa_more:20, 32 tokens, ~4 min
     python benchmarks/decode_fidelity.py --sets hotpotqa_more:40 nq:20 --tokens 64
+    python benchmarks/decode_fidelity.py --model my-model.Q4_K_M.gguf --out results/decode_fidelity_mine.json
 
 Writes benchmarks/results/decode_fidelity.json.
 """
@@ -42,9 +43,11 @@ PAIRS = (("int4", "float32"), ("int4 float inputs", "float32"), ("int4", "int4 f
          ("int4-a8", "int4"))
 
 
-def engine_for(precision: str) -> PromptCache:
-    """The embedded model at ``precision`` (``int4 float inputs``: weights="int4", its C step on float32 inputs)."""
-    engine = PromptCache.from_pretrained(weights=precision.split()[0])
+def engine_for(precision: str, model: Path | None = None) -> PromptCache:
+    """The embedded model (or the GGUF file ``model``) at ``precision`` (``int4 float inputs``: weights="int4", its C step on
+    float32 inputs). On a GGUF file, "int4" holds the file's own blocks: its layers of types pc-rag's kernels do not hold
+    (Q6_K, Q5_K) are the only ones whose values differ from float32's, so ``int4 float inputs vs float32`` is what they cost."""
+    engine = PromptCache.from_pretrained(model, weights=precision.split()[0])
     if precision == "int4 float inputs" and engine.forward.written_step is not None and engine.forward.written_step.fused is not None:
         engine.forward.written_step.fused.activation_bits = 32
     return engine
@@ -72,14 +75,15 @@ def main() -> None:
     parser.add_argument("--sets", nargs="+", default=["hotpotqa_more:20"], help="SET[:FIRST] (benchmarks/quality.py's sets)")
     parser.add_argument("--skip", type=int, default=40, help="records skipped first (hotpotqa_more's first 40 tuned recovery)")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the embedded model)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_fidelity.json")
     args = parser.parse_args()
-    engines = {precision: engine_for(precision) for precision in PRECISIONS}
+    engines = {precision: engine_for(precision, args.model) for precision in PRECISIONS}
     for engine in engines.values():
         engine.stop_token_ids.clear()  # every answer --tokens long
     fused = engines["int4"].forward.written_step.fused if engines["int4"].forward.written_step is not None else None
     report: dict[str, Any] = {"tokens": args.tokens, "int4 decode input bits": fused.activation_bits if fused else 32,
-                              "run": run_info(engines["int4-a8"], "SmolLM2-135M-Instruct (embedded)")}
+                              "run": run_info(engines["int4-a8"], args.model.name if args.model else "SmolLM2-135M-Instruct (embedded)")}
     for spec in args.sets:
         name, _, count = spec.partition(":")
         rows = []
