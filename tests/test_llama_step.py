@@ -47,9 +47,9 @@ def answers(engine: PromptCache, written: bool) -> list:
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {}),
-                                            ("olmo2", {}), ("granite", {}), ("gemma3", {}), ("phi3", {})],
+                                            ("olmo2", {}), ("granite", {}), ("gemma3", {}), ("gemma3", {"final_logit_softcapping": 2.0}), ("phi3", {})],
                          ids=["llama", "qwen2-biases", "mistral-window", "qwen3-head-norms", "olmo2-norms-after", "granite-multipliers",
-                              "gemma3-local-and-global", "phi3-joined-projections"])
+                              "gemma3-local-and-global", "gemma3-soft-capped-logits", "phi3-joined-projections"])
 def test_the_written_step_answers_as_the_model_does(make_tiny, tokenizer, arch, overrides):
     engine = engine_for(make_tiny, tokenizer, arch, **overrides)
     step = engine.forward.written_step

@@ -57,6 +57,7 @@ class Family:
     rope_by_layer_type: bool = False  # the rotary module takes the layer's type: frequencies per type (Gemma 3)
     activation_key: str = "hidden_act"  # the config's name for the MLP's activation
     joined: bool = False  # one projection computes q, k and v, one gate and up (Phi-3's qkv_proj, gate_up_proj)
+    logit_softcap: bool = False  # the model soft-caps its logits by config.final_logit_softcapping (Gemma 3)
 
 
 # decoder layers whose decode step is the one written out here (transformers 5.x), by class name
@@ -65,7 +66,7 @@ FAMILIES = {"LlamaDecoderLayer": Family(), "MistralDecoderLayer": Family(), "Qwe
             "Olmo2DecoderLayer": Family(query_key_norm="projection", norms="after"),
             "Phi3DecoderLayer": Family(joined=True),
             "Gemma3DecoderLayer": Family(query_key_norm="head", norms="around", norm_offset=1.0, rope_by_layer_type=True,
-                                         activation_key="hidden_activation")}
+                                         activation_key="hidden_activation", logit_softcap=True)}
 # the MLP activations it computes, by the config's name: SiLU, and GELU's tanh form (as F.gelu(approximate="tanh"))
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 LAYER_CLASSES = tuple(FAMILIES)
@@ -154,6 +155,7 @@ class LlamaDecodeStep:
         # Granite: the embeddings times this, the logits divided by that (1.0: neither)
         self.embedding_scale = float(config.embedding_multiplier) if self.family.multipliers else 1.0
         self.logits_divisor = float(config.logits_scaling) if self.family.multipliers else 1.0
+        self.softcap = getattr(config, "final_logit_softcapping", None) if self.family.logit_softcap else None  # None: none
         self.shared_steps = 0  # steps run that read shared KV (tests read it)
         # a layer that slides its window over keys (Mistral; Qwen2's sliding layers): shared KV, whose
         # masks follow the window the model hands its attention, is left to the model's own step
@@ -301,7 +303,10 @@ class LlamaDecodeStep:
         return self.scaled_logits(self.head(hidden)[:, -1])
 
     def scaled_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The LM head's output as the model returns it (Granite divides it by its logits scaling)."""
+        """The LM head's output as the model returns it: Granite divides it by its logits scaling, Gemma soft-caps it
+        (``tanh(logits / cap) * cap``, op for op)."""
+        if self.softcap:
+            return torch.tanh(logits / self.softcap) * self.softcap
         return logits / self.logits_divisor if self.logits_divisor != 1.0 else logits
 
 
@@ -316,7 +321,8 @@ def unsupported(model: Any) -> str | None:
     names = {type(layer).__name__ for layer in layers}
     if len(names) != 1 or not names <= set(LAYER_CLASSES):
         return f"its layers are {', '.join(sorted(names))}, not one of {', '.join(LAYER_CLASSES)}"
-    activation = getattr(config, FAMILIES[names.pop()].activation_key, None)
+    family = FAMILIES[names.pop()]
+    activation = getattr(config, family.activation_key, None)
     if activation not in ACTIVATIONS:
         return f"its MLP activation is {activation!r}, not {' or '.join(map(repr, ACTIVATIONS))}"
     if getattr(config, "partial_rotary_factor", None) not in (None, 1.0):
@@ -325,7 +331,7 @@ def unsupported(model: Any) -> str | None:
         return "its attention scores are soft-capped or bidirectional"
     if getattr(config, "_attn_implementation", None) not in ("sdpa", ATTENTION_NAME):
         return f"its attention is {getattr(config, '_attn_implementation', None)!r}, not SDPA"
-    if getattr(model, "logits_soft_cap", None) or getattr(config, "final_logit_softcapping", None):
+    if getattr(model, "logits_soft_cap", None) or (getattr(config, "final_logit_softcapping", None) and not family.logit_softcap):
         return "its logits are soft-capped"
     return None
 
