@@ -1,5 +1,7 @@
-"""A Llama-family decode step in one C call (``llama_step.c``), for a model whose linear layers are
-pc-rag's blocks (``weights="int4"`` where :mod:`pc_rag.kernels.loader` loads).
+"""A decode step of every family :mod:`pc_rag.forward.llama_step` writes out, in one C call (``llama_step.c``), for a
+model whose linear layers are pc-rag's blocks (``weights="int4"`` where :mod:`pc_rag.kernels.loader` loads). Each
+layer is described to the C step by data (``kernels/step.py``'s ``Layer``: which norms and where, query/key norms,
+residual scale, its RoPE table and mask), the step by its norm offset and MLP activation (docs/architecture.md).
 
 :class:`~pc_rag.forward.llama_step.LlamaDecodeStep` runs a step as tensor ops: on the embedded
 SmolLM2-135M (2-core CPU, one thread, 1,265 cached entries) 37 ms, of which 18 in the products,

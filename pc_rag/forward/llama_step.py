@@ -14,7 +14,8 @@ pc-rag's blocks (``weights="int4"``), the same step runs in one C call instead
 It serves only what it reproduces: the decoder layer classes in :data:`FAMILIES` (Llama,
 Mistral, Qwen2: the same layer with or without biases; Qwen3's query and key norms per head, OLMo 2's
 over the whole projection and its norms after attention and MLP instead of before, Granite's
-multipliers), SiLU, SDPA, a decode step (one new token
+multipliers, Phi-3's joined projections, Gemma 3's four norms of 1 + weight, GELU, soft-capped logits
+and RoPE and masks by layer type), SiLU or GELU's tanh form, SDPA, a decode step (one new token
 per row) under one mask tensor, attending by extents and over shared KV as ``pc_rag_sdpa`` does
 (shared KV only without a sliding window), and no forward hook on a module it does not call
 (:meth:`LlamaDecodeStep.serves`). Everything else runs the model as before. :func:`written_step`

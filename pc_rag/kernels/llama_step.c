@@ -1,9 +1,10 @@
-/* A Llama-family decode step in one call (pc_rag/forward/fused_step.py drives it): every decoder layer
-   of a model whose linear layers are pc-rag's blocks (block_kernels.c), one new token per row, over
-   a KVBuffer's float32 cache. The same computation as pc_rag/forward/llama_step.py's tensor ops, in
-   the same order where order shows (RMSNorm as weight * (x * rsqrt(mean(x^2) + eps)), rotate-half
-   RoPE as x*cos + roll(x)*signed_sin, softmax attention, SiLU-gated MLP, residuals); sums are
-   ordered as here, so logits agree to float rounding, not bit for bit.
+/* A decode step in one call (pc_rag/forward/fused_step.py drives it): every decoder layer of a model
+   whose linear layers are pc-rag's blocks (block_kernels.c), one new token per row, over a KVBuffer's
+   float32 cache, each layer as its layer_t describes it (Llama, Qwen3, OLMo 2, Granite, Phi-3, Gemma 3:
+   forward/llama_step.py's FAMILIES). The same computation as llama_step.py's tensor ops, in the same
+   order where order shows (RMSNorm as (offset + weight) * (x * rsqrt(mean(x^2) + eps)), rotate-half
+   RoPE as x*cos + roll(x)*signed_sin, softmax attention, gated MLP, residuals); sums are ordered as
+   here, so logits agree to float rounding, not bit for bit.
 
    Why in C: a step of the embedded SmolLM2-135M ran ~2,000 small ATen ops and ~120 kernel calls
    from Python, ~9 ms of a 37 ms step besides the products, and SDPA read the KV at ~6 GB/s. */
