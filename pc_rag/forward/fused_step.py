@@ -34,7 +34,7 @@ import torch
 from ..errors import PromptCacheError
 from ..kernels.loader import library
 from ..kernels.products import checked, weight_shapes
-from ..kernels.step import LINEARS, NORMS, Layer, Product, Shared, Step
+from ..kernels.step import LINEARS, NORMS, SCALARS, Layer, Product, Shared, Step
 from ..weights import blocks
 from ..weights.blocks import BlockLinear
 from .rope_table import RopeTable
@@ -155,7 +155,7 @@ class FusedStep:
                 if norm is not None:
                     checked(name, norm, torch.float32, (widths.get(name, hidden),))
                 setattr(into, name, _pointer(norm))
-            for name in ("attention_eps", "mlp_eps", "attention_out_eps", "mlp_out_eps", "query_key_eps", "scaling", "residual_scale"):
+            for name in SCALARS:
                 setattr(into, name, getattr(layer, name))
             into.per_head = layer.per_head
             for name in LINEARS:

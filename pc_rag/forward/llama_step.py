@@ -106,11 +106,17 @@ class _Layer:
     layer_type: str | None = None  # the config's type of it: which of a dict of masks it reads ("sliding_attention", ...)
 
 
+def _eps(norm: Any) -> float:
+    """An RMSNorm module's epsilon (Llama's norms hold it as variance_epsilon, Gemma's as eps)."""
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """transformers' Llama RMSNorm, op for op (float32 inside, the input's dtype out); with ``offset``,
     Gemma's: ``(x * rsqrt(mean(x^2) + eps)) * (offset + weight)`` in float32."""
     if offset:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return (normed * (offset + weight.float())).type_as(x)
     if x.dtype == torch.float32:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -141,7 +147,7 @@ class LlamaDecodeStep:
         self.embed = decoder.embed_tokens
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm
-        self.final_eps = self.norm.variance_epsilon if hasattr(self.norm, "variance_epsilon") else self.norm.eps
+        self.final_eps = _eps(self.norm)
         self.head = self.model.get_output_embeddings()
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -191,8 +197,8 @@ class LlamaDecodeStep:
     def _layer(layer: Any, family: Family, layer_type: str | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
 
-        def norm(module: Any) -> tuple[torch.Tensor, float]:  # Llama's norms hold variance_epsilon, Gemma's eps
-            return module.weight, module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+        def norm(module: Any) -> tuple[torch.Tensor, float]:
+            return module.weight, _eps(module)
 
         none = (None, 0.0)
         before = after = (none, none)

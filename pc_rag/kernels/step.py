@@ -14,6 +14,8 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 # a layer's norm weights (null where it has none)
 NORMS = ("attention_norm", "mlp_norm", "attention_out_norm", "mlp_out_norm", "query_norm", "key_norm")
+# a layer's scalars (eps of each norm, attention scaling, residual scale)
+SCALARS = ("attention_eps", "mlp_eps", "attention_out_eps", "mlp_out_eps", "query_key_eps", "scaling", "residual_scale")
 
 
 class Product(ctypes.Structure):
@@ -26,8 +28,7 @@ class Product(ctypes.Structure):
 class Layer(ctypes.Structure):
     """One decoder layer's norms, products, and what each step points it at: its KV storage, RoPE and mask (``layer_t``)."""
 
-    _fields_ = [*((name, c_void_p) for name in NORMS), *((name, c_float) for name in (
-                    "attention_eps", "mlp_eps", "attention_out_eps", "mlp_out_eps", "query_key_eps", "scaling", "residual_scale")),
+    _fields_ = [*((name, c_void_p) for name in NORMS), *((name, c_float) for name in SCALARS),
                 ("per_head", c_int), *((name, Product) for name in LINEARS),
                 *((name, c_void_p) for name in ("keys", "values", "cos", "sin", "mask_add", "mask_keep"))]
 
