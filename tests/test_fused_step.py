@@ -17,6 +17,7 @@ from pc_rag.forward.rotation import RopeRotator
 from pc_rag.kernels import loader
 from pc_rag.kv.buffers import KVBuffer
 from pc_rag.prompt.documents import build_prompt
+from pc_rag.weights import blocks
 from tests.conftest import drawn_away, sixteen_bit_inputs_here
 from tests.test_llama_step import DOCUMENTS, answers, logprobs
 
@@ -163,6 +164,43 @@ def test_a_weight_tensor_replaced_by_another_is_read_from_the_new_one(make_tiny,
     assert step.fused.steps == before + 1 and old is not getattr(layer, name)
     scale = expected.abs().max().item()  # the tensor ops (q, k and v joined in one product) read the new tensor too
     assert torch.allclose(got, expected, atol=1e-4 * scale) and not torch.allclose(got, unchanged, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize("arch, norm", [("llama", "input_layernorm"), ("qwen3", "self_attn.q_norm"),
+                                        ("olmo2", "post_feedforward_layernorm")])
+@pytest.mark.parametrize("in_c", [True, False])
+def test_a_norm_weight_replaced_by_another_parameter_is_read_from_the_new_one(make_tiny, tokenizer, arch, norm, in_c):
+    """The step describes each layer's norms by their weights when it is built; a Parameter assigned in
+    place of one (``module.weight = Parameter(...)``, ``load_state_dict(assign=True)``) is a new tensor,
+    which the C step and the tensor ops read from the next step on, as the model's own forward does."""
+    engine = int4_engine(make_tiny, tokenizer, arch)
+    step, model = engine.forward.written_step, engine.model
+    if not in_c:
+        step.fused = None
+    ids, positions = torch.tensor([[7]]), torch.tensor([[9]])
+    unchanged = step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    in_c_before = step.fused.steps if in_c else None
+    module = model.model.layers[1].get_submodule(norm)
+    old = module.weight  # kept alive: a stale address would read the old values, not freed memory
+    module.weight = torch.nn.Parameter(old.detach() * 3 + 0.5, requires_grad=False)
+    got = step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    with torch.no_grad():  # the tiny model's other norms require grad, as a model built in-process does
+        expected = engine.forward._model_step(ids, positions, None, random_cache(model, 9, fixed=True).cache)
+    scale = expected.abs().max().item()
+    assert step.fused is None or step.fused.steps == in_c_before + 1  # in C again, over the new weight
+    assert torch.allclose(got, expected, atol=1e-4 * scale) and not torch.allclose(got, unchanged, atol=1e-2 * scale)
+
+
+def test_serving_requests_registers_no_parameter_so_no_step_reads_its_layers_again(make_tiny, tokenizer):
+    """Any Parameter registered in the process makes the steps read their layers again (see the test above):
+    answering, alone and in a batch, must register none, or every step would rebuild."""
+    engine = int4_engine(make_tiny, tokenizer)
+    ids = engine.add_documents(DOCUMENTS, progress=False)
+    engine.generate(build_prompt("Who won?", ids), max_new_tokens=2)
+    before, steps = blocks.weights_generation(), engine.forward.written_step.fused.steps
+    engine.generate(build_prompt("Who won?", ids), max_new_tokens=6)
+    engine.generate_batch([build_prompt(q, ids) for q in ("Who won?", "Who sang?")], max_new_tokens=6)
+    assert blocks.weights_generation() == before and engine.forward.written_step.fused.steps > steps
 
 
 def test_a_joined_layers_bias_changed_in_place_is_read_by_the_joined_product(make_tiny, tokenizer):

@@ -149,11 +149,15 @@ class FusedStep:
         layers = (Layer * len(self.step.layers))()
         widths = {"query_norm": self.head_dim if self.step.layers[0].per_head else query,
                   "key_norm": self.head_dim if self.step.layers[0].per_head else key}
+        # the norms' memory, held: a weight whose .data is swapped (not seen, see weights_generation) leaves the step
+        # reading its old values, never freed memory
+        self._norm_storages = []
         for into, layer in zip(layers, self.step.layers):
             for name in NORMS:
                 norm = getattr(layer, name)
                 if norm is not None:
                     checked(name, norm, torch.float32, (widths.get(name, hidden),))
+                    self._norm_storages.append(norm.untyped_storage())
                 setattr(into, name, _pointer(norm))
             for name in SCALARS:
                 setattr(into, name, getattr(layer, name))

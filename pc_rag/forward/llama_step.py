@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.buffers import KVBuffer
+from ..weights import blocks
 from . import row_extents, shared_attention
 from .attention import ATTENTION_NAME, CONFIG_WINDOW
 from .decoder import decoder_of, language_model_of
@@ -155,8 +156,8 @@ class LlamaDecodeStep:
         self.activation_name = getattr(config, self.family.activation_key)
         self.activation = ACTIVATIONS[self.activation_name]
         self.layer_types = list(getattr(config, "layer_types", None) or ()) or [None] * config.num_hidden_layers
-        self.layers = [self._layer(layer, self.family, kind) for layer, kind in zip(decoder.layers[: config.num_hidden_layers],
-                                                                                    self.layer_types)]
+        self._decoder_layers = list(decoder.layers[: config.num_hidden_layers])
+        self._describe()
         # the rotary module's calls a step makes: one, or one per layer type (Gemma 3's local and global frequencies)
         self.rope_kinds = sorted(set(self.layer_types)) if self.family.rope_by_layer_type else [None]
         # Granite: the embeddings times this, the logits divided by that (1.0: neither)
@@ -178,6 +179,13 @@ class LlamaDecodeStep:
         self._hook_tables = [table for module in self._unhooked for table in (module._forward_hooks, module._forward_pre_hooks)]
         # the whole step in one C call where the linear layers are pc-rag's blocks (None: tensor ops only)
         self.fused = FusedStep.build(self)
+
+    def _describe(self) -> None:
+        """Each layer as this step reads it (:class:`_Layer`: its norms' weights, its linear modules), read
+        again when a weight may have been replaced since (:func:`~pc_rag.weights.blocks.weights_generation`:
+        a norm's weight is a tensor held here, where a linear layer is a module read at each call)."""
+        self.generation = blocks.weights_generation()  # before reading: a change while reading shows at the next step
+        self.layers = [self._layer(layer, self.family, kind) for layer, kind in zip(self._decoder_layers, self.layer_types)]
 
     def serves(self, shared: Any, mask: Any = None) -> bool:
         """Whether this step runs a decode step that reads ``shared`` KV (None: none) under ``mask`` as the
@@ -275,6 +283,8 @@ class LlamaDecodeStep:
         :mod:`pc_rag.forward.row_extents`); ``shared``: and over KV read in place (split attention,
         :mod:`pc_rag.forward.shared_attention`; see :meth:`serves`). The next logits, ``[rows, vocab]``."""
         self.shared_steps += shared is not None
+        if blocks.weights_generation() != self.generation:
+            self._describe()  # then the C step, whose generation is older, reads the layers again too
         if self.fused is not None:
             logits = self.fused(ids, positions, mask, cache, extents, shared)
             if logits is not None:

@@ -53,14 +53,21 @@ _generation = 0  # see weights_generation
 
 def weights_generation() -> int:
     """A number that changes whenever any :class:`BlockLinear`'s tensors may have been replaced
-    (the model moved or cast, a tensor reassigned): what holds their addresses (the C decode step)
-    checks it before every step, one comparison instead of one per layer."""
+    (the model moved or cast, a tensor reassigned) or a Parameter was assigned to any module (a
+    norm's weight replaced, ``load_state_dict(assign=True)``): what holds their addresses (the
+    decode steps) checks it before every step, one comparison instead of one per layer. A
+    Parameter's ``.data`` swapped for another tensor is not seen: copy into it, or assign a Parameter."""
     return _generation
 
 
-def _replaced() -> None:
+def _replaced(*_: Any) -> None:
     global _generation
     _generation += 1
+
+
+# torch calls this whenever a Parameter is registered on a module (assigned or constructed), for every module in
+# the process: building any module also counts, which costs the decode steps one rebuild of their addresses
+torch.nn.modules.module.register_module_parameter_registration_hook(_replaced)
 
 
 class BlockLinear(torch.nn.Module):
