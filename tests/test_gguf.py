@@ -83,3 +83,4 @@ def test_pc_rag_check_takes_a_gguf_path(gguf, capsys):
     assert main(["check", "--model", str(gguf), "--no-fidelity"]) == 0
     out = capsys.readouterr().out
     assert "verdict: exact on every path it serves" in out and "ok   module in place, decode steps" in out
+    assert str(gguf) in out  # the report names the file, not the folder that holds it (transformers' name for the model)

@@ -119,6 +119,8 @@ def load_model(
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PromptCacheError(f"cannot load GGUF file {hub['gguf_file']!r} in {str(source)!r}: {reason} (transformers reads a GGUF's "
                                "model and tokenizer; a SentencePiece vocabulary needs the 'sentencepiece' package)") from err
+    if "gguf_file" in hub and isinstance(source, Path):  # transformers names the model by the folder: the file is what it is
+        lm.name_or_path = lm.config._name_or_path = str(source / hub["gguf_file"])
     if device_map is None:
         lm.to(device)
     lm.eval()
