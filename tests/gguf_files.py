@@ -18,6 +18,7 @@ HIDDEN, INNER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
 # the layers' tensors of each family (beyond the embedding, the final norm and the optional output)
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 NORMS = {"llama": ("attn_norm", "ffn_norm"), "qwen2": ("attn_norm", "ffn_norm"),
+         "gemma2": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"),
          "gemma3": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}
 
 
@@ -48,7 +49,7 @@ def random_blocks(kind: Q, rows: int, columns: int, rng: np.random.Generator) ->
 
 def write_tiny_gguf(path: Path, arch: str, types: dict[str, Q], *, seed: int = 0, untied: Q | None = None,
                     embedding: Q = Q.Q8_0) -> Path:
-    """A ``LAYERS``-layer ``arch`` (llama, qwen2, gemma3) model at ``path``: each of :data:`LINEARS` in
+    """A ``LAYERS``-layer ``arch`` (llama, qwen2, gemma2, gemma3) model at ``path``: each of :data:`LINEARS` in
     ``types[name]``; ``untied``: an output tensor of that type (else the LM head is the embedding)."""
     rng = np.random.default_rng(seed)
     source = GGUFReader(embedded_gguf())
@@ -68,7 +69,7 @@ def write_tiny_gguf(path: Path, arch: str, types: dict[str, Q], *, seed: int = 0
     writer.add_vocab_size(vocab)
     if arch == "llama":
         writer.add_rope_dimension_count(HEAD_DIM)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(64)
     for name, field in source.fields.items():  # the embedded model's vocabulary, merges and special tokens
         if not name.startswith("tokenizer."):

@@ -35,7 +35,7 @@ def test_unpacked_blocks_hold_what_gguf_dequantizes_bit_for_bit(kind):
     assert torch.equal(layer.dequantized(), expected)  # the kernels' own dequantization: the same floats
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma2", "gemma3"])
 def served(request, tmp_path_factory):
     """A tiny GGUF of one family: the engine from_pretrained builds on it by default, and its float32 model."""
     arch = request.param

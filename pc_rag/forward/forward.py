@@ -204,7 +204,7 @@ class Forward:
                 buffer.mark_static()
                 torch.compiler.cudagraph_mark_step_begin()
                 return self._decode_step(ids, positions, mask, buffer.cache).clone()
-        if self.written_step is not None and isinstance(mask, (torch.Tensor, dict)) and self.written_step.serves(shared, mask):
+        if self.written_step is not None and isinstance(mask, (torch.Tensor, dict)) and self.written_step.serves(shared, mask, extents):
             self._count(1)
             device = self.model.device
             positions = positions.to(device)

@@ -328,7 +328,8 @@ class FusedStep:
         for into, layer in zip(step_layers, self.step.layers):  # each layer's RoPE and mask: its type's, or the step's one
             cos, sin = tables[layer.layer_type if None not in tables else None]
             mask_add, mask_keep = by_type[layer.layer_type if None not in by_type else None]
-            into.cos, into.sin, into.mask_add, into.mask_keep = cos.data_ptr(), sin.data_ptr(), _pointer(mask_add), _pointer(mask_keep)
+            into.cos, into.sin = (cos.data_ptr(), sin.data_ptr()) if layer.rotates else (None, None)  # null: no RoPE (SmolLM3)
+            into.mask_add, into.mask_keep = _pointer(mask_add), _pointer(mask_keep)
         lo = hi = None
         if extents is not None:
             lo, hi = torch.full((rows,), -1, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)

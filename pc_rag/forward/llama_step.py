@@ -15,9 +15,10 @@ It serves only what it reproduces: the decoder layer classes in :data:`FAMILIES`
 Mistral, Qwen2: the same layer with or without biases; Qwen3's query and key norms per head, OLMo 2's
 over the whole projection and its norms after attention and MLP instead of before, Granite's
 multipliers, Phi-3's joined projections, Gemma 3's four norms of 1 + weight, GELU, soft-capped logits
-and RoPE and masks by layer type), SiLU or GELU's tanh form, SDPA, a decode step (one new token
-per row) under one mask tensor, attending by extents and over shared KV as ``pc_rag_sdpa`` does
-(shared KV only without a sliding window), and no forward hook on a module it does not call
+and RoPE and masks by layer type; Gemma 2's, with soft-capped attention scores and no query/key norms;
+SmolLM3's layers without RoPE), SiLU or GELU's tanh form, SDPA or eager attention, a decode step (one new
+token per row) under one mask tensor, attending by extents and over shared KV as ``pc_rag_sdpa`` does
+(shared KV only without a sliding window, neither with capped scores), and no forward hook on a module it does not call
 (:meth:`LlamaDecodeStep.serves`). Everything else runs the model as before. :func:`written_step`
 proves the step on the model itself before it is used: each case of :func:`disagreement` on the
 same random cache must give the model's logits (:data:`TOLERANCE`), or the model keeps its own.
@@ -59,7 +60,9 @@ class Family:
     rope_by_layer_type: bool = False  # the rotary module takes the layer's type: frequencies per type (Gemma 3)
     activation_key: str = "hidden_act"  # the config's name for the MLP's activation
     joined: bool = False  # one projection computes q, k and v, one gate and up (Phi-3's qkv_proj, gate_up_proj)
-    logit_softcap: bool = False  # the model soft-caps its logits by config.final_logit_softcapping (Gemma 3)
+    logit_softcap: bool = False  # the model soft-caps its logits by config.final_logit_softcapping (Gemma 2 and 3)
+    attention_softcap: bool = False  # and its attention scores by config.attn_logit_softcapping (Gemma 2), where set
+    rope_optional: bool = False  # a layer whose attention's use_rope is false turns no query or key (SmolLM3)
 
 
 # decoder layers whose decode step is the one written out here (transformers 5.x), by class name
@@ -68,7 +71,10 @@ FAMILIES = {"LlamaDecoderLayer": Family(), "MistralDecoderLayer": Family(), "Qwe
             "Olmo2DecoderLayer": Family(query_key_norm="projection", norms="after"),
             "Phi3DecoderLayer": Family(joined=True),
             "Gemma3DecoderLayer": Family(query_key_norm="head", norms="around", norm_offset=1.0, rope_by_layer_type=True,
-                                         activation_key="hidden_activation", logit_softcap=True)}
+                                         activation_key="hidden_activation", logit_softcap=True),
+            "Gemma2DecoderLayer": Family(norms="around", norm_offset=1.0, activation_key="hidden_activation", logit_softcap=True,
+                                         attention_softcap=True),
+            "SmolLM3DecoderLayer": Family(rope_optional=True)}
 # the MLP activations it computes, by the config's name: SiLU, and GELU's tanh form (as F.gelu(approximate="tanh"))
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 LAYER_CLASSES = tuple(FAMILIES)
@@ -105,6 +111,8 @@ class _Layer:
     mlp_out_eps: float = 0.0
     residual_scale: float = 1.0  # each branch's output times this before the residual (Granite)
     layer_type: str | None = None  # the config's type of it: which of a dict of masks it reads ("sliding_attention", ...)
+    softcap: float = 0.0  # attention scores as tanh(s / softcap) * softcap before the mask (Gemma 2; 0: as they are)
+    rotates: bool = True  # RoPE turns its queries and keys (False: SmolLM3's layers without RoPE)
 
 
 def _eps(norm: Any) -> float:
@@ -134,6 +142,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     and negating a factor negates the product exactly. One roll instead of two slices, a negation
     and a concatenation: 10 us against 48 per call on the development CPU."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def _softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+                          softcap: float) -> torch.Tensor:
+    """Gemma 2's eager attention of ``q [rows, heads, 1, dim]`` over ``keys``/``values [rows, kv_heads, entries, dim]``:
+    ``softmax(tanh(q k^T * scaling / softcap) * softcap + mask) v`` (a boolean ``mask``: False excluded), a key head's
+    query heads stacked as its query rows (no key copies); ``[rows, heads, 1, dim]``."""
+    rows, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    scores = torch.matmul(q.view(rows, kv_heads, heads // kv_heads, dim), keys.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values).view(rows, heads, 1, dim)
 
 
 class LlamaDecodeStep:
@@ -170,6 +193,8 @@ class LlamaDecodeStep:
         self.windowed = bool(getattr(config, "sliding_window", None)) and any(
             kind != "full_attention" for kind in getattr(config, "layer_types", None) or ("sliding_attention",)) or any(
             getattr(layer.attention, CONFIG_WINDOW, None) for layer in self.layers)
+        # attention scores soft-capped (Gemma 2): split attention and extents run SDPA, which cannot cap them
+        self.softcapped = any(layer.softcap for layer in self.layers)
         # the modules whose forward this step does not call (it calls the linear layers): a hook on
         # one (a steering vector, a probe added after the engine was built) sends steps back to the model
         called = {id(module_of(getattr(layer, name))) for layer in self.layers for name in ("q", "k", "v", "o", "gate", "up", "down")}
@@ -187,11 +212,14 @@ class LlamaDecodeStep:
         self.generation = blocks.weights_generation()  # before reading: a change while reading shows at the next step
         self.layers = [self._layer(layer, self.family, kind) for layer, kind in zip(self._decoder_layers, self.layer_types)]
 
-    def serves(self, shared: Any, mask: Any = None) -> bool:
-        """Whether this step runs a decode step that reads ``shared`` KV (None: none) under ``mask`` as the
-        model would: not where a hook would be skipped, nor shared KV through a sliding window; ``mask`` a
-        tensor, or a dict holding a tensor for every layer's type (None: not asked)."""
+    def serves(self, shared: Any, mask: Any = None, extents: Any = None) -> bool:
+        """Whether this step runs a decode step that reads ``shared`` KV (None: none) under ``mask``, its rows
+        attending by ``extents`` (None: all entries), as the model would: not where a hook would be skipped,
+        nor shared KV through a sliding window, nor either through soft-capped scores; ``mask`` a tensor, or a
+        dict holding a tensor for every layer's type (None: not asked)."""
         if isinstance(mask, dict) and not all(isinstance(mask.get(kind), torch.Tensor) for kind in self.layer_types):
+            return False
+        if self.softcapped and (shared is not None or extents is not None):
             return False
         return not self.hooked and (shared is None or not self.windowed)
 
@@ -232,6 +260,8 @@ class LlamaDecodeStep:
             attn.scaling, attn, **query_key, attention_out_norm=after[0][0], attention_out_eps=after[0][1],
             mlp_out_norm=after[1][0], mlp_out_eps=after[1][1],
             residual_scale=float(layer.residual_multiplier) if family.multipliers else 1.0, layer_type=layer_type,
+            softcap=float(getattr(attn, "attn_logit_softcapping", None) or 0.0) if family.attention_softcap else 0.0,
+            rotates=bool(attn.use_rope) if family.rope_optional else True,
         )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -301,9 +331,12 @@ class LlamaDecodeStep:
             mask = masks[layer.layer_type] if masks is not None else mask
             x = self._norm(hidden, layer.attention_norm, layer.attention_eps) if layer.attention_norm is not None else hidden
             q, k, v = self._projections(layer, x)
-            keys, values = cache.layers[index].update(_rotate(k, cos, sin), v)
-            q = _rotate(q, cos, sin)
-            if shared is not None:
+            if layer.rotates:
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys, values = cache.layers[index].update(k, v)
+            if layer.softcap:  # as the model's eager attention computes it (SDPA cannot cap scores); serves() keeps the rest away
+                out = _softcapped_attention(q, keys, values, mask, layer.scaling, layer.softcap)
+            elif shared is not None:
                 out = shared_attention.split_attention(layer.attention, q, keys, values, mask, layer.scaling, shared,
                                                        extents=extents)
             elif extents is not None:
@@ -344,13 +377,23 @@ def unsupported(model: Any) -> str | None:
         return f"its MLP activation is {activation!r}, not {' or '.join(map(repr, ACTIVATIONS))}"
     if getattr(config, "partial_rotary_factor", None) not in (None, 1.0):
         return f"RoPE turns {config.partial_rotary_factor} of each head's dims, not all"
-    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
-        return "its attention scores are soft-capped or bidirectional"
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", ATTENTION_NAME):
-        return f"its attention is {getattr(config, '_attn_implementation', None)!r}, not SDPA"
+    if getattr(config, "attn_logit_softcapping", None) and not family.attention_softcap:
+        return "its attention scores are soft-capped"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "its attention is bidirectional"
+    # eager: the same softmax attention (the proof compares them); a capping family needs it (SDPA drops the cap)
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", ATTENTION_NAME, "eager"):
+        return f"its attention is {getattr(config, '_attn_implementation', None)!r}, not SDPA or eager"
     if getattr(model, "logits_soft_cap", None) or (getattr(config, "final_logit_softcapping", None) and not family.logit_softcap):
         return "its logits are soft-capped"
     return None
+
+
+def _additive(mask: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """A boolean mask (or a dict of them) as eager attention takes it: 0 where attended, float32's lowest elsewhere."""
+    if isinstance(mask, dict):
+        return {kind: _additive(each) for kind, each in mask.items()}
+    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)
 
 
 Step = Callable[..., torch.Tensor]  # (ids, positions, mask, cache, **attention keywords) -> logits [rows, vocab]
@@ -405,6 +448,8 @@ def disagreement(step: LlamaDecodeStep, reference: Step, model: Any, *, split: b
     for case in cases:
         case = dict(case)
         case_mask = case.pop("mask", mask)
+        if getattr(config, "_attn_implementation", None) == "eager":  # it adds its mask to the scores: additive, as pc-rag builds it
+            case_mask = _additive(case_mask)
         expected = reference(ids, positions, case_mask, buffer.cache,
                              **{keywords[name]: value for name, value in case.items()}).float()
         got = step(ids, positions, case_mask, buffer.cache, **case).float()

@@ -1,6 +1,6 @@
 /* A decode step in one call (pc_rag/forward/fused_step.py drives it): every decoder layer of a model
    whose linear layers are pc-rag's blocks (block_kernels.c), one new token per row, over a KVBuffer's
-   float32 cache, each layer as its layer_t describes it (Llama, Qwen3, OLMo 2, Granite, Phi-3, Gemma 3:
+   float32 cache, each layer as its layer_t describes it (Llama, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and 3, SmolLM3:
    forward/llama_step.py's FAMILIES). The same computation as llama_step.py's tensor ops, in the same
    order where order shows (RMSNorm as (offset + weight) * (x * rsqrt(mean(x^2) + eps)), rotate-half
    RoPE as x*cos + roll(x)*signed_sin, softmax attention, gated MLP, residuals); sums are ordered as
@@ -26,11 +26,13 @@ typedef struct { /* one decoder layer: a norm that is null is not there (forward
     const float *query_norm, *key_norm;             /* RMSNorm of q and k before RoPE (Qwen3, OLMo 2) */
     float attention_eps, mlp_eps, attention_out_eps, mlp_out_eps, query_key_eps, scaling;
     float residual_scale;                           /* each branch times this into the residual (Granite; else 1) */
+    float softcap;                                  /* scores as tanh(s / softcap) * softcap before the mask (Gemma 2; 0: not) */
     int per_head;                                   /* query_norm, key_norm: over each head's dims (1) or all (0) */
     product_t q, k, v, o, gate, up, down;
     /* set each step: */
     float *keys, *values;          /* this layer's [rows, kv_heads, capacity, head_dim] view */
-    const float *cos, *sin;        /* [rows, head_dim]: RoPE at each row's position for this layer, sin's first half negated */
+    const float *cos, *sin;        /* [rows, head_dim]: RoPE at each row's position for this layer, sin's first half negated;
+                                      null: the layer turns nothing (SmolLM3's layers without RoPE) */
     const float *mask_add;         /* [rows, entries] added to the scores, or */
     const uint8_t *mask_keep;      /* [rows, entries] 1 = attended, or neither (a layer type's own: Gemma 3's windows) */
 } layer_t;
@@ -176,18 +178,41 @@ static void rotate(float *x, int64_t heads, int64_t dim, const float *cos, const
     }
 }
 
+/* Gemma 2's soft-capped scores, then the mask: s = tanh(s / cap) * cap (+ mask_add, or -inf where mask_keep is 0), as
+   its eager attention computes them; tanh(u) = 1 - 2 / (1 + e^2u), 8 lanes at a time (exp8) */
+static void capped_scores(float *scores, int group, int64_t n, int64_t lo, const float *mask_add, const uint8_t *mask_keep,
+                          float cap) {
+    const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), by = _mm256_set1_ps(2.f / cap), times = _mm256_set1_ps(cap);
+    for (int g = 0; g < group; g++) {
+        float *sg = scores + g * n;
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 e = exp8(_mm256_mul_ps(_mm256_loadu_ps(sg + j), by));
+            _mm256_storeu_ps(sg + j, _mm256_mul_ps(_mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, e))), times));
+        }
+        for (; j < n; j++) sg[j] = tanhf(sg[j] / cap) * cap;
+        for (j = 0; j < n; j++) {
+            if (mask_add) sg[j] += mask_add[lo + j];
+            else if (mask_keep && !mask_keep[lo + j]) sg[j] = -INFINITY;
+        }
+    }
+}
+
 #define SPAN 256 /* entries of one share of attention: a row's key head's entries are split in spans so that
                      two threads share even one row's three key heads; their partial sums merge in order */
 
 /* one span: the `group` query heads of one key head over entries [lo, hi), unnormalized: top[g] the
    largest score (q.K * scale + mask), total[g] = sum_j e^(s_j - top), out[g] = sum_j e^(s_j - top) v_j */
 static void attend_span(const float *q, int group, int64_t dim, const float *keys, const float *values, int64_t stride,
-                        int64_t lo, int64_t hi, const float *mask_add, const uint8_t *mask_keep, float scale, float *scores,
-                        float *out, float *top, float *total) {
+                        int64_t lo, int64_t hi, const float *mask_add, const uint8_t *mask_keep, float scale, float softcap,
+                        float *scores, float *out, float *top, float *total) {
     const int64_t n = hi - lo;
     memset(out, 0, sizeof(float) * group * dim);
     for (int g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
     if (n <= 0) return;
+    const float *const add = mask_add;
+    const uint8_t *const keep = mask_keep;
+    if (softcap) mask_add = 0, mask_keep = 0; /* capped first, masked after (capped_scores) */
     const int wide = wide_kernels(-1) && wide_span_fits(group, dim); /* wide_kernels.c: 16 lanes, value sums in registers */
     if (wide) wide_scores(q, group, keys, stride, lo, n, mask_add, mask_keep, scale, scores);
     else for (int64_t j = 0; j < n; j++) {
@@ -202,6 +227,7 @@ static void attend_span(const float *q, int group, int64_t dim, const float *key
             scores[g * n + j] = score;
         }
     }
+    if (softcap) capped_scores(scores, group, n, lo, add, keep, softcap);
     for (int g = 0; g < group; g++) {
         float *sg = scores + g * n, largest = -INFINITY;
         for (int64_t j = 0; j < n; j++) largest = sg[j] > largest ? sg[j] : largest;
@@ -300,7 +326,7 @@ static void attention_part(void *context, int64_t start, int64_t stop) {
             float *out = j->partial + item * per;
             attend_span(j->q + r * qw + kh * group * D, group, D, j->L->keys + base, j->L->values + base, s->entry_stride, lo, hi,
                         j->L->mask_add ? j->L->mask_add + r * E : 0, j->L->mask_keep ? j->L->mask_keep + r * E : 0, j->L->scaling,
-                        scores, out, out + group * D, out + group * D + group);
+                        j->L->softcap, scores, out, out + group * D, out + group * D + group);
             continue;
         }
         int64_t p = 0;
@@ -314,7 +340,8 @@ static void attention_part(void *context, int64_t start, int64_t stop) {
             float *out = j->partial + place->first_partial + ((kh * place->spans + span) * part->n_rows + i) * per;
             float *top = out + group * D;
             attend_span(part_query(j, p, i) + kh * group * D, group, D, part->keys + base, part->values + base,
-                        part->entry_stride, lo, hi, 0, 0, j->L->scaling * part->score_scale, scores, out, top, top + group);
+                        part->entry_stride, lo, hi, 0, 0, j->L->scaling * part->score_scale, j->L->softcap, scores, out, top,
+                        top + group);
             if (part->log_scale != 0.f)
                 for (int g = 0; g < group; g++) top[g] += part->log_scale; /* -inf stays -inf */
         }
@@ -448,8 +475,10 @@ int llama_step(const step_t *s) {
             for (int64_t i = 0; i < R * kvw; i += kn) rms_norm(k + i, L->key_norm, s->norm_offset, L->query_key_eps, kn, k + i);
         }
         for (int64_t r = 0; r < R; r++) {
-            rotate(q + r * qw, s->heads, D, L->cos + r * D, L->sin + r * D);
-            rotate(k + r * kvw, s->kv_heads, D, L->cos + r * D, L->sin + r * D);
+            if (L->cos) {
+                rotate(q + r * qw, s->heads, D, L->cos + r * D, L->sin + r * D);
+                rotate(k + r * kvw, s->kv_heads, D, L->cos + r * D, L->sin + r * D);
+            }
             for (int64_t kh = 0; kh < s->kv_heads; kh++) {
                 const int64_t at = r * s->row_stride + kh * s->head_stride + s->column * s->entry_stride;
                 memcpy(L->keys + at, k + r * kvw + kh * D, sizeof(float) * D);
@@ -501,7 +530,7 @@ int64_t llama_step_layout(int64_t *out, int64_t n) {
     PUT(offsetof(layer_t, mlp_out_norm)); PUT(offsetof(layer_t, query_norm)); PUT(offsetof(layer_t, key_norm));
     PUT(offsetof(layer_t, attention_eps)); PUT(offsetof(layer_t, mlp_eps)); PUT(offsetof(layer_t, attention_out_eps));
     PUT(offsetof(layer_t, mlp_out_eps)); PUT(offsetof(layer_t, query_key_eps)); PUT(offsetof(layer_t, scaling));
-    PUT(offsetof(layer_t, residual_scale)); PUT(offsetof(layer_t, per_head)); PUT(offsetof(layer_t, q)); PUT(offsetof(layer_t, k));
+    PUT(offsetof(layer_t, residual_scale)); PUT(offsetof(layer_t, softcap)); PUT(offsetof(layer_t, per_head)); PUT(offsetof(layer_t, q)); PUT(offsetof(layer_t, k));
     PUT(offsetof(layer_t, v)); PUT(offsetof(layer_t, o)); PUT(offsetof(layer_t, gate)); PUT(offsetof(layer_t, up));
     PUT(offsetof(layer_t, down)); PUT(offsetof(layer_t, keys)); PUT(offsetof(layer_t, values)); PUT(offsetof(layer_t, cos));
     PUT(offsetof(layer_t, sin)); PUT(offsetof(layer_t, mask_add)); PUT(offsetof(layer_t, mask_keep));

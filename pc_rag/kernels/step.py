@@ -14,8 +14,8 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 # a layer's norm weights (null where it has none)
 NORMS = ("attention_norm", "mlp_norm", "attention_out_norm", "mlp_out_norm", "query_norm", "key_norm")
-# a layer's scalars (eps of each norm, attention scaling, residual scale)
-SCALARS = ("attention_eps", "mlp_eps", "attention_out_eps", "mlp_out_eps", "query_key_eps", "scaling", "residual_scale")
+# a layer's scalars (eps of each norm, attention scaling, residual scale, the scores' soft cap: 0 none)
+SCALARS = ("attention_eps", "mlp_eps", "attention_out_eps", "mlp_out_eps", "query_key_eps", "scaling", "residual_scale", "softcap")
 
 
 class Product(ctypes.Structure):
