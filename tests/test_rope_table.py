@@ -67,10 +67,35 @@ def test_no_table_where_frequencies_follow_the_input_or_a_hook_asks_for_the_modu
 def test_the_c_step_reads_the_table_and_answers_as_the_module_would(make_tiny, tokenizer):
     engine = int4_engine(make_tiny, tokenizer, **HEADS_OF_64)
     step = engine.forward.written_step
-    assert step.fused is not None and step.fused.rope is not None
+    assert step.fused is not None and list(step.fused.ropes) == [None]
     first = engine.generate("Tell me about the sea.", max_new_tokens=6)
-    assert step.fused.rope.table[1].shape[0] > 0, "the step filled its table"
-    step.fused.rope = None  # the module called at every step, as before the table
+    assert step.fused.ropes[None].table[1].shape[0] > 0, "the step filled its table"
+    step.fused.ropes = None  # the module called at every step, as before the table
+    again = engine.generate("Tell me about the sea.", max_new_tokens=6)
+    assert first.token_ids == again.token_ids
+
+
+def test_frequencies_by_layer_type_get_a_table_each_and_the_c_step_reads_its_layers_own(make_tiny, tokenizer):
+    """Gemma 3's local and global layers (bases 10,000 and 1,000,000, heads of 64 so a one-position call is
+    the table's bits): each type's table holds the module's values for that type, and the step answers as
+    with the module called at every step."""
+    engine = int4_engine(make_tiny, tokenizer, "gemma3", head_dim=64, rope_theta=1e6)
+    step = engine.forward.written_step
+    rotary = engine.model.model.rotary_emb
+    assert step.fused is not None and sorted(step.fused.ropes) == ["full_attention", "sliding_attention"]
+    for kind, table in step.fused.ropes.items():
+        cos, sin = table.rows(torch.tensor(POSITIONS)[:, None])
+        expected_cos, expected_sin = (part[0, POSITIONS] for part in rotary(torch.empty(1, 1, 1), torch.arange(1024)[None], kind))
+        assert torch.equal(cos, expected_cos) and torch.equal(sin, signed_sin(expected_sin))
+        for position in (0, 300):
+            one_cos, one_sin = rotary(torch.empty(1, 1, 1), torch.tensor([[position]]), kind)
+            single = table.rows(torch.tensor([[position]]))
+            assert torch.equal(single[0], one_cos[:, 0]) and torch.equal(single[1], signed_sin(one_sin[:, 0]))
+    local, full = (step.fused.ropes[kind].rows(torch.tensor([[700]]))[0] for kind in ("sliding_attention", "full_attention"))
+    assert not torch.equal(local, full), "the two types turn by their own frequencies"
+    first = engine.generate("Tell me about the sea.", max_new_tokens=6)
+    assert step.fused.steps > 0 and all(table.table[1].shape[0] > 0 for table in step.fused.ropes.values())
+    step.fused.ropes = None
     again = engine.generate("Tell me about the sea.", max_new_tokens=6)
     assert first.token_ids == again.token_ids
 
@@ -79,12 +104,12 @@ def test_a_model_made_in_inference_mode_gets_a_table_that_follows_its_frequencie
     with torch.inference_mode():  # inv_freq an inference tensor: torch counts no versions of it
         engine = int4_engine(make_tiny, tokenizer, **HEADS_OF_64)
         step = engine.forward.written_step
-        assert step.fused is not None and step.fused.rope is not None
+        assert step.fused is not None and step.fused.ropes is not None
         first = engine.generate("Tell me about the sea.", max_new_tokens=4)
         assert step.fused.steps > 0
         rotary = engine.model.model.rotary_emb
         rotary.inv_freq.mul_(0.5)  # in place, in inference mode
-        cos, sin = step.fused.rope.rows(torch.tensor(POSITIONS)[:, None])
+        cos, sin = step.fused.ropes[None].rows(torch.tensor(POSITIONS)[:, None])
         expected_cos, expected_sin = module_rows(rotary, POSITIONS)
         assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
     assert first.token_ids

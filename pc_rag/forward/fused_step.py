@@ -130,8 +130,10 @@ class FusedStep:
         # 16: the 4-bit ones to 16 bits (weights="int4" where the CPU has AVX512-VNNI: a16_kernels.c); else float32
         asked = {linear.decode_activation_bits for linear in self.linears}
         self.activation_bits = 8 if asked == {8} else 16 if asked == {16} and self.lib.a16_kernels(-1) else 32
-        # cos/sin by position, filled by the model's rotary module (None: its frequencies follow the input, or differ by layer type)
-        self.rope = RopeTable.build(step.rotary, step.norm.weight) if step.rope_kinds == [None] else None
+        # cos/sin by position, filled by the model's rotary module, a table per layer type where they differ (Gemma 3's local
+        # and global layers); None: its frequencies follow the input (the module is called at every step)
+        tables = {kind: RopeTable.build(step.rotary, step.norm.weight, kind) for kind in step.rope_kinds}
+        self.ropes: dict[str | None, RopeTable] | None = tables if all(tables.values()) else None
         self.activation = ACTIVATION_CODES[step.activation_name]  # llama_step.c's code for the MLP's activation
         self._build()
 
@@ -202,10 +204,11 @@ class FusedStep:
         """cos and signed sin ``[rows, head_dim]`` at ``positions``, by layer type (None: every layer's): from the
         table where it serves, else from the model's rotary module (once per layer type)."""
         rows = state.shape[0]
-        table = self.rope.rows(positions) if self.rope is not None else None
-        tables = {None: table} if table is not None else {
-            kind: (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous())
-            for kind, (cos, sin) in self.step.rope(state[:, None], positions).items()}
+        ropes = self.ropes
+        tables = {kind: table.rows(positions) for kind, table in ropes.items()} if ropes is not None else {}
+        if not tables or any(rows_ is None for rows_ in tables.values()):  # no table, or a hook asks for the module
+            tables = {kind: (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous())
+                      for kind, (cos, sin) in self.step.rope(state[:, None], positions).items()}
         for cos, sin in tables.values():
             checked("cos", cos, torch.float32, (rows, self.head_dim))
             checked("sin", sin, torch.float32, (rows, self.head_dim))

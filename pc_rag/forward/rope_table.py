@@ -16,7 +16,9 @@ may anyway (tests compare both).
 
 Only for rotary modules whose frequencies do not change with the input (``rope_type`` neither
 dynamic nor LongRoPE, which rewrite ``inv_freq`` from the positions they are handed); a table is
-rebuilt when ``inv_freq`` or the attention scaling changed since it was filled.
+rebuilt when ``inv_freq`` or the attention scaling changed since it was filled. A module whose
+frequencies differ by layer type (Gemma 3's local and global layers: ``rotary(x, positions, layer_type)``,
+``{layer_type}_inv_freq``) gets a table per type.
 """
 
 from __future__ import annotations
@@ -30,37 +32,48 @@ from .rotation import signed_sin
 BLOCK = 256  # positions a rotary call fills: 256 x 64 floats, whole vectors and one thread's work
 
 
-def _static(rotary: Any) -> bool:
-    """Whether ``rotary``'s cos/sin at a position do not depend on the other positions it is handed."""
+def _prefix(layer_type: str | None) -> str:
+    """What the module's attributes for ``layer_type``'s frequencies begin with (Gemma 3's ``sliding_attention_inv_freq``)."""
+    return "" if layer_type is None else f"{layer_type}_"
+
+
+def _static(rotary: Any, layer_type: str | None = None) -> bool:
+    """Whether ``rotary``'s cos/sin at a position (for ``layer_type``) do not depend on the other positions it is handed."""
     kind = getattr(rotary, "rope_type", None)
+    if layer_type is not None:
+        kind = kind.get(layer_type) if isinstance(kind, dict) else None
     return (isinstance(kind, str) and "dynamic" not in kind and kind != "longrope"
-            and isinstance(getattr(rotary, "inv_freq", None), torch.Tensor))
+            and isinstance(getattr(rotary, f"{_prefix(layer_type)}inv_freq", None), torch.Tensor))
 
 
 class RopeTable:
     """``rows(positions [rows, 1]) -> (cos, signed_sin)``, each ``[rows, dim]`` contiguous float32, as
-    ``rotary(hidden, positions)`` followed by :func:`~pc_rag.model.rope.signed_sin` gives them.
-    The module's hooks still run: a hooked module is called at every step, as before."""
+    ``rotary(hidden, positions)`` (``rotary(hidden, positions, layer_type)``) followed by
+    :func:`~pc_rag.model.rope.signed_sin` gives them. The module's hooks still run: a hooked module
+    is called at every step, as before."""
 
-    def __init__(self, rotary: Any, hidden: torch.Tensor) -> None:
+    def __init__(self, rotary: Any, hidden: torch.Tensor, layer_type: str | None = None) -> None:
         self.rotary = rotary
+        self.layer_type = layer_type
+        self._inv_freq, self._scaling = f"{_prefix(layer_type)}inv_freq", f"{_prefix(layer_type)}attention_scaling"
+        self._type = () if layer_type is None else (layer_type,)  # the call's last argument, where the module takes one
         self.like = torch.empty(1, 1, 1, dtype=hidden.dtype, device=hidden.device)  # what the module reads of its input
         # (module key, cos, signed sin): one attribute, replaced whole, so a step on another thread reads one table
         self.table: tuple[tuple[Any, ...], torch.Tensor, torch.Tensor] = ((), torch.empty(0, 0), torch.empty(0, 0))
 
     @classmethod
-    def build(cls, rotary: Any, hidden: torch.Tensor) -> RopeTable | None:
-        """A table for ``rotary`` (``hidden``: a float32 CPU tensor like the step's), or None where its
-        frequencies follow the input (then the step calls the module)."""
-        if not _static(rotary) or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+    def build(cls, rotary: Any, hidden: torch.Tensor, layer_type: str | None = None) -> RopeTable | None:
+        """A table for ``rotary`` (for ``layer_type``'s frequencies; ``hidden``: a float32 CPU tensor like the
+        step's), or None where its frequencies follow the input (then the step calls the module)."""
+        if not _static(rotary, layer_type) or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
             return None
-        return cls(rotary, hidden)
+        return cls(rotary, hidden, layer_type)
 
     def _current(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
         """``key`` if the module's frequencies and scaling are still those it was filled from, else
         the new ones (a copy: compared by value, which also sees a change in place to an
         inference tensor, whose version torch does not count)."""
-        inv_freq, scaling = self.rotary.inv_freq, getattr(self.rotary, "attention_scaling", None)
+        inv_freq, scaling = getattr(self.rotary, self._inv_freq), getattr(self.rotary, self._scaling, None)
         if key and key[1] == scaling and key[0].shape == inv_freq.shape and torch.equal(key[0], inv_freq):
             return key
         return inv_freq.detach().clone(), scaling
@@ -69,7 +82,7 @@ class RopeTable:
         """A table of positions [0, ``positions``) rounded up to whole blocks."""
         blocks = []
         for start in range(0, positions, BLOCK):
-            cos, sin = self.rotary(self.like, torch.arange(start, start + BLOCK)[None])
+            cos, sin = self.rotary(self.like, torch.arange(start, start + BLOCK)[None], *self._type)
             blocks.append((cos[0], signed_sin(sin[0])))
         cos, sin = (torch.cat(parts).contiguous() for parts in zip(*blocks))
         return key, cos, sin
