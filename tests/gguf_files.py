@@ -17,7 +17,7 @@ BLOCK_BYTES = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22), Q.Q8_0: (32
 HIDDEN, INNER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
 # the layers' tensors of each family (beyond the embedding, the final norm and the optional output)
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-NORMS = {"llama": ("attn_norm", "ffn_norm"), "qwen2": ("attn_norm", "ffn_norm"),
+NORMS = {"llama": ("attn_norm", "ffn_norm"), "qwen2": ("attn_norm", "ffn_norm"), "qwen3": ("attn_norm", "ffn_norm"),
          "gemma2": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"),
          "gemma3": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}
 
@@ -49,9 +49,10 @@ def random_blocks(kind: Q, rows: int, columns: int, rng: np.random.Generator) ->
 
 def write_tiny_gguf(path: Path, arch: str, types: dict[str, Q], *, seed: int = 0, untied: Q | None = None,
                     embedding: Q = Q.Q8_0) -> Path:
-    """A ``LAYERS``-layer ``arch`` (llama, qwen2, gemma2, gemma3) model at ``path``: each of :data:`LINEARS` in
+    """A ``LAYERS``-layer ``arch`` (llama, qwen2, qwen3, gemma2, gemma3) model at ``path``: each of :data:`LINEARS` in
     ``types[name]``; ``untied``: an output tensor of that type (else the LM head is the embedding)."""
     rng = np.random.default_rng(seed)
+    head_dim = 128 if arch == "qwen3" else HEAD_DIM  # transformers reads no head size from a Qwen3 file: Qwen3's 128
     source = GGUFReader(embedded_gguf())
     vocab = len(source.fields["tokenizer.ggml.tokens"].data)
     writer = GGUFWriter(path, arch)
@@ -62,13 +63,13 @@ def write_tiny_gguf(path: Path, arch: str, types: dict[str, Q], *, seed: int = 0
     writer.add_feed_forward_length(INNER)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_key_length(HEAD_DIM)
-    writer.add_value_length(HEAD_DIM)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(10000.0 + 17 * seed)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     if arch == "llama":
-        writer.add_rope_dimension_count(HEAD_DIM)
+        writer.add_rope_dimension_count(head_dim)
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(64)
     for name, field in source.fields.items():  # the embedded model's vocabulary, merges and special tokens
@@ -79,8 +80,8 @@ def write_tiny_gguf(path: Path, arch: str, types: dict[str, Q], *, seed: int = 0
         else:
             writer.add_key_value(name, field.contents(), field.types[0])
     writer.add_tensor("token_embd.weight", random_blocks(embedding, vocab, HIDDEN, rng), raw_dtype=embedding)
-    shapes = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
-              "attn_output": (HIDDEN, HEADS * HEAD_DIM), "ffn_gate": (INNER, HIDDEN), "ffn_up": (INNER, HIDDEN), "ffn_down": (HIDDEN, INNER)}
+    shapes = {"attn_q": (HEADS * head_dim, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN), "attn_v": (KV_HEADS * head_dim, HIDDEN),
+              "attn_output": (HIDDEN, HEADS * head_dim), "ffn_gate": (INNER, HIDDEN), "ffn_up": (INNER, HIDDEN), "ffn_down": (HIDDEN, INNER)}
     for layer in range(LAYERS):
         for name in LINEARS:
             writer.add_tensor(f"blk.{layer}.{name}.weight", random_blocks(types[name], *shapes[name], rng), raw_dtype=types[name])
@@ -89,9 +90,9 @@ def write_tiny_gguf(path: Path, arch: str, types: dict[str, Q], *, seed: int = 0
                 writer.add_tensor(f"blk.{layer}.{name}.bias", rng.normal(0, 0.05, shapes[name][0]).astype(np.float32))
         for name in NORMS[arch]:
             writer.add_tensor(f"blk.{layer}.{name}.weight", rng.uniform(0.7, 1.3, HIDDEN).astype(np.float32))
-        if arch == "gemma3":
+        if arch in ("gemma3", "qwen3"):  # query and key norms, per head
             for name in ("attn_q_norm", "attn_k_norm"):
-                writer.add_tensor(f"blk.{layer}.{name}.weight", rng.uniform(0.7, 1.3, HEAD_DIM).astype(np.float32))
+                writer.add_tensor(f"blk.{layer}.{name}.weight", rng.uniform(0.7, 1.3, head_dim).astype(np.float32))
     writer.add_tensor("output_norm.weight", rng.uniform(0.7, 1.3, HIDDEN).astype(np.float32))
     if untied is not None:
         writer.add_tensor("output.weight", random_blocks(untied, vocab, HIDDEN, rng), raw_dtype=untied)

@@ -1,7 +1,7 @@
 """A GGUF file is served from its own blocks (:mod:`pc_rag.weights.gguf_blocks`): Q4_0, Q4_1 and Q4_K
 at 4 bits, Q8_0 and Q5_0 at 8, each layer holding the very floats transformers read from the file;
 other types (Q6_K) in 8-bit blocks from their floats, named in a log line. On tiny random GGUF files of
-three families written as llama.cpp lays them out (Llama's query and key rows permuted in the file)."""
+five families written as llama.cpp lays them out (Llama's query and key rows permuted in the file)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_unpacked_blocks_hold_what_gguf_dequantizes_bit_for_bit(kind):
     assert torch.equal(layer.dequantized(), expected)  # the kernels' own dequantization: the same floats
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def served(request, tmp_path_factory):
     """A tiny GGUF of one family: the engine from_pretrained builds on it by default, and its float32 model."""
     arch = request.param

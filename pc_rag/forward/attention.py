@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import PromptCacheError
+from . import key_tiles, row_extents, shared_attention
 from . import packed as packed_mod
-from . import row_extents, shared_attention
 from .probe import PROBE_KWARG
 from .threads import attention_threads
 
@@ -31,6 +31,7 @@ CONFIG_WINDOW = "pc_rag_config_window"
 # attention keywords of model families whose attention is more than softmax(q k^T) v
 _SPECIAL = ("position_bias", "cache", "softcap")
 _registered = False
+TILE_PLANS = key_tiles.TilePlans()  # a prefill pass's tiles of keys, planned once a pass
 
 
 def _pc_rag_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -79,6 +80,10 @@ def _attention(
     special = special or kwargs.get("output_attentions")
     if extents is not None and not special:  # a CPU decode step: rows attend over their own extents
         return row_extents.attend(query, key, value, attention_mask, scaling, extents), None
+    tiles = TILE_PLANS.get(attention_mask, query.dtype) if not special and kwargs.get("s_aux") is None \
+        and key_tiles.usable(query, attention_mask) else None
+    if tiles is not None:  # a CPU prefill pass whose mask hides whole tiles of keys from blocks of its queries
+        return key_tiles.attend(query, key, value, tiles, scaling), None
     if query.device.type != "cpu" or groups == 1 or query.shape[2] == 1 or special:
         # decode steps (q_len 1) are already copy-free upstream (pack_gqa); everything else as upstream
         return sdpa_attention_forward(
