@@ -49,6 +49,7 @@ def served(request, tmp_path_factory):
 
 def test_a_gguf_file_is_served_from_its_own_blocks_by_default(served):
     arch, _, engine, as_read = served
+    assert as_read.config.model_type.startswith(arch)  # the family's own classes
     assert engine.weights == "int4"
     floats = dict(as_read.named_modules())
     layers = {name: module for name, module in engine.model.named_modules() if isinstance(module, BlockLinear)}
