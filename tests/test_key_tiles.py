@@ -81,7 +81,29 @@ def test_one_call_where_tiles_would_not_pay_or_a_query_sees_no_key():
     blind[..., 5, :] = False  # a padding query: one call's answer for it stays what it was
     assert key_tiles.plan_tiles(blind, torch.float32) is None
     short = torch.zeros(1, 1, 8, 100, dtype=torch.bool)
-    assert not key_tiles.usable(torch.zeros(1, 4, 8, 16), short)  # under MIN_KEYS keys: one call
+    assert not key_tiles.usable(torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 100, 16), short)  # under MIN_KEYS keys: one call
+    wide = torch.zeros(1, 1, 8, 1000, dtype=torch.bool)
+    assert key_tiles.usable(torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 1000, 16), wide)
+    assert not key_tiles.usable(torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 990, 16), wide)  # a mask wider than the keys
+
+
+def test_half_precision_queries_keep_hidden_keys_finite():
+    """float32's lowest mask value is -inf in float16: a block's query that sees no key of one run
+    would give NaN there; hidden keys are the dtype's own lowest value."""
+    torch.manual_seed(2)
+    computed = spread_queries(900, 70, 12)
+    allowed = cached_prompt_mask(900, computed)
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    query = torch.randn(1, 4, len(computed), 32, dtype=torch.bfloat16)
+    key = torch.randn(1, 2, allowed.shape[-1], 32, dtype=torch.bfloat16)
+    value = torch.randn(1, 2, allowed.shape[-1], 32, dtype=torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float16):
+        plan = key_tiles.plan_tiles(mask, dtype)
+        assert plan is not None and torch.isfinite(plan.additive).all()
+    plan = key_tiles.plan_tiles(mask, torch.bfloat16)
+    got = key_tiles.attend(query, key, value, plan, None).float()
+    expected = reference(query.float(), key.float(), value.float(), mask, None)
+    assert torch.isfinite(got).all() and (got - expected).abs().max().item() < 0.05
 
 
 DOCUMENTS = [" ".join(f"Fact {d}.{i}: the {w} of item {i} is {d * i % 17}." for i, w in enumerate(["colour", "size", "age"]))

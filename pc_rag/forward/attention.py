@@ -81,7 +81,7 @@ def _attention(
     if extents is not None and not special:  # a CPU decode step: rows attend over their own extents
         return row_extents.attend(query, key, value, attention_mask, scaling, extents), None
     tiles = TILE_PLANS.get(attention_mask, query.dtype) if not special and kwargs.get("s_aux") is None \
-        and key_tiles.usable(query, attention_mask) else None
+        and key_tiles.usable(query, key, attention_mask) else None
     if tiles is not None:  # a CPU prefill pass whose mask hides whole tiles of keys from blocks of its queries
         return key_tiles.attend(query, key, value, tiles, scaling), None
     if query.device.type != "cpu" or groups == 1 or query.shape[2] == 1 or special:

@@ -70,10 +70,11 @@ def plan_tiles(mask: torch.Tensor, dtype: torch.dtype, *, query_block: int = QUE
         blocks.append((q0, q1, tuple(runs)))
     if area > worthwhile * queries * keys:
         return None
-    if floor is None:
-        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    else:
-        additive = mask.to(dtype)
+    # hidden keys at the dtype's lowest finite value (float32's lowest is -inf in float16): a block's
+    # query that sees no key of one run gets a finite log-sum-exp there, which the merge weighs 0
+    visible = mask if floor is None else mask > floor
+    shown = torch.zeros((), dtype=dtype) if floor is None else mask.to(dtype)
+    additive = torch.where(visible, shown, torch.finfo(dtype).min)
     return TilePlan(tuple(blocks), additive)
 
 
@@ -99,12 +100,14 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b:
     return out.addcmul_(out_b, torch.exp(lse_b - lse)[..., None]), lse
 
 
-def usable(query: torch.Tensor, mask: object) -> bool:
+def usable(query: torch.Tensor, key: torch.Tensor, mask: object) -> bool:
     """Whether a pass may take the tiles: a CPU prefill pass (several queries) over enough keys,
-    with one mask for every head, and torch's CPU flash kernel present."""
+    with one mask for every head, as wide as the keys and as long as the queries, and torch's CPU
+    flash kernel present."""
     return (_FLASH_CPU is not None and query.device.type == "cpu" and query.shape[2] > 1
             and isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1
-            and mask.shape[-1] >= MIN_KEYS and query.dtype in (torch.float32, torch.bfloat16, torch.float16))
+            and mask.shape[0] in (1, query.shape[0]) and mask.shape[2] == query.shape[2] and mask.shape[3] == key.shape[2]
+            and key.shape[2] >= MIN_KEYS and query.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 class TilePlans:
