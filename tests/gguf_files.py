@@ -17,7 +17,9 @@ BLOCK_BYTES = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22), Q.Q8_0: (32
 HIDDEN, INNER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
 # the layers' tensors of each family (beyond the embedding, the final norm and the optional output)
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+JOINED_LINEARS = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")  # Phi-3: q, k, v in one tensor; gate and up in another
 NORMS = {"llama": ("attn_norm", "ffn_norm"), "qwen2": ("attn_norm", "ffn_norm"), "qwen3": ("attn_norm", "ffn_norm"),
+         "phi3": ("attn_norm", "ffn_norm"),
          "gemma2": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"),
          "gemma3": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}
 
@@ -47,9 +49,14 @@ def random_blocks(kind: Q, rows: int, columns: int, rng: np.random.Generator) ->
     return raw.reshape(rows, -1)
 
 
+def linears(arch: str) -> tuple[str, ...]:
+    """The linear tensors of one of ``arch``'s layers, by their names in the file."""
+    return JOINED_LINEARS if arch == "phi3" else LINEARS
+
+
 def write_tiny_gguf(path: Path, arch: str, types: dict[str, Q], *, seed: int = 0, untied: Q | None = None,
                     embedding: Q = Q.Q8_0) -> Path:
-    """A ``LAYERS``-layer ``arch`` (llama, qwen2, qwen3, gemma2, gemma3) model at ``path``: each of :data:`LINEARS` in
+    """A ``LAYERS``-layer ``arch`` (llama, qwen2, qwen3, phi3, gemma2, gemma3) model at ``path``: each of :func:`linears` in
     ``types[name]``; ``untied``: an output tensor of that type (else the LM head is the embedding)."""
     rng = np.random.default_rng(seed)
     head_dim = 128 if arch == "qwen3" else HEAD_DIM  # transformers reads no head size from a Qwen3 file: Qwen3's 128
@@ -82,8 +89,10 @@ def write_tiny_gguf(path: Path, arch: str, types: dict[str, Q], *, seed: int = 0
     writer.add_tensor("token_embd.weight", random_blocks(embedding, vocab, HIDDEN, rng), raw_dtype=embedding)
     shapes = {"attn_q": (HEADS * head_dim, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN), "attn_v": (KV_HEADS * head_dim, HIDDEN),
               "attn_output": (HIDDEN, HEADS * head_dim), "ffn_gate": (INNER, HIDDEN), "ffn_up": (INNER, HIDDEN), "ffn_down": (HIDDEN, INNER)}
+    if arch == "phi3":
+        shapes.update(attn_qkv=((HEADS + 2 * KV_HEADS) * head_dim, HIDDEN), ffn_up=(2 * INNER, HIDDEN))
     for layer in range(LAYERS):
-        for name in LINEARS:
+        for name in linears(arch):
             writer.add_tensor(f"blk.{layer}.{name}.weight", random_blocks(types[name], *shapes[name], rng), raw_dtype=types[name])
         if arch == "qwen2":
             for name in ("attn_q", "attn_k", "attn_v"):

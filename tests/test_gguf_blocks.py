@@ -1,7 +1,7 @@
 """A GGUF file is served from its own blocks (:mod:`pc_rag.weights.gguf_blocks`): Q4_0, Q4_1 and Q4_K
 at 4 bits, Q8_0 and Q5_0 at 8, each layer holding the very floats transformers read from the file;
 other types (Q6_K) in 8-bit blocks from their floats, named in a log line. On tiny random GGUF files of
-five families written as llama.cpp lays them out (Llama's query and key rows permuted in the file)."""
+six families written as llama.cpp lays them out (Phi-3: q, k and v in one tensor, gate and up in another) (Llama's query and key rows permuted in the file)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,14 @@ TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_0, "attn_v": Q.Q5_0, "attn_output": Q.
          "ffn_down": Q.Q6_K}
 HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# Phi-3's joined tensors, the same mix (two Q4_K, a Q5_0, a Q6_K a layer)
+JOINED_TYPES = {"attn_qkv": Q.Q4_K, "attn_output": Q.Q5_0, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K}
+JOINED_HF_NAMES = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
+                   "ffn_down": "mlp.down_proj"}
+
+
+def types_of(arch: str) -> dict[str, Q]:
+    return JOINED_TYPES if arch == "phi3" else TYPES
 
 
 @pytest.mark.parametrize("kind", sorted(gguf_blocks.HELD))
@@ -35,11 +43,11 @@ def test_unpacked_blocks_hold_what_gguf_dequantizes_bit_for_bit(kind):
     assert torch.equal(layer.dequantized(), expected)  # the kernels' own dequantization: the same floats
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def served(request, tmp_path_factory):
     """A tiny GGUF of one family: the engine from_pretrained builds on it by default, and its float32 model."""
     arch = request.param
-    path = write_tiny_gguf(tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch, TYPES, seed=3,
+    path = write_tiny_gguf(tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch, types_of(arch), seed=3,
                            untied=Q.Q6_K if arch == "qwen2" else None)
     from transformers import AutoModelForCausalLM
 
@@ -53,9 +61,10 @@ def test_a_gguf_file_is_served_from_its_own_blocks_by_default(served):
     assert engine.weights == "int4"
     floats = dict(as_read.named_modules())
     layers = {name: module for name, module in engine.model.named_modules() if isinstance(module, BlockLinear)}
+    hf_names = JOINED_HF_NAMES if arch == "phi3" else HF_NAMES
     for layer in range(2):
-        for file_name, kind in TYPES.items():
-            name = f"model.layers.{layer}.{HF_NAMES[file_name]}"
+        for file_name, kind in types_of(arch).items():
+            name = f"model.layers.{layer}.{hf_names[file_name]}"
             held, weight = layers[name], floats[name].weight.detach()
             if kind.name in gguf_blocks.HELD:  # the file's blocks: the floats transformers read, value for value
                 assert held.bits == gguf_blocks.HELD[kind.name] and torch.equal(held.dequantized(), weight), name
@@ -89,7 +98,7 @@ def test_every_path_is_exact_and_the_c_step_decodes_the_files_blocks(served):
 def test_a_file_that_does_not_match_the_model_gives_no_blocks(served, tmp_path, caplog):
     """Blocks from another file (same shapes, other values) are never used: each layer is checked value for value."""
     arch, _, engine, as_read = served
-    other = write_tiny_gguf(tmp_path / "other.gguf", arch, TYPES, seed=4)
+    other = write_tiny_gguf(tmp_path / "other.gguf", arch, types_of(arch), seed=4)
     with caplog.at_level(logging.WARNING, logger="pc_rag.weights.gguf_blocks"):
         given = gguf_blocks.file_blocks(other, as_read)
     assert all(bits == 8 for bits, _ in given.values())  # every layer quantized from the model's own floats
