@@ -17,11 +17,10 @@ import tempfile
 from pathlib import Path
 
 from run_info import run_info  # benchmarks/run_info.py: scripts run from this folder
-from ttft import QUESTION, paragraphs
+from ttft import cached_paragraphs, chat_prompt
 
 from pc_rag import PromptCache
 from pc_rag.forward import key_tiles
-from pc_rag.prompt.documents import DEFAULT_SYSTEM
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,20 +33,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "key_tiles.json")
     args = parser.parse_args()
     engine = PromptCache.from_pretrained(kv_dir=tempfile.mkdtemp(prefix="pc-rag-tiles-"))
-    texts, budget = [], max(args.lengths) + 64
-    for text in paragraphs(args.data):
-        budget -= len(engine.tokenize(text)) + 2
-        if budget < 0:
-            break
-        texts.append(text)
-    engine.add_documents(texts)
-    sizes = [len(engine.tokenize(t)) for t in texts]
+    texts, sizes = cached_paragraphs([engine], args.data, max(args.lengths))
     sides = {"one call": 10**9, "tiles": key_tiles.MIN_KEYS}
     rows = []
     for target in args.lengths:
-        count = next((i for i in range(1, len(sizes) + 1) if sum(sizes[:i]) > target), len(sizes) + 1) - 1
-        user = "\n\n".join(texts[: max(count, 1)]) + f"\n\nQuestion: {QUESTION}"
-        prompt = engine.render_chat([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": user}])
+        prompt, _ = chat_prompt(engine, texts, sizes, target)
         plan = engine.plan(prompt)
         times: dict[str, list[float]] = {side: [] for side in sides}
         answers: dict[str, str] = {}

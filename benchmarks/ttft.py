@@ -43,6 +43,31 @@ def paragraphs(data: Path) -> list[str]:
     return [p["context"] for p in article["paragraphs"]]
 
 
+def cached_paragraphs(engines: list[PromptCache], data: Path, longest: int) -> tuple[list[str], list[int]]:
+    """As many paragraphs as the longest prompt needs, added to every engine's documents; their token counts."""
+    engine, texts, budget = engines[0], [], longest + 64
+    for text in paragraphs(data):
+        budget -= len(engine.tokenize(text)) + 2
+        if budget < 0:
+            break
+        texts.append(text)
+    for each in engines:
+        each.add_documents(texts)
+    return texts, [len(engine.tokenize(t)) for t in texts]
+
+
+def chat_prompt(engine: PromptCache, texts: list[str], sizes: list[int], target: int) -> tuple[str, int]:
+    """The chat prompt: the system turn, the first paragraphs that fit ``target`` tokens (at least
+    one) and the question; and how many paragraphs it holds."""
+    count, total = 0, 0
+    while count < len(sizes) and total + sizes[count] <= target:
+        total += sizes[count]
+        count += 1
+    count = max(count, 1)
+    user = "\n\n".join(texts[:count]) + f"\n\nQuestion: {QUESTION}"
+    return engine.render_chat([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": user}]), count
+
+
 def synthetic_7b(device: str) -> tuple[Any, Any]:
     """A Llama-2-7B-shaped model with random bf16 weights (TTFT does not depend on weight values)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -150,26 +175,12 @@ def main() -> None:
     options = {"weights": weights} if weights is not None else {}  # commits before weights= was an option
     engines = {where: PromptCache(model, tokenizer, kv_location=where, kv_dir=kv_dir / where, **options) for where in args.kv_location}
     engine = engines[args.kv_location[0]]
-    texts, budget = [], max(args.lengths) + 64
-    for text in paragraphs(args.data):  # as many paragraphs as the longest context needs
-        budget -= len(engine.tokenize(text)) + 2
-        if budget < 0:
-            break
-        texts.append(text)
-    for each in engines.values():
-        each.add_documents(texts)
-    sizes = [len(engine.tokenize(t)) for t in texts]
+    texts, sizes = cached_paragraphs(list(engines.values()), args.data, max(args.lengths))
     llm_chains = {} if args.no_chains else chains(engine)
 
     rows = []
     for target in args.lengths:
-        count, total = 0, 0
-        while count < len(sizes) and total + sizes[count] <= target:
-            total += sizes[count]
-            count += 1
-        count = max(count, 1)
-        user = "\n\n".join(texts[:count]) + f"\n\nQuestion: {QUESTION}"
-        prompt = engine.render_chat([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": user}])
+        prompt, count = chat_prompt(engine, texts, sizes, target)
         plan = engine.plan(prompt)
         ttft: dict[str, float] = {}
         ttft["full prefill"] = median_time(timed(lambda: engine.generate(prompt, max_new_tokens=1, use_cache=False)), args.runs)

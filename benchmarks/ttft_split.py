@@ -18,11 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ttft import QUESTION, paragraphs
+from ttft import cached_paragraphs, chat_prompt
 
 from pc_rag import PromptCache
 from pc_rag.forward import attention
-from pc_rag.prompt.documents import DEFAULT_SYSTEM
 from pc_rag.weights.blocks import BlockLinear
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,20 +48,11 @@ def main() -> None:
     attention._attention = timed("attention", attention._attention)
     BlockLinear.forward = timed("products", BlockLinear.forward)
     engine = PromptCache.from_pretrained(kv_dir=tempfile.mkdtemp(prefix="pc-rag-split-"))
-    texts, budget = [], max(args.lengths) + 64
-    for text in paragraphs(args.data):
-        budget -= len(engine.tokenize(text)) + 2
-        if budget < 0:
-            break
-        texts.append(text)
-    engine.add_documents(texts)
-    sizes = [len(engine.tokenize(t)) for t in texts]
+    texts, sizes = cached_paragraphs([engine], args.data, max(args.lengths))
     print("| prompt tokens | computed | TTFT | assembly | products | attention | norms, rotations, activations, Python |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for target in args.lengths:
-        count = next((i for i in range(1, len(sizes) + 1) if sum(sizes[:i]) > target), len(sizes) + 1) - 1
-        user = "\n\n".join(texts[: max(count, 1)]) + f"\n\nQuestion: {QUESTION}"
-        prompt = engine.render_chat([{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": user}])
+        prompt, _ = chat_prompt(engine, texts, sizes, target)
         plan = engine.plan(prompt)
         engine.generate(prompt, max_new_tokens=1)  # warm-up
         runs = []

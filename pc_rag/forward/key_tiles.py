@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .shared_attention import relay_merge
+
 QUERY_BLOCK = 32  # queries attending together: the flash kernel's own block on a CPU
 KEY_TILE = 32  # keys skipped together
 WORTHWHILE = 0.85  # take the tiles when they leave at most this share of the scores
@@ -46,8 +48,8 @@ def plan_tiles(mask: torch.Tensor, dtype: torch.dtype, *, query_block: int = QUE
     block by block, or None when one call is as good: under ``worthwhile`` of the scores left, and
     every query sees a key (a query that sees none keeps the one call's answer for it)."""
     floor = torch.finfo(mask.dtype).min if mask.dtype.is_floating_point else None
-    allowed = mask if floor is None else mask > floor
-    allowed = allowed.any(dim=(0, 1))  # [q, k]: over rows, so one plan serves a batch
+    visible = mask if floor is None else mask > floor
+    allowed = visible.any(dim=(0, 1))  # [q, k]: over rows, so one plan serves a batch
     queries, keys = allowed.shape
     if not bool(allowed.any(dim=-1).all()):
         return None
@@ -72,7 +74,6 @@ def plan_tiles(mask: torch.Tensor, dtype: torch.dtype, *, query_block: int = QUE
         return None
     # hidden keys at the dtype's lowest finite value (float32's lowest is -inf in float16): a block's
     # query that sees no key of one run gets a finite log-sum-exp there, which the merge weighs 0
-    visible = mask if floor is None else mask > floor
     shown = torch.zeros((), dtype=dtype) if floor is None else mask.to(dtype)
     additive = torch.where(visible, shown, torch.finfo(dtype).min)
     return TilePlan(tuple(blocks), additive)
@@ -89,15 +90,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: Ti
         for k0, k1 in runs:
             part, part_lse = _FLASH_CPU(block, key[:, :, k0:k1], value[:, :, k0:k1], 0.0, False,
                                         attn_mask=mask[:, :, q0:q1, k0:k1], scale=scale)[:2]
-            merged, lse = (part, part_lse) if merged is None else _merge(merged, lse, part, part_lse)
+            merged, lse = (part, part_lse) if merged is None else relay_merge(merged, lse, part, part_lse)
         out[:, :, q0:q1] = merged
     return out.transpose(1, 2).contiguous()
-
-
-def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a * torch.exp(lse_a - lse)[..., None]
-    return out.addcmul_(out_b, torch.exp(lse_b - lse)[..., None]), lse
 
 
 def usable(query: torch.Tensor, key: torch.Tensor, mask: object) -> bool:

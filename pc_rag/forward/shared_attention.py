@@ -302,7 +302,7 @@ def _attend_extents(
     return out, lse
 
 
-def _merge(
+def relay_merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Relay fusion: attention over the union of two disjoint key sets from each set's (output, lse)."""
@@ -359,12 +359,12 @@ def split_attention(
                                masks[index] if masks else None)
             if part.log_scale:
                 o_lse = o_lse + part.log_scale
-            g_out, g_lse = (o[0], o_lse[0]) if g_out is None else _merge(g_out, g_lse, o[0], o_lse[0])  # type: ignore[arg-type]
+            g_out, g_lse = (o[0], o_lse[0]) if g_out is None else relay_merge(g_out, g_lse, o[0], o_lse[0])  # type: ignore[arg-type]
         assert g_out is not None and g_lse is not None
         # back to the rows' layout: [n, kv_heads, groups * q, .]
         g_out = g_out.view(kv_heads, n, groups * q_len, dim).transpose(0, 1)
         g_lse = g_lse.view(kv_heads, n, groups * q_len).transpose(0, 1)
-        merged_out, merged_lse = _merge(out[group.rows], lse[group.rows], g_out, g_lse)
+        merged_out, merged_lse = relay_merge(out[group.rows], lse[group.rows], g_out, g_lse)
         if n == rows:
             out, lse = merged_out, merged_lse
         else:
