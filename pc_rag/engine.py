@@ -25,7 +25,7 @@ from . import planner
 from .admission import DEFAULT_MAX_QUEUED, DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, Limits
 from .background import BackgroundEncoder
 from .decode.constrained import Vocabulary
-from .engine_parts import open_kv
+from .engine_parts import open_kv, with_kv_dtype
 from .errors import PromptCacheError
 from .forward.forward import Forward, compile_mode
 from .forward.rotation import RopeRotator
@@ -83,7 +83,8 @@ class PromptCache(Registration, Serving):
     Storage (:mod:`pc_rag.kv.store`):
         kv_dir: a folder that persists module KV across processes.
         memory_budget: bytes of module KV the memory tier holds (LRU; evicted to ``kv_dir``).
-        store_dtype: the dtype module KV is held in (default: the model's).
+        kv_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: requests' KV buffers (default: the model's dtype).
+        store_dtype: the dtype module KV is held in (default: ``kv_dtype``).
         kv_location: ``"device"`` (default) or ``"cpu"`` (pinned host memory on a GPU).
         kv_quantization: ``"int8"`` or ``"int4"``: module KV in 8 or 4 bits in every tier
             (:mod:`pc_rag.kv.quantize`; a budget holds ~3.8x or ~6.6x the modules of float32).
@@ -133,14 +134,13 @@ class PromptCache(Registration, Serving):
         attention_temperature: float | None = None,
         attention_scale: float | None = None,
         assembly: Assembly | None = None,
-        kv_dir: str | os.PathLike | None = None,
-        memory_budget: int | None = None,
+        kv_dir: str | os.PathLike | None = None, memory_budget: int | None = None,
+        kv_dtype: torch.dtype | Literal["float32", "bfloat16", "float16"] | None = None,
         store_dtype: torch.dtype | None = None,
         kv_location: Literal["device", "cpu"] = "device",
         kv_quantization: Literal["int8", "int4"] | None = None,
         remote_store: str | None = None,
-        remote_timeout_ms: float = 50.0,
-        remote_sync: bool = True,
+        remote_timeout_ms: float = 50.0, remote_sync: bool = True,
         remote_key: str | bytes | Sequence[str | bytes] | None = None,
         remote_ttl_s: float | None = None,
         remote_collections: Sequence[str] | None = None,
@@ -161,7 +161,7 @@ class PromptCache(Registration, Serving):
         self.model, self.tokenizer = model, tokenizer
         self.weights, self.quantized_layers = weights or "float32", model_weights.install(model, weights, compile_mode(compile) is not None, weights_from)
         self.small_batch_linear = small_batch.install(model, small_batch_linear)
-        self.spec: ModelSpec = inspect_model(model, tokenizer, separator=SEPARATOR)
+        self.spec: ModelSpec = with_kv_dtype(inspect_model(model, tokenizer, separator=SEPARATOR), kv_dtype)
         asked = dict(recovery=recovery, recovery_budget=recovery_budget, recompute=recompute, recompute_tail=recompute_tail)
         self.recovery = calibration.recovery(self.spec, kv_dir, asked=asked, temperature=attention_temperature, scale=attention_scale)
         self.assembly: Assembly = choose_assembly(assembly, DEFAULT_ASSEMBLY, self.spec)
@@ -184,7 +184,7 @@ class PromptCache(Registration, Serving):
         model = self.model
         # load or recompute (pc_rag.kv.load_or_compute): rates measured from this engine's own loads and prefills
         self.costs = self.store.costs = CostModel()
-        self.forward = Forward(model, compile=compile, turns=turns, written=True)
+        self.forward = Forward(model, compile=compile, turns=turns, written=True, kv_dtype=self.spec.kv_dtype)
         if self.store.disk is not None or self.remote is not None:  # a prefill rate before the first load-or-compute choice
             self.costs.observe_prefill(CALIBRATION_TOKENS, self.forward.time_prefill(CALIBRATION_TOKENS))
         self.encoder = ModuleEncoder(self.forward, self.store, self.spec, self.encoding, self.fingerprint)
@@ -195,7 +195,7 @@ class PromptCache(Registration, Serving):
         self.registry_sync = RegistrySync(self.registry, self.remote, remote_collections) if self.remote is not None else None
         self.registry.publisher = self.registry_sync
         self.background = BackgroundEncoder(self._add_records, delete=self.registry.delete_documents, turns=turns, remote=self.remote)
-        self.buffers = BufferPool(model)
+        self.buffers = BufferPool(model, dtype=self.spec.kv_dtype)
         self.assembler = Assembler(self.spec, self.encoder, self.buffers)
         self.scheduler = self._scheduler(limits)
         self.stop_token_ids: set[int] = set(self.spec.stop_token_ids)  # EOS, end of turn; empty it for fixed-length generations
@@ -205,7 +205,7 @@ class PromptCache(Registration, Serving):
 
     def _scheduler(self, limits: Limits) -> Scheduler:
         """The loop that runs every request: it prefills through this engine's prefill path."""
-        return Scheduler(spec=self.spec, buffers=self.buffers, kv_bytes_per_token=self.spec.kv_bytes_per_token(self.spec.dtype),
+        return Scheduler(spec=self.spec, buffers=self.buffers, kv_bytes_per_token=self.spec.kv_bytes_per_token(),
                          limits=limits, prefill=self._prefill, assemble=self._assemble_plain, serving=self.background.serving,
                          observe_prefill=self.costs.observe_prefill, forward=self.forward)
 

@@ -11,12 +11,14 @@ import hashlib
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 
+from .errors import PromptCacheError
+from .forward.attention import ATTENTION_NAME
 from .kv.quantize import scheme_for
 from .kv.records import KVShape
 from .kv.remote import RemoteTier
@@ -27,6 +29,25 @@ from .paths import expand
 # what the memory budget counts per cached token of a quantized module: that of a 256-token
 # module, a typical document (shorter modules carry a little more of their key ranges per token)
 TYPICAL_MODULE_TOKENS = 256
+
+
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def with_kv_dtype(spec: ModelSpec, kv_dtype: torch.dtype | str | None) -> ModelSpec:
+    """``spec`` with the dtype its KV buffers hold (``PromptCache(kv_dtype=)``; None: the model's).
+
+    A dtype other than the model's needs pc-rag's attention function, which reads the keys and
+    values in the queries' dtype; any other implementation gets the dtypes it was given."""
+    if kv_dtype is None:
+        return spec
+    chosen = KV_DTYPES.get(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+    if chosen not in KV_DTYPES.values():
+        raise PromptCacheError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or the torch dtype), got {kv_dtype!r}")
+    if chosen != spec.dtype and spec.attn_implementation != ATTENTION_NAME:
+        raise PromptCacheError(f"kv_dtype={kv_dtype!r} under a {spec.dtype} model needs pc-rag's attention ({ATTENTION_NAME!r}); "
+                               f"this model attends with {spec.attn_implementation!r}: load it with attn_implementation='sdpa'")
+    return replace(spec, kv_dtype=chosen)
 
 
 @dataclass(frozen=True)
@@ -54,7 +75,7 @@ def open_kv(
     remote_collections: Sequence[str] | None,
 ) -> KVTiers:
     """The tiers that hold module KV for ``spec`` under these options (see :class:`pc_rag.PromptCache`)."""
-    kv_dtype = store_dtype or spec.dtype
+    kv_dtype = store_dtype or spec.kv_dtype
     scheme = scheme_for(kv_quantization)
     packing = f"|{scheme.name}" if scheme is not None else ""
     fingerprint = hashlib.sha256(f"{spec.fingerprint}|{encoding}|{kv_dtype}{packing}".encode()).hexdigest()[:32]

@@ -236,7 +236,7 @@ def combine(sources: Sequence[tuple[RunningBatch, Sequence[int]]], *, reserve: i
     steps = max(request.budget - request.steps for request in requests)
     capacity = batch_capacity(length + max(steps, 0))
     device = first.logits.device
-    buffer = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, capacity, dtype=spec.dtype, device=spec.device, batch=count,
+    buffer = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, capacity, dtype=spec.kv_dtype, device=spec.device, batch=count,
                       reserve=max(reserve, 0))
     key_positions = torch.zeros(count, capacity, dtype=torch.long, device=device)
     valid = torch.zeros(count, capacity, dtype=torch.bool, device=device)

@@ -84,8 +84,10 @@ class Forward:
     forward pass and that concurrent callers encode every module once.
     """
 
-    def __init__(self, model: Any, *, compile: bool | str = False, turns: ModelTurns | None = None, written: bool = False) -> None:
+    def __init__(self, model: Any, *, compile: bool | str = False, turns: ModelTurns | None = None, written: bool = False,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = language_model_of(model)  # a multimodal wrapper's language model: text is all pc-rag runs
+        self.kv_dtype = kv_dtype  # the KV buffers it allocates (default: the model's dtype)
         self.decoder = decoder_of(model)  # the stack under the head: KV without logits for every token
         self._cache = cache_keyword(model)
         # decode steps with fixed shapes (pc_rag.decode.loop.Cursor) through torch.compile. dynamic=None:
@@ -282,7 +284,7 @@ class Forward:
     def encode(self, token_ids: Sequence[int], positions: Sequence[int], prefix: ModuleKV | None = None) -> ModuleKV:
         """The KV of ``token_ids`` at ``positions``, attending to ``prefix`` (if any) and to themselves."""
         before = len(prefix) if prefix is not None else 0
-        buffer = KVBuffer.for_model(self.model, before + len(token_ids))
+        buffer = KVBuffer.for_model(self.model, before + len(token_ids), dtype=self.kv_dtype)
         if prefix is not None:
             buffer.append(prefix.read(dtype=buffer.storage.dtype))
         self._count(0, 1)
@@ -304,7 +306,7 @@ class Forward:
         """
         before = len(prefix) if prefix is not None else 0
         width = max(len(s) for s in sequences)
-        buffer = KVBuffer.for_model(self.model, before + width, batch=len(sequences))
+        buffer = KVBuffer.for_model(self.model, before + width, batch=len(sequences), dtype=self.kv_dtype)
         if prefix is not None:
             buffer.append(prefix.read(dtype=buffer.storage.dtype))
         device = self.model.device

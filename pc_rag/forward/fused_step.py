@@ -12,8 +12,9 @@ through the same block kernels, rotate-half RoPE, the new key and value written 
 entries, SiLU-gated MLP and residuals, in one call for all layers; the final norm's output goes to
 the model's own LM head.
 
-It serves the steps the tensor ops serve: rows of one new token each, over a float32 ``KVBuffer``
-cache whose batch is the rows, under a boolean or additive mask or none, attending by extents or
+It serves the steps the tensor ops serve: rows of one new token each, over a ``KVBuffer`` cache in
+float32 or 16 bits (``PromptCache(kv_dtype=)``: read widened to float32, new entries rounded as torch
+rounds them) whose batch is the rows, under a boolean or additive mask or none, attending by extents or
 not, and over module KV read where it is stored (:mod:`pc_rag.forward.shared_attention`'s parts:
 RelayAttention's two-part softmax, each part's keys read once a step for every row that reads it,
 its queries rotated back by the part's move, APE's temperature and scale per part). Anything else
@@ -45,6 +46,8 @@ from .shared_attention import SharedKV, SharedStep, row_list
 logger = logging.getLogger(__name__)
 
 MAX_SHARED = 4096  # parts one step reads (llama_step.c's MAX_SHARED)
+# the KV the step reads and writes, as llama_step.c's kv_kind names it (16 bits: PromptCache(kv_dtype=))
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}  # the MLP activations llama_step.c computes, by the config's name
 
 
@@ -230,7 +233,7 @@ class FusedStep:
 
     def _pointed(self, layers: Any, rows: int) -> tuple[ctypes.Array, tuple[int, ...], tuple[int, ...]]:
         """This call's copy of the layers (another thread may step another cache), each pointed at its KV
-        storage, every layer's checked as ``[rows, kv_heads, capacity, head_dim]`` float32 with the first's
+        storage, every layer's checked as ``[rows, kv_heads, capacity, head_dim]`` in the first's dtype, with its
         strides; that shape and those strides."""
         step_layers = type(self.layers).from_buffer_copy(self.layers)
         shape = strides = None
@@ -242,9 +245,10 @@ class FusedStep:
                     raise PromptCacheError(f"a KV buffer of shape {list(shape)} (strides {strides}) is not [{rows} rows, "
                                            f"{self.step.kv_heads} key heads, entries, {self.head_dim}] over whole entries")
             for tensor in (layer_keys, layer_values):
-                if tuple(tensor.shape) != shape or tensor.stride() != strides or tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+                if (tuple(tensor.shape) != shape or tensor.stride() != strides or tensor.dtype != layers[0].keys.dtype
+                        or tensor.device.type != "cpu"):
                     raise PromptCacheError(f"a KV buffer's layers differ in layout: {tensor.dtype} {list(tensor.shape)} "
-                                           f"(strides {tensor.stride()}) against float32 {list(shape)} ({strides})")
+                                           f"(strides {tensor.stride()}) against {layers[0].keys.dtype} {list(shape)} ({strides})")
             into.keys, into.values = layer_keys.data_ptr(), layer_values.data_ptr()
         assert shape is not None and strides is not None
         return step_layers, shape, strides
@@ -255,13 +259,13 @@ class FusedStep:
             self._refusals.add(why)
             logger.info("a decode step runs as tensor ops, not in C: %s", why)
 
-    def _shared_parts(self, shared: SharedStep, rows: int) -> tuple[Any, int] | str:
+    def _shared_parts(self, shared: SharedStep, rows: int, dtype: torch.dtype) -> tuple[Any, int] | str:
         """``shared``'s parts as the C step reads them (an array of :class:`Shared` and its length), each
         checked here; or why the C step cannot read them."""
         kv = shared.shared
         held = self._parts
         if held is None or held[0]() is not kv:
-            built = self._build_parts(kv, rows)
+            built = self._build_parts(kv, rows, dtype)
             if isinstance(built, str):
                 return built
             held = self._parts = (weakref.ref(kv), *built)
@@ -272,7 +276,7 @@ class FusedStep:
             return "shared KV read by rows the step does not have"
         return held[1], len(held[1])
 
-    def _build_parts(self, kv: SharedKV, rows: int) -> tuple[Any, list[torch.Tensor]] | str:
+    def _build_parts(self, kv: SharedKV, rows: int, dtype: torch.dtype) -> tuple[Any, list[torch.Tensor]] | str:
         layers, kv_heads, dim = len(self.layers), self.step.kv_heads, self.head_dim
         parts = [(group, index, part) for group in kv.groups for index, part in enumerate(group.parts)]
         if len(parts) > MAX_SHARED:
@@ -280,8 +284,8 @@ class FusedStep:
         array, alive = (Shared * len(parts))(), []
         for into, (group, index, part) in zip(array, parts):
             tensor = part.kv
-            if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
-                return f"shared KV in {tensor.dtype} on {tensor.device.type}, not float32 on a CPU"
+            if tensor.dtype != dtype or tensor.device.type != "cpu":
+                return f"shared KV in {tensor.dtype} on {tensor.device.type}, not the rows' {dtype} on a CPU"
             if (tensor.dim() != 5 or tuple(tensor.shape[:3]) != (layers, 2, kv_heads) or tensor.shape[4] != dim
                     or tensor.shape[3] < 1 or tensor.stride(-1) != 1 or min(tensor.stride()) < 0):
                 return (f"a shared part of shape {list(tensor.shape)} (strides {tensor.stride()}) is not [{layers} layers, 2, "
@@ -311,14 +315,14 @@ class FusedStep:
         if ids.dim() != 2 or ids.shape[1] != 1 or len(layers) != len(self.layers) or not hasattr(layers[0], "step_storage"):
             return None
         keys = layers[0].keys
-        if keys.dtype != torch.float32 or keys.device.type != "cpu" or keys.shape[0] != rows or keys.stride(-1) != 1:
+        if keys.dtype not in KV_KINDS or keys.device.type != "cpu" or keys.shape[0] != rows or keys.stride(-1) != 1:
             return None
         by_type = self._masks(mask, rows, keys.shape[-2] + (layers[0].column is None))
         if any(masks is None for masks in by_type.values()) or not self._weights_current() or any(self.hooks):
             return None
         parts: tuple[Any, int] | str = (None, 0)
         if shared is not None and shared.shared.groups:
-            parts = self._shared_parts(shared, rows)
+            parts = self._shared_parts(shared, rows, keys.dtype)
             if isinstance(parts, str):
                 self.refused(parts)
                 return None
@@ -346,6 +350,7 @@ class FusedStep:
                     self.step.family.norm_offset, self.activation, column, entries, shape[2], *strides[:3], _pointer(lo),
                     _pointer(hi), None, 0, torch.get_num_threads())
         args.shared, args.n_shared = (ctypes.addressof(parts[0]) if parts[1] else None), parts[1]
+        args.kv_kind = KV_KINDS[keys.dtype]
         floats = self.lib.llama_step_work(ctypes.byref(args))
         if floats < 0:
             raise PromptCacheError("the C decode step refused the shared KV it was given (a row outside the step, no entries)")

@@ -334,6 +334,8 @@ class LlamaDecodeStep:
             if layer.rotates:
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.layers[index].update(k, v)
+            if keys.dtype != q.dtype:  # 16-bit KV buffers (kv_dtype): attended at the model's dtype
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             if layer.softcap:  # as the model's eager attention computes it (SDPA cannot cap scores); serves() keeps the rest away
                 out = _softcapped_attention(q, keys, values, mask, layer.scaling, layer.softcap)
             elif shared is not None:

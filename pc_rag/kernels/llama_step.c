@@ -1,6 +1,6 @@
 /* A decode step in one call (pc_rag/forward/fused_step.py drives it): every decoder layer of a model
    whose linear layers are pc-rag's blocks (block_kernels.c), one new token per row, over a KVBuffer's
-   float32 cache, each layer as its layer_t describes it (Llama, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and 3, SmolLM3:
+   cache (float32, or 16 bits: kv_kind), each layer as its layer_t describes it (Llama, Qwen3, OLMo 2, Granite, Phi-3, Gemma 2 and 3, SmolLM3:
    forward/llama_step.py's FAMILIES). The same computation as llama_step.py's tensor ops, in the same
    order where order shows (RMSNorm as (offset + weight) * (x * rsqrt(mean(x^2) + eps)), rotate-half
    RoPE as x*cos + roll(x)*signed_sin, softmax attention, gated MLP, residuals); sums are ordered as
@@ -30,7 +30,7 @@ typedef struct { /* one decoder layer: a norm that is null is not there (forward
     int per_head;                                   /* query_norm, key_norm: over each head's dims (1) or all (0) */
     product_t q, k, v, o, gate, up, down;
     /* set each step: */
-    float *keys, *values;          /* this layer's [rows, kv_heads, capacity, head_dim] view */
+    void *keys, *values;           /* this layer's [rows, kv_heads, capacity, head_dim] view, in the step's kv_kind */
     const float *cos, *sin;        /* [rows, head_dim]: RoPE at each row's position for this layer, sin's first half negated;
                                       null: the layer turns nothing (SmolLM3's layers without RoPE) */
     const float *mask_add;         /* [rows, entries] added to the scores, or */
@@ -38,8 +38,8 @@ typedef struct { /* one decoder layer: a norm that is null is not there (forward
 } layer_t;
 
 typedef struct { /* module KV that rows read where it is stored, once a step for all of them (RelayAttention) */
-    const float *keys, *values;    /* layer 0's keys and values, [kv_heads, entries, head_dim] by the strides below */
-    int64_t entries, layer_stride, head_stride, entry_stride; /* in floats */
+    const void *keys, *values;     /* layer 0's keys and values, [kv_heads, entries, head_dim] by the strides below, in kv_kind */
+    int64_t entries, layer_stride, head_stride, entry_stride; /* in elements */
     const int64_t *rows;           /* [n_rows] the step's rows that read it */
     int64_t n_rows;
     const float *cos, *sin;        /* [head_dim]: a query rotated back by the part's move (sin's first half negated), or null */
@@ -57,7 +57,7 @@ typedef struct {
     int64_t column;                /* the cache entry a row's new key and value are written at */
     int64_t entries;               /* entries attended (the views' length) */
     int64_t capacity;              /* entries the KV storage holds a row's key head (column and entries are within it) */
-    int64_t row_stride, head_stride, entry_stride; /* of the KV views, in floats */
+    int64_t row_stride, head_stride, entry_stride; /* of the KV views, in elements */
     const int64_t *lo, *hi;        /* [rows] entries [lo, hi) attended (lo < 0: a finished row, zeros), or null: all */
     float *work;
     int64_t work_floats;
@@ -68,7 +68,40 @@ typedef struct {
                                       to 16 bits (a16_kernels.c, where a16_kernels() says so); else 32 */
     const shared_t *shared;        /* [n_shared] KV read in place besides the rows' own (queries after all of it: no mask) */
     int64_t n_shared;
+    int kv_kind;                   /* what every KV element is (the rows' and the shared parts'): KV_FLOAT32, KV_BFLOAT16, KV_FLOAT16 */
 } step_t;
+
+enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
+
+/* 8 KV elements from element i of `base` as float32: 16-bit ones widened exactly (bfloat16: the top half of a float32) */
+static inline __m256 kv_load8(const void *base, int64_t i, int kind) {
+    if (kind == KV_FLOAT32) return _mm256_loadu_ps((const float *)base + i);
+    const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    if (kind == KV_FLOAT16) return _mm256_cvtph_ps(half);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+/* n float32 values into KV elements from element i of `base`, rounded to nearest even as torch's .to() rounds */
+static inline void kv_store(void *base, int64_t i, const float *x, int64_t n, int kind) {
+    if (kind == KV_FLOAT32) {
+        memcpy((float *)base + i, x, sizeof(float) * n);
+        return;
+    }
+    uint16_t *out = (uint16_t *)base + i;
+    int64_t j = 0;
+    if (kind == KV_FLOAT16) {
+        for (; j + 8 <= n; j += 8)
+            _mm_storeu_si128((__m128i *)(out + j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+        for (; j < n; j++) out[j] = (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x[j]), _MM_FROUND_TO_NEAREST_INT), 0);
+        return;
+    }
+    for (; j < n; j++) {
+        uint32_t bits;
+        memcpy(&bits, x + j, sizeof bits);
+        out[j] = (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((bits >> 16) | 0x40u) /* NaN stays NaN */
+                                                     : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+}
 
 #define MAX_SHARED 4096 /* parts a step reads (their places are on the stack) */
 
@@ -203,9 +236,9 @@ static void capped_scores(float *scores, int group, int64_t n, int64_t lo, const
 
 /* one span: the `group` query heads of one key head over entries [lo, hi), unnormalized: top[g] the
    largest score (q.K * scale + mask), total[g] = sum_j e^(s_j - top), out[g] = sum_j e^(s_j - top) v_j */
-static void attend_span(const float *q, int group, int64_t dim, const float *keys, const float *values, int64_t stride,
-                        int64_t lo, int64_t hi, const float *mask_add, const uint8_t *mask_keep, float scale, float softcap,
-                        float *scores, float *out, float *top, float *total) {
+static void attend_span(const float *q, int group, int64_t dim, const void *keys, const void *values, int64_t base, int kind,
+                        int64_t stride, int64_t lo, int64_t hi, const float *mask_add, const uint8_t *mask_keep, float scale,
+                        float softcap, float *scores, float *out, float *top, float *total) {
     const int64_t n = hi - lo;
     memset(out, 0, sizeof(float) * group * dim);
     for (int g = 0; g < group; g++) top[g] = -INFINITY, total[g] = 0.f;
@@ -213,14 +246,15 @@ static void attend_span(const float *q, int group, int64_t dim, const float *key
     const float *const add = mask_add;
     const uint8_t *const keep = mask_keep;
     if (softcap) mask_add = 0, mask_keep = 0; /* capped first, masked after (capped_scores) */
-    const int wide = wide_kernels(-1) && wide_span_fits(group, dim); /* wide_kernels.c: 16 lanes, value sums in registers */
-    if (wide) wide_scores(q, group, keys, stride, lo, n, mask_add, mask_keep, scale, scores);
+    /* wide_kernels.c: 16 lanes, value sums in registers (float32 KV) */
+    const int wide = kind == KV_FLOAT32 && wide_kernels(-1) && wide_span_fits(group, dim);
+    if (wide) wide_scores(q, group, (const float *)keys + base, stride, lo, n, mask_add, mask_keep, scale, scores);
     else for (int64_t j = 0; j < n; j++) {
-        const float *k = keys + (lo + j) * stride;
+        const int64_t k = base + (lo + j) * stride;
         for (int g = 0; g < group; g++) {
             const float *qg = q + g * dim;
-            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k));
-            for (int64_t i = 8; i < dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), acc);
+            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), kv_load8(keys, k, kind));
+            for (int64_t i = 8; i < dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), kv_load8(keys, k + i, kind), acc);
             float score = hsum(acc) * scale;
             if (mask_add) score += mask_add[lo + j];
             else if (mask_keep && !mask_keep[lo + j]) score = -INFINITY;
@@ -248,14 +282,14 @@ static void attend_span(const float *q, int group, int64_t dim, const float *key
         for (; j < n; j++) t += (sg[j] = expf(sg[j] - largest));
         total[g] = t;
     }
-    if (wide) wide_values(group, values, stride, lo, n, scores, out);
+    if (wide) wide_values(group, (const float *)values + base, stride, lo, n, scores, out);
     else for (int64_t j = 0; j < n; j++) {
-        const float *v = values + (lo + j) * stride;
+        const int64_t v = base + (lo + j) * stride;
         for (int g = 0; g < group; g++) {
             const __m256 p = _mm256_broadcast_ss(scores + g * n + j);
             float *og = out + g * dim;
             for (int64_t i = 0; i < dim; i += 8)
-                _mm256_storeu_ps(og + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(og + i)));
+                _mm256_storeu_ps(og + i, _mm256_fmadd_ps(p, kv_load8(values, v + i, kind), _mm256_loadu_ps(og + i)));
         }
     }
 }
@@ -324,7 +358,7 @@ static void attention_part(void *context, int64_t start, int64_t stop) {
             if (row_lo >= 0) lo = row_lo + span * SPAN, hi = row_hi < lo + SPAN ? row_hi : lo + SPAN;
             const int64_t base = r * s->row_stride + kh * s->head_stride;
             float *out = j->partial + item * per;
-            attend_span(j->q + r * qw + kh * group * D, group, D, j->L->keys + base, j->L->values + base, s->entry_stride, lo, hi,
+            attend_span(j->q + r * qw + kh * group * D, group, D, j->L->keys, j->L->values, base, s->kv_kind, s->entry_stride, lo, hi,
                         j->L->mask_add ? j->L->mask_add + r * E : 0, j->L->mask_keep ? j->L->mask_keep + r * E : 0, j->L->scaling,
                         j->L->softcap, scores, out, out + group * D, out + group * D + group);
             continue;
@@ -339,7 +373,7 @@ static void attention_part(void *context, int64_t start, int64_t stop) {
         for (int64_t i = 0; i < part->n_rows; i++) { /* the span stays in cache from one row to the next */
             float *out = j->partial + place->first_partial + ((kh * place->spans + span) * part->n_rows + i) * per;
             float *top = out + group * D;
-            attend_span(part_query(j, p, i) + kh * group * D, group, D, part->keys + base, part->values + base,
+            attend_span(part_query(j, p, i) + kh * group * D, group, D, part->keys, part->values, base, s->kv_kind,
                         part->entry_stride, lo, hi, 0, 0, j->L->scaling * part->score_scale, j->L->softcap, scores, out, top,
                         top + group);
             if (part->log_scale != 0.f)
@@ -446,6 +480,7 @@ int64_t llama_step_work(const step_t *s) {
    it computes, -2 when the new entry or the entries attended are not within the KV storage. The
    caller checked all of this already (fused_step.py); these are the checks the C can make cheaply. */
 int llama_step(const step_t *s) {
+    if (s->kv_kind < KV_FLOAT32 || s->kv_kind > KV_FLOAT16) return -1;
     if (s->head_dim % 8 || s->head_dim > 512 || s->kv_heads <= 0 || s->heads % s->kv_heads || s->rows <= 0) return -1;
     const int64_t needed = llama_step_work(s);
     if (needed < 0 || s->work_floats < needed) return -1;
@@ -481,8 +516,8 @@ int llama_step(const step_t *s) {
             }
             for (int64_t kh = 0; kh < s->kv_heads; kh++) {
                 const int64_t at = r * s->row_stride + kh * s->head_stride + s->column * s->entry_stride;
-                memcpy(L->keys + at, k + r * kvw + kh * D, sizeof(float) * D);
-                memcpy(L->values + at, v + r * kvw + kh * D, sizeof(float) * D);
+                kv_store(L->keys, at, k + r * kvw + kh * D, D, s->kv_kind);
+                kv_store(L->values, at, v + r * kvw + kh * D, D, s->kv_kind);
             }
         }
         for (int64_t p = 0; p < s->n_shared; p++) /* R(p) q . R(s + d) k == R(p - d) q . R(s) k: moved keys read unrotated */
@@ -543,7 +578,7 @@ int64_t llama_step_layout(int64_t *out, int64_t n) {
     PUT(offsetof(step_t, head_stride)); PUT(offsetof(step_t, entry_stride)); PUT(offsetof(step_t, lo)); PUT(offsetof(step_t, hi)); PUT(offsetof(step_t, work));
     PUT(offsetof(step_t, work_floats)); PUT(offsetof(step_t, threads)); PUT(offsetof(step_t, head));
     PUT(offsetof(step_t, logits)); PUT(offsetof(step_t, activation_bits)); PUT(offsetof(step_t, shared));
-    PUT(offsetof(step_t, n_shared));
+    PUT(offsetof(step_t, n_shared)); PUT(offsetof(step_t, kv_kind));
     PUT(offsetof(shared_t, keys)); PUT(offsetof(shared_t, values)); PUT(offsetof(shared_t, entries));
     PUT(offsetof(shared_t, layer_stride)); PUT(offsetof(shared_t, head_stride)); PUT(offsetof(shared_t, entry_stride));
     PUT(offsetof(shared_t, rows)); PUT(offsetof(shared_t, n_rows)); PUT(offsetof(shared_t, cos)); PUT(offsetof(shared_t, sin));

@@ -12,7 +12,7 @@ SOURCE_NAMES = ("block_kernels.c", "a8_kernels.c", "wide_kernels.c", "a16_kernel
 HEADER_NAMES = ("block_kernels.h", "a8_products.h")  # what they call of each other; a8_kernels.c's products
 SOURCES = tuple(HERE / name for name in SOURCE_NAMES)
 HEADERS = tuple(HERE / name for name in HEADER_NAMES)
-COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-std=c11", "-pthread")
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-std=c11", "-pthread")
 OPENMP_FLAGS = ("-fopenmp",)
 LIBRARIES = ("-lm",)  # after the sources: expf and sqrtf of the decode step
 INSTALLED_NAME = "_native"  # pc_rag/kernels/_native<EXT_SUFFIX>: what setup.py builds

@@ -42,7 +42,7 @@ class Step(ctypes.Structure):
                 *((name, c_int64) for name in ("column", "entries", "capacity", "row_stride", "head_stride", "entry_stride")),
                 ("lo", c_void_p), ("hi", c_void_p), ("work", c_void_p),
                 ("work_floats", c_int64), ("threads", c_int), ("head", Product), ("logits", c_void_p),
-                ("activation_bits", c_int), ("shared", c_void_p), ("n_shared", c_int64)]
+                ("activation_bits", c_int), ("shared", c_void_p), ("n_shared", c_int64), ("kv_kind", c_int)]
 
 
 class Shared(ctypes.Structure):

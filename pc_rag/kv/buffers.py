@@ -94,8 +94,9 @@ class _BufferLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.column is not None:  # a decode step: written in place, the views keep their length
-            self._keys_all.index_copy_(2, self.column, key_states)
-            self._values_all.index_copy_(2, self.column, value_states)
+            dtype = self._keys_all.dtype  # index_copy_ takes no other (16-bit buffers under a float32 model)
+            self._keys_all.index_copy_(2, self.column, key_states.to(dtype))
+            self._values_all.index_copy_(2, self.column, value_states.to(dtype))
             return self.keys, self.values
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
@@ -172,9 +173,10 @@ class KVBuffer:
             layer.rebase(self._all[i, 0, :batch], self._all[i, 1, :batch])
 
     @classmethod
-    def for_model(cls, model: Any, capacity: int, batch: int = 1) -> "KVBuffer":
+    def for_model(cls, model: Any, capacity: int, batch: int = 1, *, dtype: torch.dtype | None = None) -> "KVBuffer":
+        """A buffer for ``model``'s layers, in ``dtype`` (default: the model's)."""
         layers, kv_heads, head_dim = kv_shape(model)
-        return cls(layers, kv_heads, head_dim, capacity, dtype=model.dtype, device=model.device, batch=batch)
+        return cls(layers, kv_heads, head_dim, capacity, dtype=dtype or model.dtype, device=model.device, batch=batch)
 
     def __len__(self) -> int:
         return self._layers[0].get_seq_length()
@@ -273,10 +275,13 @@ class KVBuffer:
             row = 0
         dest = self.storage[:, :, row, :, start:end, :]
         dest[:, 1].copy_(kv[:, 1])
-        keys = kv[:, 0]
-        if keys.dtype != dest.dtype or keys.device != dest.device:
-            keys = keys.to(dest.device, dest.dtype)
-        rotate(dest[:, 0], keys)
+        keys = kv[:, 0].to(dest.device)
+        if keys.dtype.itemsize > dest.dtype.itemsize:  # 16-bit buffers (kv_dtype): rotated at the keys' precision, rounded once
+            rotated = torch.empty_like(keys)
+            rotate(rotated, keys)
+            dest[:, 0].copy_(rotated)
+            return
+        rotate(dest[:, 0], keys.to(dest.dtype))
 
     def slice(self, start: int, end: int, row: int = 0) -> torch.Tensor:
         """The stored KV of positions ``[start, end)`` of one row as ``[layers, 2, heads, n, dim]`` (a view)."""
@@ -292,8 +297,9 @@ class BufferPool:
     once (concurrent callers each find one), at least ``keep``.
     """
 
-    def __init__(self, model: Any, keep: int = 2, granularity: int = 1024) -> None:
+    def __init__(self, model: Any, keep: int = 2, granularity: int = 1024, *, dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.dtype = dtype  # the buffers' (default: the model's)
         self.keep = keep
         self.granularity = granularity
         self._idle: list[KVBuffer] = []
@@ -312,7 +318,7 @@ class BufferPool:
                 self._idle.remove(buffer)
                 buffer.reset()
                 return buffer
-        return KVBuffer.for_model(self.model, self.capacity_for(capacity))
+        return KVBuffer.for_model(self.model, self.capacity_for(capacity), dtype=self.dtype)
 
     def capacity_for(self, entries: int) -> int:
         """The capacity of a buffer this pool allocates for ``entries``: rounded up to its granularity."""

@@ -105,6 +105,13 @@ class ModelSpec:
     separator_ids: tuple[int, ...]  # what follows every document's text in its module
     markers: ChatMarkers
     fingerprint: str  # model + tokenizer + dtype + positions + chat markers + versions
+    # what a request's KV buffers (and module KV, unless store_dtype says otherwise) hold: the model's
+    # dtype, or 16 bits under a float32 model (PromptCache's kv_dtype=); attention reads it in the model's
+    kv_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype is None:
+            object.__setattr__(self, "kv_dtype", self.dtype)
 
     @property
     def movable(self) -> bool:
@@ -145,7 +152,7 @@ class ModelSpec:
         return held  # type: ignore[return-value]
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
-        size = torch.empty((), dtype=dtype or self.dtype).element_size()
+        size = torch.empty((), dtype=dtype or self.kv_dtype).element_size()
         return self.layers * 2 * self.kv_heads * self.head_dim * size
 
 

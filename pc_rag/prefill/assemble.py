@@ -104,7 +104,9 @@ class Assembler:
         table = {}
         interleaved = self.spec.rotator is not None and self.spec.rotator.interleaved
         if deltas:
-            cos, sin = self.spec.rotator.cos_sin_many(torch.tensor(deltas), buffer.storage)  # type: ignore[union-attr]
+            # in the model's dtype: 16-bit buffers (kv_dtype) take keys rotated at full precision, rounded once
+            like = torch.empty(0, dtype=self.spec.dtype, device=buffer.storage.device)
+            cos, sin = self.spec.rotator.cos_sin_many(torch.tensor(deltas), like)  # type: ignore[union-attr]
             table = {delta: (cos[i], sin[i]) for i, delta in enumerate(deltas)}
         for segment, (module, delta) in zip(segments, views):
             first, last = segment.offset, segment.offset + len(segment)
@@ -150,9 +152,9 @@ class Assembler:
             (segment,) = segments
             module, shift = self.segment_kv(plan, segment)
             # read in place, the queries rotated back by the move (by each layer's frequencies where layers differ)
-            kv = module.read(segment.offset, segment.offset + len(segment), dtype=spec.dtype, device=spec.device)  # [layers, 2, kv_heads, n, dim]
+            kv = module.read(segment.offset, segment.offset + len(segment), dtype=spec.kv_dtype, device=spec.device)  # [layers, 2, kv_heads, n, dim]
             return SharedPart(kv, _positions(segments, spec.device), rows, shift, temperature, log_scale, held)
-        run = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, sum(len(s) for s in segments), dtype=spec.dtype, device=spec.device)
+        run = KVBuffer(spec.layers, spec.kv_heads, spec.head_dim, sum(len(s) for s in segments), dtype=spec.kv_dtype, device=spec.device)
         self.write(run, 0, plan, segments)
         return SharedPart(run.slice(0, run.capacity), _positions(segments, spec.device), rows, 0, temperature, log_scale, held)
 
@@ -229,7 +231,7 @@ class Assembler:
         if batch == 1:
             return self.buffers.acquire(capacity)
         # rounded up like the pool's buffers: a compiled decode step sees few shapes
-        buffer = KVBuffer(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, batch_capacity(capacity), dtype=self.spec.dtype,
+        buffer = KVBuffer(self.spec.layers, self.spec.kv_heads, self.spec.head_dim, batch_capacity(capacity), dtype=self.spec.kv_dtype,
                           device=self.spec.device, batch=batch)
         # masked entries still meet the values in a product (weight 0 x value): uninitialised
         # memory can hold NaN, and 0 x NaN is NaN

@@ -96,7 +96,7 @@ class ModuleEncoder:
             with self._lock:
                 module = self._contexts.get(key)
                 if module is None:
-                    buffer = KVBuffer.for_model(self.forward.model, total)
+                    buffer = KVBuffer.for_model(self.forward.model, total, dtype=self.forward.kv_dtype)
                     buffer.append(prefix.read(dtype=buffer.storage.dtype))
                     self.forward(buffer, layout.lead, range(layout.prefix_length, total), logits=False)
                     module = ModuleKV(buffer.slice(0, total).clone(), torch.arange(total))
