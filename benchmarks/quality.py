@@ -473,6 +473,8 @@ def main() -> None:
     parser.add_argument("--squad-questions", type=int, default=100, help="SQuAD questions spread over the article")
     parser.add_argument("--variants", nargs="+", default=["head_tail:0:0", "head_tail:4:1", "default"])
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--kv-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="the engine's kv_dtype= (KV buffers and module KV; default: the model's dtype)")
     parser.add_argument("--weights", choices=WEIGHTS, default=None,
                         help="the engine's weights=, cached and full alike (default: from_pretrained's: int4 for the embedded model on a CPU)")
     parser.add_argument("--plot", action="store_true", help="also draw the frontier plot")
@@ -511,7 +513,7 @@ def main() -> None:
             plot(merged, args.out.with_name(args.out.stem + "_frontier.png"))
         return
 
-    engine = PromptCache.from_pretrained(args.model, device=args.device, weights=args.weights)
+    engine = PromptCache.from_pretrained(args.model, device=args.device, weights=args.weights, kv_dtype=args.kv_dtype)
     variants = list(dict(variant(v, engine) for v in args.variants).items())
     started = time.time()
     report: dict[str, Any] = {
@@ -519,6 +521,7 @@ def main() -> None:
         "device": str(engine.model.device),
         "dtype": str(engine.model.dtype),
         "weights": engine.weights,
+        "kv_dtype": str(engine.spec.kv_dtype),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "greedy_max_new_tokens": args.max_new_tokens,
         "first": args.first,

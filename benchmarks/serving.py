@@ -621,7 +621,7 @@ def fused(args: argparse.Namespace) -> dict[str, Any]:
         times: dict[str, list[float]] = {"decode step": [], "two passes": [], "one packed pass": []}
         for repeat in range(args.repeats + 1):  # the first round warms up
             for mode in (("two passes", "one packed pass") if repeat % 2 else ("one packed pass", "two passes")):
-                assembled, _ = engine._assemble_plain(newcomer, 32, True, True, batch.held())
+                assembled, _ = engine._assemble_plain(newcomer, 32, True, True, layout.held(batch))
                 chunk = chunks_of(assembled.rows, assembled.inputs, engine.scheduler.limits.max_step_tokens)[0]
                 batch.take()
                 started = time.perf_counter()

@@ -45,7 +45,9 @@ class Limits:
     alone exceeds it is refused at submission. None: no bound.
     ``fuse_prefill``: a request admitted while others decode is prefilled in chunks of
     ``max_step_tokens`` that share a forward pass with the running rows' decode step (the step
-    rides on the chunk's weight reads); False: its prefill runs between steps.
+    rides on the chunk's weight reads) where that step runs as tensor ops; where it runs in C
+    (``Forward.decodes_in_c``) the chunk runs first, then the step: measured faster (docs/performance.md);
+    False: its prefill runs between steps.
     """
 
     max_running: int = DEFAULT_MAX_RUNNING

@@ -52,7 +52,7 @@ def _engine(args: argparse.Namespace, **options: Any) -> PromptCache:
 
     return PromptCache.from_pretrained(
         args.model, device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store,
-        kv_quantization=args.kv_quantization, weights=args.weights, **options,
+        kv_quantization=args.kv_quantization, weights=args.weights, kv_dtype=args.kv_dtype, **options,
     )
 
 
@@ -192,7 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         options = dict(device=args.device, encoding=args.encoding, kv_dir=args.kv_dir, remote_store=args.remote_store,
                        kv_quantization=args.kv_quantization, memory_budget=memory_budget, compile=compile_mode, weights=args.weights,
-                       **limits)
+                       kv_dtype=args.kv_dtype, **limits)
         run(args.model, name, options, replicas=args.replicas, host=args.host, port=args.port,
             keys_file=str(expand(args.api_keys)) if args.api_keys else None, key_bounds=key_bounds,
             router=args.router)
@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share module KV and documents through Redis/Valkey (redis://HOST:PORT/DB)")
     common.add_argument("--kv-quantization", choices=("int8", "int4"), default=None,
                         help="store module KV in 8 or 4 bits in every tier (default: the model's precision)")
+    common.add_argument("--kv-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="requests' KV buffers and module KV in 16 bits: half what a decode step reads (default: the model's dtype)")
     common.add_argument("--weights", choices=("float32", "float16", "int4", "int4-a8"), default=None,
                         help="a CPU model's linear layers in fp16 (half the bytes, float32 arithmetic) or 4 bits (the LM head in 8; "
                              "int4-a8: decode steps' inputs in 8 bits too); "

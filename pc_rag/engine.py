@@ -105,8 +105,8 @@ class PromptCache(Registration, Serving):
         max_queued: requests waiting; past it :class:`~pc_rag.errors.QueueFull`.
         queue_timeout_s: wait up to this long for a queue place instead of failing at once.
         buffer_budget: bytes of KV buffers held at once (running and admitted rows', the pool's idle ones: let go first).
-        fuse_prefill: a request admitted while others decode is prefilled in chunks that share
-            a forward pass with their decode step (False: between steps).
+        fuse_prefill: a request admitted while others decode is prefilled in chunks that share a forward pass
+            with their decode step where it runs as tensor ops (the C step runs after the chunk; False: always between steps).
         compile: run decode steps through ``torch.compile``: True (mode "default") or a mode by name; ``"reduce-overhead"``
             replays each step as a CUDA graph on a GPU (on a CPU it compiles as "default"). Batched rows copy the module KV they
             import alike (a step over shared parts runs eagerly). Call :meth:`warm_up` first, or the first callers compile.

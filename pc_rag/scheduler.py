@@ -300,11 +300,11 @@ class Scheduler:
         return self._prefilled(prefilled, requests)
 
     def _fusable(self) -> bool:
-        """Whether a newcomer's chunk may share a forward pass with the running rows' decode step:
-        split attention (the packed pass's routing lives there) over fixed shapes, not compiled."""
+        """Whether a newcomer's chunk may share a forward pass with the running rows' decode step: split attention
+        (the packed pass's routing lives there) over fixed shapes, not compiled, not the C step (faster after the chunk)."""
         batch = self._batch
         return (self.limits.fuse_prefill and batch is not None and self.spec.split and batch.cursor.fixed
-                and not self.forward.compiled)
+                and not self.forward.compiled and not self.forward.decodes_in_c)
 
     def _next_chunk(self) -> RunningBatch | None:
         """The newcomer in chunks: its next chunk alone when no decode step can take it, or its

@@ -125,6 +125,11 @@ class Forward:
         """Whether decode steps run through torch.compile."""
         return self._decode_step is not None
 
+    @property
+    def decodes_in_c(self) -> bool:
+        """Whether decode steps run in one C call (:mod:`pc_rag.forward.fused_step`: blocks on pc-rag's kernels)."""
+        return self.written_step is not None and self.written_step.fused is not None
+
     @torch.inference_mode()
     def time_prefill(self, tokens: int) -> float:
         """Seconds one prefill of ``tokens`` takes now (after a short warm-up pass), not counted
