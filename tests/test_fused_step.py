@@ -53,17 +53,23 @@ def test_the_c_step_answers_as_the_tensor_ops_do(make_tiny, tokenizer, arch, ker
     fused = step.fused
     assert fused is not None, "blocks on the kernels decode in C"
     assert disagreement(step, engine.forward._model_step, engine.model, split=engine.spec.split) < 1e-5
-    in_c = answers(engine, True)  # alone, staggered (by extents), and three rows reading shared KV
+    in_c, in_ops = in_c_and_in_ops(engine)  # alone, staggered (by extents), and three rows reading shared KV
     assert fused.steps > 0, "decode steps ran in C"
     assert fused.shared_steps > 0 or step.windowed, "the batch over the same documents read them shared, in C"
-    step.fused = None
-    try:
-        in_ops = answers(engine, True)
-    finally:
-        step.fused = fused
     for a, b in zip(in_c, in_ops):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 12
         assert torch.allclose(logprobs(a), logprobs(b), atol=1e-4)
+
+
+def in_c_and_in_ops(engine: PromptCache) -> tuple[list, list]:
+    """The greedy answers of ``test_llama_step.answers`` with the C step, then with the tensor ops."""
+    step = engine.forward.written_step
+    in_c = answers(engine, True)
+    fused, step.fused = step.fused, None
+    try:
+        return in_c, answers(engine, True)
+    finally:
+        step.fused = fused
 
 
 @pytest.mark.parametrize("head_dim,kv_heads", [(128, 2), (256, 1)], ids=["128-grouped", "256-multi-query"])

@@ -12,7 +12,7 @@ from pc_rag.errors import PromptCacheError
 from pc_rag.forward import row_extents, shared_attention
 from pc_rag.kv.buffers import KVBuffer
 from tests.conftest import drawn_away
-from tests.test_fused_step import HEADS_OF_64, PARTS, int4_engine, shared_kv
+from tests.test_fused_step import HEADS_OF_64, PARTS, in_c_and_in_ops, int4_engine, shared_kv
 from tests.test_llama_step import answers, logprobs
 
 SIXTEEN_BITS = [torch.bfloat16, torch.float16]
@@ -82,15 +82,10 @@ def test_an_engine_on_16_bit_kv_decodes_in_c_as_its_tensor_ops_do(make_tiny, tok
     dtype = getattr(torch, kv_dtype)
     assert engine.spec.kv_dtype == dtype and engine.buffers.acquire(8).storage.dtype == dtype
     assert engine.spec.kv_bytes_per_token() * 2 == engine.spec.kv_bytes_per_token(torch.float32)
-    in_c = answers(engine, True)
+    in_c, in_ops = in_c_and_in_ops(engine)
     modules = [engine.store.get(key, count=False) for key in list(engine.store._memory)]
     assert engine.store.kv_dtype == dtype and modules and all(m.kv.dtype == dtype for m in modules), "module KV held in 16 bits"
     assert step.fused.steps > 0 and step.fused.shared_steps > 0, "decode steps (shared parts included) ran in C"
-    fused, step.fused = step.fused, None
-    try:
-        in_ops = answers(engine, True)
-    finally:
-        step.fused = fused
     for a, b in zip(in_c, in_ops):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 12
         assert torch.allclose(logprobs(a), logprobs(b), atol=1e-3)
