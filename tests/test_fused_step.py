@@ -335,10 +335,34 @@ def test_int4_decodes_on_16_bit_inputs_near_float_inputs(make_tiny, tokenizer):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_on_float_inputs_a_row_decodes_the_same_alone_and_beside_others(make_tiny, tokenizer, arch):
+    """The AVX2 float-input kernels (every CPU without AVX512-VNNI, or where they are asked for) sum a
+    row's products in one order at every row count, as the 16-bit ones do (below): alone, a row got
+    the one-row form's order, beside others the several-row form's, and its logits moved."""
+    lib = loader.library()
+    before = lib.wide_kernels(-1)
+    lib.wide_kernels(0)  # the AVX2 forms, on any CPU
+    try:
+        engine = int4_engine(make_tiny, tokenizer, arch, inputs=32)
+        step, model = engine.forward.written_step, engine.model
+        ids, positions = torch.tensor([[7], [11], [3]]), torch.tensor([[40], [23], [31]])
+        together = random_cache(model, 40, fixed=True, rows=3, room=1, seed=6)
+        ran = step.fused.steps
+        logits = step(ids, positions, None, together.cache)
+        for row in range(3):
+            alone = random_cache(model, 40, fixed=True, rows=1, room=1)
+            alone.storage.copy_(together.storage[:, :, row:row + 1])
+            assert torch.equal(step(ids[row:row + 1], positions[row:row + 1], None, alone.cache), logits[row:row + 1]), row
+        assert step.fused.steps == ran + 4  # every step ran in C
+    finally:
+        lib.wide_kernels(before)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_on_16_bit_inputs_a_row_decodes_the_same_alone_and_beside_others(make_tiny, tokenizer, arch):
     """A batch's rows get, bit for bit, the logits each gets alone: every product of 16-bit inputs
-    sums a row in one order at every row count (the float-input kernels' one-row and several-row forms
-    sum in different orders), so a caller's tokens do not depend on who shares its steps."""
+    sums a row in one order at every row count, as the AVX2 float-input ones do (above), so a caller's
+    tokens do not depend on who shares its steps."""
     sixteen_bit_inputs_here()
     engine = int4_engine(make_tiny, tokenizer, arch, inputs=16)
     step, model = engine.forward.written_step, engine.model

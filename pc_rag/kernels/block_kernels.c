@@ -103,13 +103,15 @@ static void q4_one_row(const uint32_t *w, const float *d, const float *m, int64_
     }
 }
 
-/* up to 8 input rows: each block's weights converted (and scaled by d: q*d is exact for an fp16 d)
-   once for all of them; one named accumulator a row, so they stay in registers, and each block's
-   product summed apart before it is added (the blocks' FMA chains overlap) */
+/* up to 8 input rows: each block's weights converted once for all of them; one named accumulator a
+   row, so they stay in registers. A row's sum is formed exactly as q4_one_row forms it (the block's
+   product, then scaled by d into the row's sum), so a row's outputs do not depend on how many rows
+   share the pass: a batch decodes bit for bit as its rows alone. Scaling the weights by d once for
+   all rows instead saved FMAs but not time (the pass is bound by loads as much). */
 #define ROW_PRODUCT(r)                                                                          \
     if (rows > r) {                                                                             \
         const float *xr = xp + (int64_t)r * groups * 32 + 32 * g;                               \
-        acc##r = _mm256_add_ps(acc##r, BLOCK_PRODUCT(q0, q1, q2, q3, xr));                     \
+        acc##r = _mm256_fmadd_ps(dg, BLOCK_PRODUCT(q0, q1, q2, q3, xr), acc##r);               \
     }
 #define ROW_OUT(r)                                                                              \
     if (rows > r)                                                                               \
@@ -126,8 +128,8 @@ q4_rows_n(const uint32_t *w, const float *d, const float *m, int64_t groups, con
         __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
         for (int64_t g = 0; g < groups; g++) {
             const __m256 dg = _mm256_broadcast_ss(dof + g);
-            const __m256 q0 = _mm256_mul_ps(nibbles(wo + 4 * g, mask), dg), q1 = _mm256_mul_ps(nibbles(wo + 4 * g + 1, mask), dg);
-            const __m256 q2 = _mm256_mul_ps(nibbles(wo + 4 * g + 2, mask), dg), q3 = _mm256_mul_ps(nibbles(wo + 4 * g + 3, mask), dg);
+            const __m256 q0 = nibbles(wo + 4 * g, mask), q1 = nibbles(wo + 4 * g + 1, mask);
+            const __m256 q2 = nibbles(wo + 4 * g + 2, mask), q3 = nibbles(wo + 4 * g + 3, mask);
             ROW_PRODUCT(0) ROW_PRODUCT(1) ROW_PRODUCT(2) ROW_PRODUCT(3)
             ROW_PRODUCT(4) ROW_PRODUCT(5) ROW_PRODUCT(6) ROW_PRODUCT(7)
         }
