@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,19 @@ def kernel_form(request) -> str:
         pytest.skip("this CPU has no AVX-512F")
     yield request.param
     lib.wide_kernels(before)
+
+
+@contextlib.contextmanager
+def avx2_float_kernels() -> Iterator[None]:
+    """The float-input block kernels in their AVX2 form, on any CPU (the form every CPU without
+    AVX512-VNNI decodes on), for what is built and run inside."""
+    lib = loader.library()
+    before = lib.wide_kernels(-1)
+    lib.wide_kernels(0)
+    try:
+        yield
+    finally:
+        lib.wide_kernels(before)
 
 
 def sixteen_bit_inputs_here() -> None:

@@ -21,7 +21,7 @@ from pc_rag.weights.blocks import KERNEL_ROWS, BlockLinear
 from pc_rag.weights.int4 import Int4Linear
 from tests.test_llama_step import logprobs
 
-from .conftest import assert_answers_as_float32, assert_same_logits_joined_and_apart, sixteen_bit_inputs_here
+from .conftest import assert_answers_as_float32, assert_same_logits_joined_and_apart, avx2_float_kernels, sixteen_bit_inputs_here
 
 
 def test_the_kernels_build_and_load_here():
@@ -80,18 +80,13 @@ def test_gguf_blocks_are_found_again_bit_for_bit_and_multiplied_as_torch_does(bi
 def test_the_avx2_float_kernels_give_a_row_the_same_bits_alone_as_beside_others(bits):
     """The float-input AVX2 forms (every CPU without AVX512-VNNI decodes on them) sum each row in one
     order whatever the rows beside it: one row, the passes of 8 rows and what is left agree bit for bit."""
-    lib = loader.library()
-    before = lib.wide_kernels(-1)
-    lib.wide_kernels(0)
-    try:
+    with avx2_float_kernels():
         linear = gguf_like(97, 6 * BLOCK, bits, seed=6)  # odd: the one-row kernel's last feature goes alone
         layer = BlockLinear(linear, bits)
         x = torch.randn(13, 6 * BLOCK, generator=torch.Generator().manual_seed(7))
         alone = torch.cat([layer(x[r:r + 1]) for r in range(13)])
         for rows in (2, 5, 8, 9, 13):
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
-    finally:
-        lib.wide_kernels(before)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

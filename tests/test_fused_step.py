@@ -4,6 +4,7 @@ and never used where it would skip something (a hook) or read stale weights."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import pytest
@@ -18,7 +19,7 @@ from pc_rag.kernels import loader
 from pc_rag.kv.buffers import KVBuffer
 from pc_rag.prompt.documents import build_prompt
 from pc_rag.weights import blocks
-from tests.conftest import drawn_away, sixteen_bit_inputs_here
+from tests.conftest import avx2_float_kernels, drawn_away, sixteen_bit_inputs_here
 from tests.test_llama_step import DOCUMENTS, answers, logprobs
 
 
@@ -334,16 +335,26 @@ def test_int4_decodes_on_16_bit_inputs_near_float_inputs(make_tiny, tokenizer):
     assert 0 < difference(16) < 1e-3 and difference(16) < difference(8) / 20, (difference(16), difference(8))
 
 
+def row_invariant_kernels(inputs: int) -> contextlib.AbstractContextManager:
+    """The kernels whose products sum a row in one order at every row count: 16-bit inputs (skipped
+    without AVX512-VNNI), or the float-input kernels' AVX2 form (on any CPU)."""
+    if inputs == 16:
+        sixteen_bit_inputs_here()
+        return contextlib.nullcontext()
+    return avx2_float_kernels()
+
+
+ROW_INVARIANT_INPUTS = pytest.mark.parametrize("inputs", [16, 32], ids=["16-bit inputs", "AVX2 float inputs"])
+
+
+@ROW_INVARIANT_INPUTS
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_on_float_inputs_a_row_decodes_the_same_alone_and_beside_others(make_tiny, tokenizer, arch):
-    """The AVX2 float-input kernels (every CPU without AVX512-VNNI, or where they are asked for) sum a
-    row's products in one order at every row count, as the 16-bit ones do (below): alone, a row got
-    the one-row form's order, beside others the several-row form's, and its logits moved."""
-    lib = loader.library()
-    before = lib.wide_kernels(-1)
-    lib.wide_kernels(0)  # the AVX2 forms, on any CPU
-    try:
-        engine = int4_engine(make_tiny, tokenizer, arch, inputs=32)
+def test_a_row_decodes_the_same_alone_and_beside_others(make_tiny, tokenizer, arch, inputs):
+    """A batch's rows get, bit for bit, the logits each gets alone: every product sums a row in one order
+    at every row count, so a caller's tokens do not depend on who shares its steps (on float inputs the
+    AVX2 several-row kernel once summed in another order than the one-row kernel, and a row's logits moved)."""
+    with row_invariant_kernels(inputs):
+        engine = int4_engine(make_tiny, tokenizer, arch, inputs=inputs)
         step, model = engine.forward.written_step, engine.model
         ids, positions = torch.tensor([[7], [11], [3]]), torch.tensor([[40], [23], [31]])
         together = random_cache(model, 40, fixed=True, rows=3, room=1, seed=6)
@@ -354,25 +365,6 @@ def test_on_float_inputs_a_row_decodes_the_same_alone_and_beside_others(make_tin
             alone.storage.copy_(together.storage[:, :, row:row + 1])
             assert torch.equal(step(ids[row:row + 1], positions[row:row + 1], None, alone.cache), logits[row:row + 1]), row
         assert step.fused.steps == ran + 4  # every step ran in C
-    finally:
-        lib.wide_kernels(before)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_on_16_bit_inputs_a_row_decodes_the_same_alone_and_beside_others(make_tiny, tokenizer, arch):
-    """A batch's rows get, bit for bit, the logits each gets alone: every product of 16-bit inputs
-    sums a row in one order at every row count, as the AVX2 float-input ones do (above), so a caller's
-    tokens do not depend on who shares its steps."""
-    sixteen_bit_inputs_here()
-    engine = int4_engine(make_tiny, tokenizer, arch, inputs=16)
-    step, model = engine.forward.written_step, engine.model
-    ids, positions = torch.tensor([[7], [11]]), torch.tensor([[40], [23]])
-    together = random_cache(model, 40, fixed=True, rows=2, room=1, seed=6)
-    logits = step(ids, positions, None, together.cache)
-    for row in range(2):
-        alone = random_cache(model, 40, fixed=True, rows=1, room=1)
-        alone.storage.copy_(together.storage[:, :, row:row + 1])
-        assert torch.equal(step(ids[row:row + 1], positions[row:row + 1], None, alone.cache), logits[row:row + 1]), row
 
 
 def shared_kv(model, step, parts: list[tuple[int, int, object, int, float, float]], seed: int = 8) -> shared_attention.SharedKV:
@@ -417,11 +409,16 @@ def test_shared_kv_read_in_place_decodes_in_c_as_the_tensor_ops_do(make_tiny, to
     assert not torch.allclose(alone, expected, atol=1e-2 * scale)  # the shared parts count
 
 
-def test_a_row_reading_shared_kv_decodes_the_same_alone_and_beside_others(make_tiny, tokenizer):
-    """On 16-bit inputs a row's arithmetic does not depend on the rows beside it, shared parts included:
-    a caller's tokens are the same whoever shares its step."""
-    sixteen_bit_inputs_here()
-    engine = int4_engine(make_tiny, tokenizer, "llama", inputs=16, **HEADS_OF_64)
+@ROW_INVARIANT_INPUTS
+def test_a_row_reading_shared_kv_decodes_the_same_alone_and_beside_others(make_tiny, tokenizer, inputs):
+    """A row's arithmetic does not depend on the rows beside it, shared parts included: a caller's
+    tokens are the same whoever shares its step."""
+    with row_invariant_kernels(inputs):
+        a_row_reading_shared_kv_alone_and_beside_others(make_tiny, tokenizer, inputs)
+
+
+def a_row_reading_shared_kv_alone_and_beside_others(make_tiny, tokenizer, inputs: int) -> None:
+    engine = int4_engine(make_tiny, tokenizer, "llama", inputs=inputs, **HEADS_OF_64)
     step, model = engine.forward.written_step, engine.model
     ids, positions = torch.tensor([[7], [11], [5]]), torch.tensor([[930], [925], [912]])
     together = random_cache(model, 20, fixed=True, rows=3, room=1, seed=6)
