@@ -234,6 +234,72 @@ static void capped_scores(float *scores, int group, int64_t n, int64_t lo, const
 #define SPAN 256 /* entries of one share of attention: a row's key head's entries are split in spans so that
                      two threads share even one row's three key heads; their partial sums merge in order */
 
+#define KEY_TILE 64 /* entries whose keys stay in L1 while every query head of the group passes over them */
+
+/* scores[g][j] = q_g . k_j * scale + mask for heads of 64: a head's query held in 8 registers while it
+   passes over the entries, each score summed as the loop below sums it (a product, 7 FMAs, one reduction) */
+static void scores64(const float *q, int group, const void *keys, int64_t base, int kind, int64_t stride, int64_t lo,
+                     int64_t n, const float *mask_add, const uint8_t *mask_keep, float scale, float *scores) {
+    for (int64_t t = 0; t < n; t += KEY_TILE) {
+        for (int g = 0; g < group; g++) {
+            const float *qg = q + g * 64;
+            const __m256 q0 = _mm256_loadu_ps(qg), q1 = _mm256_loadu_ps(qg + 8), q2 = _mm256_loadu_ps(qg + 16), q3 = _mm256_loadu_ps(qg + 24);
+            const __m256 q4 = _mm256_loadu_ps(qg + 32), q5 = _mm256_loadu_ps(qg + 40), q6 = _mm256_loadu_ps(qg + 48), q7 = _mm256_loadu_ps(qg + 56);
+            float *sg = scores + g * n;
+            for (int64_t j = t, end = n < t + KEY_TILE ? n : t + KEY_TILE; j < end; j++) {
+                const int64_t k = base + (lo + j) * stride;
+                __m256 acc = _mm256_mul_ps(q0, kv_load8(keys, k, kind));
+                acc = _mm256_fmadd_ps(q1, kv_load8(keys, k + 8, kind), acc), acc = _mm256_fmadd_ps(q2, kv_load8(keys, k + 16, kind), acc);
+                acc = _mm256_fmadd_ps(q3, kv_load8(keys, k + 24, kind), acc), acc = _mm256_fmadd_ps(q4, kv_load8(keys, k + 32, kind), acc);
+                acc = _mm256_fmadd_ps(q5, kv_load8(keys, k + 40, kind), acc), acc = _mm256_fmadd_ps(q6, kv_load8(keys, k + 48, kind), acc);
+                acc = _mm256_fmadd_ps(q7, kv_load8(keys, k + 56, kind), acc);
+                float score = hsum(acc) * scale;
+                if (mask_add) score += mask_add[lo + j];
+                else if (mask_keep && !mask_keep[lo + j]) score = -INFINITY;
+                sg[j] = score;
+            }
+        }
+    }
+}
+
+#define VALUE_TILE 32 /* entries whose values stay in L1 while every query head of the group passes over them */
+
+/* out[g] += sum_j scores[g][j] * v_j over entries [lo, lo + n): each output element summed over the
+   entries in order, one FMA an entry, as a loop over entries, then heads, then elements sums it; the
+   sums held in 8 registers over a tile of entries (64 elements at a time), so values are read, not
+   each sum loaded and stored, an entry */
+static void value_sums(int group, int64_t dim, const void *values, int64_t base, int kind, int64_t stride, int64_t lo,
+                       int64_t n, const float *scores, float *out) {
+    for (int64_t t = 0; t < n; t += VALUE_TILE) {
+        const int64_t end = n < t + VALUE_TILE ? n : t + VALUE_TILE;
+        for (int g = 0; g < group; g++) {
+            const float *pg = scores + g * n;
+            int64_t i0 = 0;
+            for (; i0 + 64 <= dim; i0 += 64) {
+                float *og = out + g * dim + i0;
+                __m256 a0 = _mm256_loadu_ps(og), a1 = _mm256_loadu_ps(og + 8), a2 = _mm256_loadu_ps(og + 16), a3 = _mm256_loadu_ps(og + 24);
+                __m256 a4 = _mm256_loadu_ps(og + 32), a5 = _mm256_loadu_ps(og + 40), a6 = _mm256_loadu_ps(og + 48), a7 = _mm256_loadu_ps(og + 56);
+                for (int64_t j = t; j < end; j++) {
+                    const __m256 p = _mm256_broadcast_ss(pg + j);
+                    const int64_t v = base + (lo + j) * stride + i0;
+                    a0 = _mm256_fmadd_ps(p, kv_load8(values, v, kind), a0), a1 = _mm256_fmadd_ps(p, kv_load8(values, v + 8, kind), a1);
+                    a2 = _mm256_fmadd_ps(p, kv_load8(values, v + 16, kind), a2), a3 = _mm256_fmadd_ps(p, kv_load8(values, v + 24, kind), a3);
+                    a4 = _mm256_fmadd_ps(p, kv_load8(values, v + 32, kind), a4), a5 = _mm256_fmadd_ps(p, kv_load8(values, v + 40, kind), a5);
+                    a6 = _mm256_fmadd_ps(p, kv_load8(values, v + 48, kind), a6), a7 = _mm256_fmadd_ps(p, kv_load8(values, v + 56, kind), a7);
+                }
+                _mm256_storeu_ps(og, a0), _mm256_storeu_ps(og + 8, a1), _mm256_storeu_ps(og + 16, a2), _mm256_storeu_ps(og + 24, a3);
+                _mm256_storeu_ps(og + 32, a4), _mm256_storeu_ps(og + 40, a5), _mm256_storeu_ps(og + 48, a6), _mm256_storeu_ps(og + 56, a7);
+            }
+            for (; i0 < dim; i0 += 8) { /* a head size not a multiple of 64: the rest 8 at a time */
+                float *og = out + g * dim + i0;
+                __m256 a = _mm256_loadu_ps(og);
+                for (int64_t j = t; j < end; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + j), kv_load8(values, base + (lo + j) * stride + i0, kind), a);
+                _mm256_storeu_ps(og, a);
+            }
+        }
+    }
+}
+
 /* one span: the `group` query heads of one key head over entries [lo, hi), unnormalized: top[g] the
    largest score (q.K * scale + mask), total[g] = sum_j e^(s_j - top), out[g] = sum_j e^(s_j - top) v_j */
 static void attend_span(const float *q, int group, int64_t dim, const void *keys, const void *values, int64_t base, int kind,
@@ -249,6 +315,7 @@ static void attend_span(const float *q, int group, int64_t dim, const void *keys
     /* wide_kernels.c: 16 lanes, value sums in registers (float32 KV) */
     const int wide = kind == KV_FLOAT32 && wide_kernels(-1) && wide_span_fits(group, dim);
     if (wide) wide_scores(q, group, (const float *)keys + base, stride, lo, n, mask_add, mask_keep, scale, scores);
+    else if (dim == 64) scores64(q, group, keys, base, kind, stride, lo, n, mask_add, mask_keep, scale, scores);
     else for (int64_t j = 0; j < n; j++) {
         const int64_t k = base + (lo + j) * stride;
         for (int g = 0; g < group; g++) {
@@ -283,15 +350,7 @@ static void attend_span(const float *q, int group, int64_t dim, const void *keys
         total[g] = t;
     }
     if (wide) wide_values(group, (const float *)values + base, stride, lo, n, scores, out);
-    else for (int64_t j = 0; j < n; j++) {
-        const int64_t v = base + (lo + j) * stride;
-        for (int g = 0; g < group; g++) {
-            const __m256 p = _mm256_broadcast_ss(scores + g * n + j);
-            float *og = out + g * dim;
-            for (int64_t i = 0; i < dim; i += 8)
-                _mm256_storeu_ps(og + i, _mm256_fmadd_ps(p, kv_load8(values, v + i, kind), _mm256_loadu_ps(og + i)));
-        }
-    }
+    else value_sums(group, dim, values, base, kind, stride, lo, n, scores, out);
 }
 
 typedef struct { /* where one shared part's items, partials, queries and scores sit in a step's */
