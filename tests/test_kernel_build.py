@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pc_rag.kernels import build, loader
+import pytest
+import torch
+
+from pc_rag.errors import PromptCacheError
+from pc_rag.kernels import build, loader, products
 
 LOAD = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
         "from pc_rag.kernels import loader; lib = loader.load(); assert lib is not None; print(lib._name)")
@@ -89,3 +93,16 @@ def test_concurrent_first_calls_check_the_library_once():
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda _: loader.library(), range(8)))
     assert answers[0] is not None and all(answer is answers[0] for answer in answers)
+
+
+def test_a_library_from_elsewhere_is_loaded_only_where_it_checks_out(tmp_path):
+    """``loader.load_file`` (benchmarks alternate another commit's kernels with these): the installed
+    library loads and multiplies as torch does; a file that is not a library, or none, is refused by name."""
+    lib = loader.load_file(build.installed_path())
+    words, scales, minimums = products.pack_nibbles(torch.full((2, 32), 3)), torch.ones(2, 1), torch.zeros(2, 1)
+    assert torch.allclose(products.q4_matmul(torch.ones(1, 32), words, scales, minimums, None, lib=lib), torch.full((1, 2), 96.0))
+    junk = tmp_path / "not_a_library.so"
+    junk.write_bytes(b"not ELF")
+    for path in (junk, tmp_path / "missing.so"):
+        with pytest.raises(PromptCacheError, match=f"the kernels at {path} do not load"):
+            loader.load_file(path)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import PromptCacheError
+from ..kv.buffers import read_at
 from . import key_tiles, row_extents, shared_attention
 from . import packed as packed_mod
 from .probe import PROBE_KWARG
@@ -38,8 +39,7 @@ def _pc_rag_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                  attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention (see the module docstring), on every thread inside a narrow
     prefill pass (:func:`pc_rag.forward.threads.narrow_pass`)."""
-    if key.dtype != query.dtype:  # 16-bit KV buffers under a wider model (PromptCache(kv_dtype=)): attended at the model's
-        key, value = key.to(query.dtype), value.to(query.dtype)
+    key, value = read_at(key, value, query.dtype)
     with attention_threads():
         return _attention(module, query, key, value, attention_mask, *args, **kwargs)
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..kv.buffers import KVBuffer
+from ..kv.buffers import KVBuffer, read_at
 from ..weights import blocks
 from . import row_extents, shared_attention
 from .attention import ATTENTION_NAME, CONFIG_WINDOW
@@ -334,8 +334,7 @@ class LlamaDecodeStep:
             if layer.rotates:
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.layers[index].update(k, v)
-            if keys.dtype != q.dtype:  # 16-bit KV buffers (kv_dtype): attended at the model's dtype
-                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            keys, values = read_at(keys, values, q.dtype)
             if layer.softcap:  # as the model's eager attention computes it (SDPA cannot cap scores); serves() keeps the rest away
                 out = _softcapped_attention(q, keys, values, mask, layer.scaling, layer.softcap)
             elif shared is not None:

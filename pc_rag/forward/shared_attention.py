@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import PromptCacheError
+from ..kv.buffers import read_at
 from .rotation import rotate_with
 from .row_extents import RowExtents
 
@@ -271,8 +272,7 @@ def _attend(
     A query that sees no key gets output 0 and log-sum-exp -inf, so it vanishes in the merge.
     """
     bias = mask.bias if mask is not None else None
-    if key.dtype != query.dtype:  # module KV in 16 bits (kv_dtype) under a wider model: read at the queries' dtype
-        key, value = key.to(query.dtype), value.to(query.dtype)
+    key, value = read_at(key, value, query.dtype)
     if query.device.type == "cpu" and _FLASH_CPU is not None:
         out, lse = _FLASH_CPU(query, key, value, 0.0, False, attn_mask=bias, scale=scale)
     elif query.device.type in _FUSED_DEVICES:

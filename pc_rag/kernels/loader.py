@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import PromptCacheError
 from . import build
 from .products import BLOCK, a8_matmul, a16_matmul, pack_nibbles, q4_matmul, q8_matmul, quantized_inputs
 from .step import layout_agrees
@@ -107,6 +108,20 @@ def load() -> ctypes.CDLL | None:
         if installed is not None:
             return installed
     return _built(SANITIZED if choice == "address" else ())
+
+
+def load_file(path: str | os.PathLike) -> ctypes.CDLL:
+    """The kernels library at ``path`` (another checkout's build: benchmarks alternate it with this one's
+    in one process), loaded from a private copy, typed and checked as :func:`load` checks its own; a
+    library that does not load or check out raises :class:`~pc_rag.errors.PromptCacheError`."""
+    try:
+        lib = _load(Path(path), private_copy=True)
+    except OSError as err:
+        raise PromptCacheError(f"the kernels at {path} do not load: {err}") from err
+    problem = _problem(lib)
+    if problem is not None:
+        raise PromptCacheError(f"the kernels at {path} cannot be used: {problem}")
+    return lib
 
 
 def _installed() -> ctypes.CDLL | None:

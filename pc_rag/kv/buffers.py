@@ -75,6 +75,15 @@ def _check_capacity(end: int, capacity: int) -> None:
         raise PromptCacheError(f"KV buffer overflow: {end} tokens > capacity {capacity}")
 
 
+def read_at(key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key`` and ``value`` in ``dtype``, the queries': KV held in 16 bits under a wider model
+    (``PromptCache(kv_dtype=)``) is attended at the model's dtype, widened exactly; KV already in it
+    comes back as it is, not copied. Every tensor-op attention over pc-rag's buffers reads through here."""
+    if key.dtype == dtype and value.dtype == dtype:
+        return key, value
+    return key.to(dtype), value.to(dtype)
+
+
 class _BufferLayer(DynamicLayer):
     """One layer's view of a :class:`KVBuffer`: ``update`` writes in place, never concatenates."""
 
