@@ -238,26 +238,30 @@ static void capped_scores(float *scores, int group, int64_t n, int64_t lo, const
 
 /* scores[g][j] = q_g . k_j * scale + mask for heads of 64: a head's query held in 8 registers while it
    passes over the entries, each score summed as the loop below sums it (a product, 7 FMAs, one reduction) */
+static inline __m256 dot64(const __m256 *qv, const void *keys, int64_t k, int kind) {
+    __m256 acc = _mm256_mul_ps(qv[0], kv_load8(keys, k, kind));
+    for (int u = 1; u < 8; u++) acc = _mm256_fmadd_ps(qv[u], kv_load8(keys, k + 8 * u, kind), acc);
+    return acc;
+}
+
 static void scores64(const float *q, int group, const void *keys, int64_t base, int kind, int64_t stride, int64_t lo,
                      int64_t n, const float *mask_add, const uint8_t *mask_keep, float scale, float *scores) {
     for (int64_t t = 0; t < n; t += KEY_TILE) {
+        const int64_t end = n < t + KEY_TILE ? n : t + KEY_TILE;
         for (int g = 0; g < group; g++) {
-            const float *qg = q + g * 64;
-            const __m256 q0 = _mm256_loadu_ps(qg), q1 = _mm256_loadu_ps(qg + 8), q2 = _mm256_loadu_ps(qg + 16), q3 = _mm256_loadu_ps(qg + 24);
-            const __m256 q4 = _mm256_loadu_ps(qg + 32), q5 = _mm256_loadu_ps(qg + 40), q6 = _mm256_loadu_ps(qg + 48), q7 = _mm256_loadu_ps(qg + 56);
+            __m256 qv[8];
+            for (int u = 0; u < 8; u++) qv[u] = _mm256_loadu_ps(q + g * 64 + 8 * u);
             float *sg = scores + g * n;
-            for (int64_t j = t, end = n < t + KEY_TILE ? n : t + KEY_TILE; j < end; j++) {
+            int64_t j = t;
+            for (; j + 4 <= end; j += 4) { /* four keys' chains side by side: each score's sum as alone */
                 const int64_t k = base + (lo + j) * stride;
-                __m256 acc = _mm256_mul_ps(q0, kv_load8(keys, k, kind));
-                acc = _mm256_fmadd_ps(q1, kv_load8(keys, k + 8, kind), acc), acc = _mm256_fmadd_ps(q2, kv_load8(keys, k + 16, kind), acc);
-                acc = _mm256_fmadd_ps(q3, kv_load8(keys, k + 24, kind), acc), acc = _mm256_fmadd_ps(q4, kv_load8(keys, k + 32, kind), acc);
-                acc = _mm256_fmadd_ps(q5, kv_load8(keys, k + 40, kind), acc), acc = _mm256_fmadd_ps(q6, kv_load8(keys, k + 48, kind), acc);
-                acc = _mm256_fmadd_ps(q7, kv_load8(keys, k + 56, kind), acc);
-                float score = hsum(acc) * scale;
-                if (mask_add) score += mask_add[lo + j];
-                else if (mask_keep && !mask_keep[lo + j]) score = -INFINITY;
-                sg[j] = score;
+                const __m256 a0 = dot64(qv, keys, k, kind), a1 = dot64(qv, keys, k + stride, kind);
+                const __m256 a2 = dot64(qv, keys, k + 2 * stride, kind), a3 = dot64(qv, keys, k + 3 * stride, kind);
+                sg[j] = hsum(a0) * scale, sg[j + 1] = hsum(a1) * scale, sg[j + 2] = hsum(a2) * scale, sg[j + 3] = hsum(a3) * scale;
             }
+            for (; j < end; j++) sg[j] = hsum(dot64(qv, keys, base + (lo + j) * stride, kind)) * scale;
+            if (mask_add) for (j = t; j < end; j++) sg[j] += mask_add[lo + j];
+            else if (mask_keep) for (j = t; j < end; j++) sg[j] = mask_keep[lo + j] ? sg[j] : -INFINITY;
         }
     }
 }
