@@ -268,39 +268,49 @@ static void scores64(const float *q, int group, const void *keys, int64_t base, 
 
 #define VALUE_TILE 32 /* entries whose values stay in L1 while every query head of the group passes over them */
 
+/* heads [g0, g0 + NH) of the group, elements [i0, i0 + 32), over entries [t, end): their sums in 4 registers
+   each, every value load serving NH heads */
+#define VALUE_HEADS(NH)                                                                                            \
+    do {                                                                                                           \
+        __m256 acc[NH][4];                                                                                         \
+        for (int h = 0; h < NH; h++)                                                                               \
+            for (int u = 0; u < 4; u++) acc[h][u] = _mm256_loadu_ps(out + (g0 + h) * dim + i0 + 8 * u);            \
+        for (int64_t j = t; j < end; j++) {                                                                        \
+            const int64_t v = base + (lo + j) * stride + i0;                                                       \
+            __m256 p[NH];                                                                                          \
+            for (int h = 0; h < NH; h++) p[h] = _mm256_broadcast_ss(scores + (g0 + h) * n + j);                    \
+            for (int u = 0; u < 4; u++) {                                                                          \
+                const __m256 x = kv_load8(values, v + 8 * u, kind);                                                \
+                for (int h = 0; h < NH; h++) acc[h][u] = _mm256_fmadd_ps(p[h], x, acc[h][u]);                     \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int h = 0; h < NH; h++)                                                                               \
+            for (int u = 0; u < 4; u++) _mm256_storeu_ps(out + (g0 + h) * dim + i0 + 8 * u, acc[h][u]);            \
+    } while (0)
+
 /* out[g] += sum_j scores[g][j] * v_j over entries [lo, lo + n): each output element summed over the
    entries in order, one FMA an entry, as a loop over entries, then heads, then elements sums it; the
-   sums held in 8 registers over a tile of entries (64 elements at a time), so values are read, not
-   each sum loaded and stored, an entry */
+   sums held in registers over a tile of entries (3 heads x 32 elements at a time), so each value is
+   loaded once for 3 heads and no sum is loaded and stored an entry */
 static void value_sums(int group, int64_t dim, const void *values, int64_t base, int kind, int64_t stride, int64_t lo,
                        int64_t n, const float *scores, float *out) {
     for (int64_t t = 0; t < n; t += VALUE_TILE) {
         const int64_t end = n < t + VALUE_TILE ? n : t + VALUE_TILE;
-        for (int g = 0; g < group; g++) {
-            const float *pg = scores + g * n;
-            int64_t i0 = 0;
-            for (; i0 + 64 <= dim; i0 += 64) {
-                float *og = out + g * dim + i0;
-                __m256 a0 = _mm256_loadu_ps(og), a1 = _mm256_loadu_ps(og + 8), a2 = _mm256_loadu_ps(og + 16), a3 = _mm256_loadu_ps(og + 24);
-                __m256 a4 = _mm256_loadu_ps(og + 32), a5 = _mm256_loadu_ps(og + 40), a6 = _mm256_loadu_ps(og + 48), a7 = _mm256_loadu_ps(og + 56);
-                for (int64_t j = t; j < end; j++) {
-                    const __m256 p = _mm256_broadcast_ss(pg + j);
-                    const int64_t v = base + (lo + j) * stride + i0;
-                    a0 = _mm256_fmadd_ps(p, kv_load8(values, v, kind), a0), a1 = _mm256_fmadd_ps(p, kv_load8(values, v + 8, kind), a1);
-                    a2 = _mm256_fmadd_ps(p, kv_load8(values, v + 16, kind), a2), a3 = _mm256_fmadd_ps(p, kv_load8(values, v + 24, kind), a3);
-                    a4 = _mm256_fmadd_ps(p, kv_load8(values, v + 32, kind), a4), a5 = _mm256_fmadd_ps(p, kv_load8(values, v + 40, kind), a5);
-                    a6 = _mm256_fmadd_ps(p, kv_load8(values, v + 48, kind), a6), a7 = _mm256_fmadd_ps(p, kv_load8(values, v + 56, kind), a7);
-                }
-                _mm256_storeu_ps(og, a0), _mm256_storeu_ps(og + 8, a1), _mm256_storeu_ps(og + 16, a2), _mm256_storeu_ps(og + 24, a3);
-                _mm256_storeu_ps(og + 32, a4), _mm256_storeu_ps(og + 40, a5), _mm256_storeu_ps(og + 48, a6), _mm256_storeu_ps(og + 56, a7);
-            }
-            for (; i0 < dim; i0 += 8) { /* a head size not a multiple of 64: the rest 8 at a time */
+        int64_t i0 = 0;
+        for (; i0 + 32 <= dim; i0 += 32) {
+            int g0 = 0;
+            for (; g0 + 3 <= group; g0 += 3) VALUE_HEADS(3);
+            if (group - g0 == 2) VALUE_HEADS(2);
+            else if (group - g0 == 1) VALUE_HEADS(1);
+        }
+        for (; i0 < dim; i0 += 8) /* a head size not a multiple of 32: the rest 8 at a time */
+            for (int g = 0; g < group; g++) {
+                const float *pg = scores + g * n;
                 float *og = out + g * dim + i0;
                 __m256 a = _mm256_loadu_ps(og);
                 for (int64_t j = t; j < end; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + j), kv_load8(values, base + (lo + j) * stride + i0, kind), a);
                 _mm256_storeu_ps(og, a);
             }
-        }
     }
 }
 
