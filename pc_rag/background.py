@@ -65,6 +65,7 @@ class _Job:
     urgent: bool = False  # a request waits for it: first in the queue, and its passes do not wait for their share
     deleted: bool = False  # deleted while being encoded: deleted again once its encoding ends
     shared: bool = False  # recorded in the remote tier's shared queue (where another replica may delete it)
+    behind: bool = False  # no caller added it (a learned passage): encoded only when no other job is queued
     key: tuple[str, str, str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -133,12 +134,14 @@ class BackgroundEncoder:
 
     # -- work ------------------------------------------------------------------------------------
     def submit(self, schema: str, system: str | None, records: list[DocumentRecord], *,
-               replace_changed: bool = False, options: dict[str, Any] | None = None) -> int:
+               replace_changed: bool = False, options: dict[str, Any] | None = None, behind: bool = False) -> int:
         """Queue ``records`` for ``schema``; returns how many were queued
         (a record already queued, or refused before, is not queued again). ``replace_changed``
-        and ``options`` (a neighbour context) as :meth:`pc_rag.PromptCache.add_documents` takes them."""
+        and ``options`` (a neighbour context) as :meth:`pc_rag.PromptCache.add_documents` takes them.
+        ``behind``: the engine's own (:mod:`pc_rag.prompt.recurring`), encoded after every document a
+        caller queued and not listed in the shared queue."""
         shared = {}  # recorded in the shared queue before the worker can look for them there
-        if self._shared is not None and not self._closed:
+        if self._shared is not None and not self._closed and not behind:
             shared = {record.name: self._shared.queue_put(schema, record.name, record.text, QUEUED) for record in records}
         with self._cond:
             if self._closed:
@@ -147,7 +150,7 @@ class BackgroundEncoder:
             queued, refused = 0, []
             for record in records:
                 job = _Job(schema, system, record.name, record.text, dict(record.metadata), replace_changed, dict(options or {}),
-                           self._served, deadline)
+                           self._served, deadline, behind=behind)
                 if job.key in self._queued or job.key in self._refused:
                     refused.extend([record.name] if job.key in self._refused else [])
                     continue
@@ -308,9 +311,11 @@ class BackgroundEncoder:
             while True:
                 if self._closed:
                     return None
-                wait = self._ready(self._queue[0]) if self._queue else 60.0
+                first = next((job for job in self._queue if not job.behind), self._queue[0] if self._queue else None)
+                wait = self._ready(first) if first is not None else 60.0
                 if wait is None:
-                    job = self._queue.popleft()
+                    self._queue.remove(first)
+                    job = first
                     self._current = job
                     return job
                 self._cond.wait(wait)

@@ -183,7 +183,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tenants = Tenants.from_file(expand(args.api_keys), **key_bounds) if args.api_keys else None
     limits = dict(max_running=args.max_running, max_step_tokens=args.max_step_tokens, max_queued=args.max_queued,
                   buffer_budget=None if args.buffer_budget_mb is None else int(args.buffer_budget_mb * 2**20),
-                  encode_share=args.encode_share)
+                  encode_share=args.encode_share, learn_passages=args.learn_passages)
     memory_budget = None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20)
     compile_mode = args.compile or False  # False: eager
     name = args.served_model_name or (Path(args.model.rstrip("/")).name if args.model else "SmolLM2-135M-Instruct")
@@ -302,6 +302,9 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                        help="on SIGTERM: stop accepting, let requests in flight finish this long, then cancel the rest and exit")
     serve.add_argument("--encode-share", type=float, default=0.25,
                        help="share of the model's time documents are encoded in while requests run (all of it when idle)")
+    serve.add_argument("--learn-passages", type=int, default=None, metavar="N",
+                       help="a passage pasted into N prompts of one key is learned as that key's document and reused from then on "
+                            "(default: never)")
     serve.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
                        help="module KV held in memory, per engine (default: no bound; the least recently used leave first)")
     serve.add_argument("--replicas", type=int, default=0, metavar="N",

@@ -40,6 +40,7 @@ from .prefill.encode import ModuleEncoder
 from .prefill.recovery import DEFAULT_RECOMPUTE, DEFAULT_RECOMPUTE_TAIL, Strategy, recovery_tokens
 from .prompt.documents import SEPARATOR, check_name
 from .prompt.layout import ENCODINGS, Encoding
+from .prompt.recurring import recurring_passages
 from .registration import Registration
 from .registry import Registry
 from .registry_snapshot import Schema
@@ -86,8 +87,7 @@ class PromptCache(Registration, Serving):
         kv_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: requests' KV buffers (default: the model's dtype).
         store_dtype: the dtype module KV is held in (default: ``kv_dtype``).
         kv_location: ``"device"`` (default) or ``"cpu"`` (pinned host memory on a GPU).
-        kv_quantization: ``"int8"`` or ``"int4"``: module KV in 8 or 4 bits in every tier
-            (:mod:`pc_rag.kv.quantize`; a budget holds ~3.8x or ~6.6x the modules of float32).
+        kv_quantization: ``"int8"`` or ``"int4"``: module KV in 8 or 4 bits in every tier (:mod:`pc_rag.kv.quantize`: ~3.8x, ~6.6x).
 
     Remote tier shared by replicas (:mod:`pc_rag.kv.remote`, docs/scaling.md):
         remote_store: ``redis://HOST:PORT/DB``, ``rediss://`` or ``valkey://``: module KV and document records.
@@ -116,8 +116,8 @@ class PromptCache(Registration, Serving):
         weights: a CPU model's linear layers in ``"float16"`` (float32 arithmetic), ``"int4"`` (the LM head in 8 bits) or ``"int4-a8"``
             (decode steps' inputs in 8 bits too); None: as loaded (the model is changed: :mod:`pc_rag.weights.choice`; embedded: int4).
         weights_from: the GGUF file ``model`` was read from: ``"int4"`` holds its own blocks (:mod:`pc_rag.weights.gguf_blocks`).
-        encode_share: the share of the model's time documents queued with ``background=True`` are
-            encoded in while requests run (all of it when none do; :mod:`pc_rag.forward.turns`).
+        encode_share: the share of the model's time that documents queued with ``background=True`` take while requests run.
+        learn_passages: a passage computed by this many prompts of one scope becomes its document (:mod:`pc_rag.prompt.recurring`).
     """
 
     def __init__(
@@ -155,6 +155,7 @@ class PromptCache(Registration, Serving):
         small_batch_linear: bool | None = None,
         encode_share: float = DEFAULT_ENCODE_SHARE,
         weights: Literal["float32", "float16", "int4", "int4-a8"] | None = None, weights_from: str | os.PathLike | None = None,
+        learn_passages: int | None = None,
     ) -> None:
         self.encoding: Encoding = _checked(encoding or DEFAULT_ENCODING, memory_budget, kv_location, remote_sync_interval_s)
         turns = ModelTurns(encode_share)  # background encoding's share of the model while requests run (refused if not a share)
@@ -176,6 +177,7 @@ class PromptCache(Registration, Serving):
         self.remote_sync_interval_s, self._synced_at = remote_sync_interval_s, time.monotonic()
         self._build(drop_in=drop_in, compile=compile, remote_collections=remote_collections, turns=turns,
                     limits=Limits(max_running, max_step_tokens, max_queued, queue_timeout_s, buffer_budget, fuse_prefill))
+        self.passages = recurring_passages(learn_passages, self.spec, self.tokenizer, self.drop_in)
         if self.remote is not None and remote_sync:
             self.sync_documents()  # documents other processes stored: served here without encoding
 
@@ -248,8 +250,7 @@ class PromptCache(Registration, Serving):
 
     # -- facts about the model (see ModelSpec) --------------------------------------------------
     position_kind = property(lambda self: self.spec.position_kind, doc="How the model encodes positions (measured).")
-    movable = property(lambda self: self.spec.movable,
-                       doc="Whether cached modules can be placed at positions other than those they were encoded at.")
+    movable = property(lambda self: self.spec.movable, doc="Whether cached modules can be placed at other positions than encoded at.")
     rotator: RopeRotator | None = property(lambda self: self.spec.rotator)  # type: ignore[assignment]
     split = property(lambda self: self.spec.split, doc="Whether attention reads shared KV in place (split attention).")
     markers = property(lambda self: self.spec.markers, doc="The chat template's role markers.")
@@ -267,17 +268,16 @@ class PromptCache(Registration, Serving):
         return self.spec.tokenize(text)
 
     def store_stats(self) -> dict[str, int]:
-        """Where module KV came from since this engine started: ``encoded`` (modules encoded by
-        this process), ``hits_memory``, ``hits_disk``, ``hits_remote`` (read from ``remote_store``),
-        ``misses`` (lookups no tier could answer), ``evictions``, ``bytes_memory``, ``bytes_disk``,
-        ``tokens_memory`` (module tokens held in memory) and ``bytes_per_token`` (as stored, over them: ``kv_quantization``
-        shows here), ``background_pending`` (documents queued by ``add_documents(background=True)``),
-        ``recomputed_tokens`` (cached tokens computed in the prompt because their tier was slower
-        than prefill: :mod:`pc_rag.kv.load_or_compute`; the rates themselves: ``engine.costs.snapshot()``);
-        with a remote tier, ``remote_errors`` (commands that failed: the tier was skipped) and
-        ``remote_rejected`` (records and entries read back and refused)."""
+        """Where module KV came from since this engine started: ``encoded`` (modules encoded by this process),
+        ``hits_memory``, ``hits_disk``, ``hits_remote`` (read from ``remote_store``), ``misses`` (lookups no tier could
+        answer), ``evictions``, ``bytes_memory``, ``bytes_disk``, ``tokens_memory`` (module tokens held in memory) and
+        ``bytes_per_token`` (as stored, over them: ``kv_quantization`` shows here), ``background_pending`` (documents
+        queued by ``add_documents(background=True)``), ``recomputed_tokens`` (cached tokens computed in the prompt because
+        their tier was slower than prefill: :mod:`pc_rag.kv.load_or_compute`; the rates: ``engine.costs.snapshot()``),
+        ``passages_learned`` (``learn_passages``); with a remote tier, ``remote_errors`` (commands that failed: the tier
+        was skipped) and ``remote_rejected`` (records and entries read back and refused)."""
         stats = {"encoded": self.forward.encoded, **self.store.stats(), "background_pending": self.background.pending,
-                 "recomputed_tokens": self.costs.recomputed_tokens}
+                 "recomputed_tokens": self.costs.recomputed_tokens, "passages_learned": self.passages.learned if self.passages else 0}
         if self.remote is not None:
             stats.update(remote_errors=self.remote.errors, remote_rejected=self.remote.rejected)
         return stats

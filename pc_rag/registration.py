@@ -4,19 +4,25 @@ the remote registry shared with other replicas. Every method hands its work to t
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import planner
 from .background import BackgroundEncoder
 from .errors import PromptCacheError
 from .kv.remote import RemoteTier
 from .kv.store import ModuleStore
 from .prompt.documents import DEFAULT_SCHEMA, DocumentRecord, check_name, normalize
 from .prompt.neighbours import DEFAULT_NEIGHBOURS, NeighbourIndex, NeighbourSearch, check_context, reorder, searched_neighbours
+from .prompt.pml import PML
+from .prompt.recurring import RecurringPassages, is_learned, learned_collection
 from .registry import Registry
 from .registry_snapshot import Schema
 from .registry_sync import RegistrySync
+
+logger = logging.getLogger(__name__)
 
 
 class Registration:
@@ -29,6 +35,7 @@ class Registration:
     store: ModuleStore
     remote_sync_interval_s: float | None
     _synced_at: float
+    passages: RecurringPassages | None
 
     # -- registration ---------------------------------------------------------------------------
     def add_schema(self, pml: str, *, progress: bool = True) -> Schema:
@@ -79,6 +86,8 @@ class Registration:
         encoded in the background too.
         """
         check_context(context, neighbours if isinstance(neighbours, int) else 0)
+        if isinstance(schema, str) and is_learned(schema):  # what the engine learns from prompts (learn_passages=)
+            raise PromptCacheError(f"invalid schema name {schema!r}: names starting with '_learned' hold learned passages")
         if context is not None and not isinstance(neighbours, (int, Mapping)):
             raise PromptCacheError(f"neighbours must be an int or a mapping of document ids to neighbour ids, got {type(neighbours).__name__}")
         if neighbour_search is not None and (not callable(neighbour_search) or not isinstance(neighbours, int)):
@@ -93,6 +102,32 @@ class Registration:
             return [record.name for record in records]
         return self._add_records(records, schema=schema, system=system, progress=progress, batch_tokens=batch_tokens,
                                  replace_changed=replace_changed, **options)
+
+    # -- passages learned from plain prompts (pc_rag.prompt.recurring) ----------------------------
+    def _with_learned(self, scope: frozenset[str] | None) -> frozenset[str] | None:
+        """A request's scope with the collection of the passages learned under it."""
+        return scope if scope is None or self.passages is None else scope | {learned_collection(scope)}
+
+    def _learn_from(self, prompt: str, scope: frozenset[str] | None) -> None:
+        """Count the passages ``prompt`` computes; queue those seen often enough as documents of the
+        scope's learned collection (after every caller's). Never fails the request it came with."""
+        if isinstance(prompt, PML) or self.passages is None:
+            return
+        collection = learned_collection(scope)
+        view = planner.visible(self.registry.snapshot(), self._with_learned(scope))
+        fresh = [text for text in self.passages.passages(prompt)
+                 if not any(m.start == 0 and m.end == len(text) for m in view.index.find(text, view.schemas))]
+        due = self.passages.sighted(collection, fresh)
+        if not due:
+            return
+        try:
+            queued = [record.name for record in normalize(due) if self.background.submit(collection, None, [record], behind=True)]
+            if old := self.passages.keep(collection, queued):  # (one queued before and not encoded yet: not again)
+                self.delete_documents(old, schema=collection)
+        except PromptCacheError as err:  # a closed queue, a registry that refuses the collection
+            logger.warning("passages of a prompt not learned: %s", err)
+        else:
+            logger.debug("learning %d passages into %r", len(queued), collection)
 
     def _add_records(self, records: list[DocumentRecord], *, context: str | None = None,
                      neighbours: int | Mapping[str, Sequence[str]] = DEFAULT_NEIGHBOURS, embedding: Any = None,

@@ -19,6 +19,7 @@ from typing import Any
 
 from .errors import PromptCacheError
 from .prompt.documents import DEFAULT_SYSTEM, DocumentRecord
+from .prompt.recurring import is_learned
 from .registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,14 @@ class RegistrySync:
 
     def documents_added(self, collection: str, system: str, records: list[dict[str, Any]]) -> None:
         """``records``: ``{"name", "text", "metadata"}`` and, for a document encoded behind its
-        neighbours, ``"context": {"form", "names"}``."""
+        neighbours, ``"context": {"form", "names"}``. Passages a replica learned stay its own."""
+        if is_learned(collection):
+            return
         self._publish(partial(self.remote.log.publish_documents, collection, system, records))
 
     def documents_deleted(self, collection: str, names: list[str]) -> None:
+        if is_learned(collection):
+            return
         self._publish(partial(self.remote.log.publish_deletion, collection, names))
 
     def _publish(self, write: Callable[[], bool]) -> None:

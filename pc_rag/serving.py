@@ -39,6 +39,7 @@ from .prefill.recovery import Recovery
 from .prefill.rows import Prefilled
 from .prompt.chat import render_chat
 from .prompt.plan import Plan
+from .prompt.recurring import RecurringPassages
 from .registry import Registry
 from .scheduler import Scheduler
 from .warm_up import WarmUp, warm_up
@@ -54,6 +55,7 @@ class Serving:
     spec: ModelSpec
     encoding: str
     drop_in: bool
+    passages: RecurringPassages | None
     recovery: Recovery
     assembly: Assembly
     registry: Registry
@@ -89,7 +91,7 @@ class Serving:
         matches (drop-in) and names nothing outside them: see :func:`pc_rag.planner.plan`.
         """
         planned = planner.plan(prompt, self.registry.snapshot(), self.spec, encoding=self.encoding, drop_in=self.drop_in,
-                               collections=planner.scope(collections))
+                               collections=self._with_learned(planner.scope(collections)))
         return recovery_mod.recover(planned, head=self.recovery.head, tail=self.recovery.tail, encoding=self.encoding)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
@@ -271,6 +273,9 @@ class Serving:
                 raise
         planner.admit(plans, self.spec, use_cache=use_cache, memory_budget=self.store.memory_budget,
                       kv_bytes_per_token=self._kv_bytes_per_token)
+        if use_cache and self.passages is not None:
+            for prompt in prompts:
+                self._learn_from(prompt, collections)
         if use_cache and (self.store.disk is not None or self.remote is not None):
             # modules not in memory: loaded concurrently, or computed in the prompt where their
             # tier is slower than prefill (pc_rag.kv.load_or_compute)

@@ -207,7 +207,7 @@ class Server:
         return sum(_count(self.backend.tokenizer, c.prompt) + c.imported_tokens for c in calls[::n]) + _budgets(calls)
 
     async def _generate(self, call: Call, tenant: Tenant, documents: Sequence[str] = ()) -> Generation:
-        result = await self.backend.generate(call_payload(call.prompt, call.params, tenant.scope, documents))
+        result = await self.backend.generate(call_payload(call.prompt, call.params, tenant.generation_scope, documents))
         self.metrics.generation(result)
         return result
 
@@ -218,7 +218,7 @@ class Server:
         submission (queue full, too long, bad) still gets its status code; a client that leaves
         meanwhile (tired of waiting in the queue) lets its rows go at once. The stream holds
         ``slots`` until it ends."""
-        scope = slots.tenant.scope
+        scope = slots.tenant.generation_scope
         started = time.perf_counter()
         streamed = [StreamedChoice(i, call, self.backend.stream(call_payload(call.prompt, call.params, scope, documents)))
                     for i, call in enumerate(calls)]

@@ -23,7 +23,7 @@ from .tenants import Tenant
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # engine.store_stats() counters exported as pcrag_kv_<name>_total
-_TIER_COUNTERS = ("hits_memory", "hits_disk", "hits_remote", "misses", "encoded", "recomputed_tokens")
+_TIER_COUNTERS = ("hits_memory", "hits_disk", "hits_remote", "misses", "encoded", "recomputed_tokens", "passages_learned")
 
 
 class _EngineCollector(Collector):

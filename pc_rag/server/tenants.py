@@ -53,8 +53,16 @@ class Tenant:
 
     @property
     def scope(self) -> list[str] | None:
-        """The engine's ``collections=`` argument for this caller's requests."""
+        """The collections this caller's requests may read (None: all)."""
         return None if self.collections is None else sorted(self.collections)
+
+    @property
+    def generation_scope(self) -> list[str] | None:
+        """The engine's ``collections=`` argument for this caller's generations: its collections and
+        a name no collection can have (``<key #2>``), so that the passages the engine learns from its
+        prompts (``--learn-passages``, :mod:`pc_rag.prompt.recurring`) are this key's alone, even
+        where another key has the same collections."""
+        return None if self.collections is None else [*self.scope, f"<{self.name}>"]
 
 
 SINGLE_USER = Tenant(None)
