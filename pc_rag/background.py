@@ -327,7 +327,7 @@ class BackgroundEncoder:
                     continue  # deleted through another replica while it was queued
                 if self._shared is not None:  # (recorded now if it could not be when queued: removed once encoded)
                     job.shared = self._shared.queue_put(job.schema, job.name, job.text, IN_PROGRESS) or job.shared
-                with self.turns.background(urgent=job.urgent or self._urgent):
+                with self.turns.background(urgent=job.urgent or self._urgent, behind=job.behind):
                     if job.deleted:  # while it waited for its turn
                         continue
                     self._add([DocumentRecord(job.name, job.text, job.metadata)], schema=job.schema, system=job.system,

@@ -38,7 +38,7 @@ def test_passages_are_the_long_texts_between_markers_and_blank_lines():
     assert passages.sighted("c", [PASSAGE]) == [] and passages.sighted("other", [PASSAGE]) == []  # counted per collection
     assert passages.sighted("c", [PASSAGE, OTHER]) == [PASSAGE]  # the second sighting in "c"
     assert passages.sighted("c", [PASSAGE]) == []  # counted from zero again
-    with pytest.raises(ValueError, match="learn_passages"):
+    with pytest.raises(PromptCacheError, match="learn_passages"):
         RecurringPassages(0, splitter([]))
 
 

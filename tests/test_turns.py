@@ -70,6 +70,34 @@ def test_an_urgent_pass_does_not_wait_for_its_share():
     assert all(after - before <= 2 for before, after in zip(passes, passes[1:]))
 
 
+def test_a_job_nobody_added_takes_only_the_share_callers_documents_leave():
+    """A learned passage (pc_rag.prompt.recurring) never delays a caller's document: the steps its
+    pass owes hold back only the next job nobody added."""
+    turns = ModelTurns(share=0.1)
+
+    def job(**kwargs: bool) -> None:
+        with turns.background(**kwargs):
+            pass
+
+    with turns.serving():
+        with turns.background(behind=True):
+            _busy(0.01)  # owes ~0.09 s of steps before the next such pass
+        document = threading.Thread(target=job)
+        document.start()
+        document.join(timeout=60)
+        assert not document.is_alive()  # a caller's document: its turn at once (no step ran)
+        passage = threading.Thread(target=job, kwargs={"behind": True})
+        passage.start()
+        passage.join(timeout=0.5)
+        assert passage.is_alive()  # the next passage waits for the steps owed (none ran: it cannot start)
+        steps = 0
+        while passage.is_alive():
+            with turns.step():
+                _busy(0.005)
+            steps += 1
+        assert steps >= 0.09 / 0.005 * 0.9
+
+
 def test_an_idle_model_is_the_background_s():
     turns = ModelTurns(share=0.01)
     for _ in range(2):  # one job after another at once: an idle model owes nobody

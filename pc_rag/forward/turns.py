@@ -39,14 +39,17 @@ class ModelTurns:
         self._owner: str | None = None
         self._serving = 0  # scheduler busy periods in progress (0 or 1)
         self._debt = 0.0  # seconds of steps the scheduler runs before the next background pass may start
-        self._wanting: list[bool] = []  # background jobs waiting for a turn: urgent or not
+        # ... and, after those, before the next pass of a job nobody added (a learned passage): such
+        # jobs use the share callers' documents leave, never delay them (pc_rag.prompt.recurring)
+        self._behind_debt = 0.0
+        self._wanting: list[tuple[bool, bool]] = []  # background jobs waiting for a turn: (urgent, behind)
         self.background_s = 0.0  # seconds of background jobs run while requests were served
         forks.after_fork_in_child(self._after_fork)
 
     def _after_fork(self) -> None:
         """In a forked child (:mod:`pc_rag.forks`): nobody holds the model there, nobody waits for it."""
         self._cond = threading.Condition()
-        self._owner, self._serving, self._debt, self._wanting = None, 0, 0.0, []
+        self._owner, self._serving, self._debt, self._behind_debt, self._wanting = None, 0, 0.0, 0.0, []
 
     # -- the scheduler's side ---------------------------------------------------------------------
     @contextmanager
@@ -60,7 +63,7 @@ class ModelTurns:
             with self._cond:
                 self._serving -= 1
                 if not self._serving:
-                    self._debt = 0.0  # an idle model owes nobody
+                    self._debt = self._behind_debt = 0.0  # an idle model owes nobody
                 self._cond.notify_all()
 
     @contextmanager
@@ -68,7 +71,7 @@ class ModelTurns:
         """Around one scheduler iteration: it waits for a background pass in progress, and lets one
         that is due go first."""
         with self._cond:
-            while self._owner is not None or any(self._due(urgent) for urgent in self._wanting):
+            while self._owner is not None or any(self._due(*wanting) for wanting in self._wanting):
                 self._cond.wait()
             self._owner = SCHEDULER
         started = time.perf_counter()
@@ -77,24 +80,27 @@ class ModelTurns:
         finally:
             with self._cond:
                 self._owner = None
-                self._debt = max(0.0, self._debt - (time.perf_counter() - started))
+                paid = time.perf_counter() - started
+                self._behind_debt = max(0.0, self._behind_debt - max(0.0, paid - self._debt))
+                self._debt = max(0.0, self._debt - paid)
                 self._cond.notify_all()
 
     # -- the background encoder's side ----------------------------------------------------------------
     @contextmanager
-    def background(self, *, urgent: bool = False) -> Iterator[None]:
+    def background(self, *, urgent: bool = False, behind: bool = False) -> Iterator[None]:
         """Around one background job (a document's encoding, its writes to the store tiers
         included): it waits for its turn (``urgent``: a request waits for it, so it does not wait
-        for its share). The turn is taken before the job takes any lock, and held for the whole
+        for its share; ``behind``: nobody added it, so it waits for the share callers' documents
+        have used to be worked off too, and what it takes never delays theirs). The turn is taken before the job takes any lock, and held for the whole
         job: a job that waited for a turn while holding the encoder's lock would deadlock with a
         scheduler step that needs that lock (a module evicted from memory, encoded again)."""
         with self._cond:
-            self._wanting.append(urgent)
+            self._wanting.append((urgent, behind))
             try:
-                while self._owner is not None or not self._due(urgent):
+                while self._owner is not None or not self._due(urgent, behind):
                     self._cond.wait()
             finally:
-                self._wanting.remove(urgent)
+                self._wanting.remove((urgent, behind))
             self._owner = BACKGROUND
             during_service = bool(self._serving)
         started = time.perf_counter()
@@ -106,9 +112,13 @@ class ModelTurns:
                 self._owner = None
                 if during_service or self._serving:
                     self.background_s += spent
-                    self._debt += spent * (1 - self.share) / self.share
+                    owed = spent * (1 - self.share) / self.share
+                    if behind:
+                        self._behind_debt += owed
+                    else:
+                        self._debt += owed
                 self._cond.notify_all()
 
-    def _due(self, urgent: bool) -> bool:
+    def _due(self, urgent: bool, behind: bool = False) -> bool:
         """(Under the lock.) Whether a background pass may start now."""
-        return urgent or not self._serving or self._debt <= 0
+        return urgent or not self._serving or (self._debt <= 0 and (not behind or self._behind_debt <= 0))

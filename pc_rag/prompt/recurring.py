@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import forks
+from ..errors import PromptCacheError
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,6 @@ TRACKED = 4096  # passages whose sightings are counted, across scopes
 KEPT = 256  # passages learned per collection (~7 MB of float32 KV each for the embedded model: ~1.8 GB at most)
 
 _BLANK_LINE = r"\n[ \t]*\n"
-
-
 LEARNED = "_learned"
 
 
@@ -69,7 +68,7 @@ class RecurringPassages:
     def __init__(self, after: int, separators: re.Pattern[str], *, min_chars: int = MIN_CHARS,
                  tracked: int = TRACKED, kept: int = KEPT) -> None:
         if isinstance(after, bool) or not isinstance(after, int) or after < 1:
-            raise ValueError(f"learn_passages must be a whole number of prompts (1 or more), got {after!r}")
+            raise PromptCacheError(f"learn_passages must be a whole number of prompts (1 or more), got {after!r}", param="learn_passages")
         self.after, self.separators, self.min_chars, self.tracked, self.kept = after, separators, min_chars, tracked, kept
         self._seen: OrderedDict[tuple[str, str], int] = OrderedDict()  # (collection, sha256 of text) -> sightings
         self._learned: dict[str, OrderedDict[str, None]] = {}  # collection -> names learned, oldest first
