@@ -39,6 +39,7 @@ from .prompt.documents import DocumentRecord
 logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 2.0
+BEHIND_POLL_S = 0.05  # how often a job nobody added asks whether its share allows it to start
 QUEUED, IN_PROGRESS, FAILED = "queued", "in_progress", "failed"
 _queues: weakref.WeakSet[BackgroundEncoder] = weakref.WeakSet()
 
@@ -313,7 +314,11 @@ class BackgroundEncoder:
                     return None
                 first = next((job for job in self._queue if not job.behind), self._queue[0] if self._queue else None)
                 wait = self._ready(first) if first is not None else 60.0
-                if wait is None:
+                if wait is None and first.behind and not self._urgent and not self.turns.may_start(behind=True):
+                    # its share not worked off: not taken yet (a worker waiting for its turn would hold
+                    # back every caller's document queued meanwhile); asked again as steps pay it off
+                    wait = BEHIND_POLL_S
+                elif wait is None:
                     self._queue.remove(first)
                     job = first
                     self._current = job

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import httpx
 import pytest
@@ -61,6 +63,34 @@ def test_a_learned_passage_waits_for_the_documents_callers_added():
     queue.submit("_learned", None, [DocumentRecord("p", PASSAGE, {})], behind=True)
     queue.submit("docs", None, [DocumentRecord("d", OTHER, {})])
     assert queue.join(timeout=60)
+    assert order == ["docs", "_learned"]
+    queue.close()
+
+
+def test_a_learned_passage_waiting_for_its_share_does_not_hold_back_a_callers_document():
+    from pc_rag.forward.turns import ModelTurns
+
+    order: list[str] = []
+    added = threading.Event()
+
+    def add(records: list[DocumentRecord], *, schema: str, **_: object) -> list[str]:
+        order.append(schema)
+        added.set()
+        return [record.name for record in records]
+
+    turns = ModelTurns(share=0.1)
+    queue = BackgroundEncoder(add, turns=turns, grace_s=0.0)
+    with turns.serving():
+        with turns.background(behind=True):
+            end = time.perf_counter() + 0.01
+            while time.perf_counter() < end:  # a learned passage's pass: ~0.09 s of steps owed
+                pass
+        queue.submit("_learned", None, [DocumentRecord("p", PASSAGE, {})], behind=True)
+        queue.submit("docs", None, [DocumentRecord("d", OTHER, {})])
+        assert added.wait(timeout=60) and order == ["docs"]  # no step ran: the passage still waits
+        while queue.pending:
+            with turns.step():
+                pass
     assert order == ["docs", "_learned"]
     queue.close()
 

@@ -119,6 +119,12 @@ class ModelTurns:
                         self._debt += owed
                 self._cond.notify_all()
 
+    def may_start(self, *, behind: bool = False) -> bool:
+        """Whether a background pass's share allows it to start now (it may still wait for a step
+        in progress): the background encoder asks before it commits to a job nobody added."""
+        with self._cond:
+            return self._due(False, behind)
+
     def _due(self, urgent: bool, behind: bool = False) -> bool:
         """(Under the lock.) Whether a background pass may start now."""
         return urgent or not self._serving or (self._debt <= 0 and (not behind or self._behind_debt <= 0))
