@@ -85,7 +85,8 @@ def test_store_stats_count_every_tier(make_tiny, tokenizer, tmp_path):
     names = engine.add_documents(DOCS, progress=False)
     stats = engine.store_stats()
     assert set(stats) == {"encoded", "hits_memory", "hits_disk", "hits_remote", "misses", "evictions", "bytes_memory", "bytes_disk",
-                          "background_pending", "tokens_memory", "bytes_per_token", "recomputed_tokens"}
+                          "background_pending", "tokens_memory", "bytes_per_token", "recomputed_tokens", "passages_learned"}
+    assert stats["passages_learned"] == 0  # learn_passages is off by default
     assert stats["bytes_per_token"] == round(stats["bytes_memory"] / stats["tokens_memory"]) == engine.spec.kv_bytes_per_token() + 8
     assert stats["background_pending"] == 0
     assert stats["encoded"] == 3 and stats["bytes_memory"] > 0 and stats["bytes_disk"] > 0  # two documents and the system turn
